@@ -1,0 +1,25 @@
+"""raylm: a Ray-native LLM inference engine."""
+
+from raylm.config import KvCacheConfig, LlmArgs, SchedulerConfig
+from raylm.inputs import TextPrompt, TokensPrompt
+from raylm.llm import LLM
+from raylm.outputs import CompletionOutput, Logprob, RequestOutput
+from raylm.results import GenerationResult, RequestError
+from raylm.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "GenerationResult",
+    "KvCacheConfig",
+    "LlmArgs",
+    "Logprob",
+    "RequestError",
+    "RequestOutput",
+    "SamplingParams",
+    "SchedulerConfig",
+    "TextPrompt",
+    "TokensPrompt",
+]

@@ -1,0 +1,104 @@
+"""The engine loop: runs iterations while there is work, between iterations takes in new requests,
+aborts and control calls, and hands each iteration's output to the outbox. It never waits on the driver."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from raylm.engine.engine_core import EngineCore
+from raylm.engine.messages import EngineRequest, RequestDelta, StepOutput
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class EngineLoop:
+    def __init__(self, engine: EngineCore, outbox: Callable[[StepOutput], None]):
+        self.engine = engine
+        self.outbox = outbox
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="raylm-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.inbox.put(_STOP)
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    # Commands, callable from any thread.
+
+    def submit(self, requests: list[EngineRequest]) -> None:
+        self.inbox.put(("add", requests))
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.inbox.put(("abort", request_ids))
+
+    def stop_sequences(self, sequences: list[tuple[str, int]]) -> None:
+        self.inbox.put(("stop_sequences", sequences))
+
+    def call(self, fn: Callable[[EngineCore], Any]) -> Future:
+        """Runs fn(engine) on the engine thread between iterations."""
+        future: Future = Future()
+        self.inbox.put(("call", fn, future))
+        return future
+
+    # The loop.
+
+    def _handle(self, command: Any, deltas: list[RequestDelta]) -> bool:
+        if command is _STOP:
+            return False
+        kind = command[0]
+        if kind == "add":
+            for request in command[1]:
+                try:
+                    self.engine.add_request(request)
+                except Exception as exc:  # an unacceptable request fails alone
+                    deltas.append(RequestDelta(request.request_id, finished=True, error=str(exc)))
+        elif kind == "abort":
+            for request_id in command[1]:
+                delta = self.engine.abort_request(request_id)
+                if delta is not None:
+                    deltas.append(delta)
+        elif kind == "stop_sequences":
+            for request_id, index in command[1]:
+                delta = self.engine.stop_sequence(request_id, index)
+                if delta is not None:
+                    deltas.append(delta)
+        elif kind == "call":
+            _, fn, future = command
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as exc:
+                future.set_exception(exc)
+        return True
+
+    def _run(self) -> None:
+        running = True
+        try:
+            while running:
+                deltas: list[RequestDelta] = []
+                command = self.inbox.get() if not self.engine.has_work else None
+                while command is not None or not self.inbox.empty():
+                    if command is None:
+                        command = self.inbox.get_nowait()
+                    running = self._handle(command, deltas) and running
+                    command = None
+                if deltas:
+                    self.outbox(StepOutput(deltas))
+                if running and self.engine.has_work:
+                    output = self.engine.step()
+                    if output.deltas or output.stats or output.kv_events:
+                        self.outbox(output)
+        except BaseException as exc:  # the engine is dead; the driver fails what is pending
+            logger.exception("engine loop died")
+            self.error = exc
+            self.outbox(StepOutput(fatal_error=f"engine loop died: {type(exc).__name__}: {exc}"))

@@ -1,0 +1,76 @@
+"""Executors: how the driver reaches the engine. The engine channel is the same whatever runs behind it:
+submit and abort never block the engine; outputs come back one batch per engine iteration."""
+
+from __future__ import annotations
+
+import queue
+from abc import ABC, abstractmethod
+from typing import Any
+
+from raylm.actors.engine_loop import EngineLoop
+from raylm.actors.worker import EngineInfo, Worker, WorkerSpec
+from raylm.engine.messages import EngineRequest, StepOutput
+
+
+class Executor(ABC):
+    info: EngineInfo
+
+    @abstractmethod
+    def submit(self, requests: list[EngineRequest]) -> None: ...
+
+    @abstractmethod
+    def abort(self, request_ids: list[str]) -> None: ...
+
+    @abstractmethod
+    def stop_sequences(self, sequences: list[tuple[str, int]]) -> None:
+        """Ends single sequences (request id, sequence index) whose text hit a stop string."""
+
+    @abstractmethod
+    def get_output(self, timeout: float) -> StepOutput | None:
+        """The next iteration's output, or None after timeout seconds without one."""
+
+    @abstractmethod
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+                       target_ranks: list[int] | None = None) -> list[Any]: ...
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+
+class LocalExecutor(Executor):
+    """One worker in this process; the engine loop runs on a background thread."""
+
+    def __init__(self, spec: WorkerSpec):
+        self.worker = Worker(spec)
+        self.info = self.worker.start()
+        self.outputs: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()
+        self.loop = EngineLoop(self.worker.engine, self.outputs.put)
+        self.loop.start()
+
+    def submit(self, requests: list[EngineRequest]) -> None:
+        self.loop.submit(requests)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.loop.abort(request_ids)
+
+    def stop_sequences(self, sequences: list[tuple[str, int]]) -> None:
+        self.loop.stop_sequences(sequences)
+
+    def get_output(self, timeout: float) -> StepOutput | None:
+        try:
+            return self.outputs.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+                       target_ranks: list[int] | None = None) -> list[Any]:
+        if target_ranks is not None and any(rank != 0 for rank in target_ranks):
+            raise ValueError(f"target_ranks must be within [0, 0] for a single worker, got {target_ranks}")
+        fn = getattr(self.worker, method, None)
+        if fn is None or method.startswith("_") or not callable(fn):
+            raise ValueError(f"worker has no method {method!r}")
+        # On the engine thread, between iterations, so the call never races a step.
+        return [self.loop.call(lambda _engine: fn(*args, **(kwargs or {}))).result()]
+
+    def shutdown(self) -> None:
+        self.loop.stop()

@@ -1,0 +1,92 @@
+"""Validated configuration of an engine: `LlmArgs` and its sub-configs.
+
+Everything a user can set on `LLM(...)` is checked here, once, at the edge; the engine receives typed
+objects and never re-validates.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DEFAULT_MODEL_ALIAS = "smollm2-135m-instruct"
+
+
+class StrictModel(BaseModel):
+    """A pydantic model that rejects unknown fields, so a typo never passes silently."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class KvCacheConfig(StrictModel):
+    """How large the paged KV cache is and how it is shared between requests."""
+
+    free_gpu_memory_fraction: float | None = Field(
+        default=0.9, gt=0.0, le=1.0,
+        description="Fraction of the GPU memory left free after loading the model that the KV cache takes.",
+    )
+    max_tokens: int | None = Field(
+        default=None, ge=1,
+        description="Upper bound on the number of tokens the cache holds (the CPU capacity; a cap on GPU).",
+    )
+    enable_block_reuse: bool = Field(default=True, description="Prefix caching: reuse blocks of equal prefixes.")
+    tokens_per_block: int = Field(default=32, ge=1, le=1024, description="Tokens per KV cache block.")
+    event_buffer_max_size: int = Field(default=0, ge=0, description="KV cache events kept for get_kv_cache_events.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+
+class SchedulerConfig(StrictModel):
+    """Scheduling policy knobs beyond the batch limits."""
+
+    capacity_scheduler_policy: Literal["GUARANTEED_NO_EVICT", "MAX_UTILIZATION"] = "MAX_UTILIZATION"
+
+
+class LlmArgs(StrictModel):
+    """Arguments of `LLM(...)`; see the LLM API reference for each field."""
+
+    model: str = Field(default=DEFAULT_MODEL_ALIAS, description="HF id, local directory, .gguf file or alias.")
+    tokenizer: str | None = None
+    tokenizer_revision: str | None = None
+    revision: str | None = None
+    skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+    backend: Literal["pytorch"] = "pytorch"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    load_format: Literal["auto", "dummy"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    pipeline_parallel_size: int = Field(default=1, ge=1)
+    moe_expert_parallel_size: int | None = Field(default=None, ge=1)
+    executor: Literal["auto", "local", "ray"] = "auto"
+
+    max_batch_size: int = Field(default=256, ge=1)
+    max_num_tokens: int = Field(default=8192, ge=1)
+    max_seq_len: int | None = Field(default=None, ge=1)
+    max_input_len: int | None = Field(default=None, ge=1)
+    enable_chunked_prefill: bool = True
+    kv_cache_config: KvCacheConfig = Field(default_factory=KvCacheConfig)
+    scheduler_config: SchedulerConfig = Field(default_factory=SchedulerConfig)
+
+    seed: int = Field(default=0, ge=0)
+    iter_stats_max_iterations: int = Field(default=1000, ge=0)
+    attention_backend: Literal["auto", "torch"] = "auto"
+
+    @field_validator("kv_cache_config", mode="before")
+    @classmethod
+    def _kv_cache_from_dict(cls, value: Any) -> Any:
+        return KvCacheConfig(**value) if isinstance(value, dict) else value
+
+    @model_validator(mode="after")
+    def _check_parallelism(self) -> LlmArgs:
+        if self.moe_expert_parallel_size is not None and self.moe_expert_parallel_size > self.tensor_parallel_size:
+            raise ValueError(
+                f"moe_expert_parallel_size must be <= tensor_parallel_size ({self.tensor_parallel_size}), "
+                f"got {self.moe_expert_parallel_size}"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size

@@ -1,0 +1,155 @@
+"""Applying a step's results to requests: computed tokens, sampled tokens, forks, beams and stops.
+
+Produces the per-request deltas the driver turns into outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from raylm.engine.beam_search import BeamState
+from raylm.engine.messages import RequestDelta, SequenceDelta, TokenLogprob
+from raylm.engine.request import FinishReason, Request, Sequence
+from raylm.engine.sampler import SampleResult
+from raylm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+
+
+def _child_generator(request: Request, index: int) -> torch.Generator | None:
+    seed = request.sampling_params.seed
+    return None if seed is None else torch.Generator().manual_seed(seed * 1_000_003 + index)
+
+
+def _check_stop(request: Request, seq: Sequence, max_seq_len: int) -> None:
+    params = request.sampling_params
+    token = seq.token_ids[-1]
+    if token in request.stop_ids:
+        seq.finish_reason = FinishReason.STOP
+        seq.stop_reason = token if token in params.stop_token_ids else None
+    elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_seq_len:
+        seq.finish_reason = FinishReason.LENGTH
+
+
+class Progress:
+    """Moves requests forward after each model step."""
+
+    def __init__(self, scheduler: Scheduler, max_seq_len: int):
+        self.scheduler = scheduler
+        self.kv_cache = scheduler.kv_cache
+        self.max_seq_len = max_seq_len
+
+    def apply(
+        self,
+        out: SchedulerOutput,
+        samples: list[SampleResult | None],
+        prompt_logprobs: dict[str, list[TokenLogprob]],
+    ) -> list[RequestDelta]:
+        """samples is aligned with out.scheduled (None where a sequence was not sampled)."""
+        deltas: dict[str, RequestDelta] = {}
+        sampled: dict[str, tuple[Request, list[tuple[ScheduledSequence, SampleResult]]]] = {}
+        for item, result in zip(out.scheduled, samples):
+            item.seq.num_computed_tokens += item.num_tokens
+            self.kv_cache.register_full_blocks(item.request, item.seq)
+            if result is not None:
+                sampled.setdefault(item.request.request_id, (item.request, []))[1].append((item, result))
+        for request_id, entries in prompt_logprobs.items():
+            deltas.setdefault(request_id, RequestDelta(request_id)).prompt_logprobs = entries
+        for request_id, (request, items) in sampled.items():
+            delta = deltas.setdefault(request_id, RequestDelta(request_id))
+            delta.num_cached_tokens = request.num_cached_tokens
+            if request.is_beam_search:
+                self._beam_step(request, items, delta)
+            else:
+                for item, result in items:
+                    self._append_samples(request, item.seq, result, delta)
+            if not request.live_sequences:
+                self.scheduler.finish_request(request)
+                delta.finished = True
+        return list(deltas.values())
+
+    # ------------------------------------------------------------------ sampling and parallel samples
+
+    def _append_samples(self, request: Request, seq: Sequence, result: SampleResult, delta: RequestDelta) -> None:
+        targets = [seq]
+        if len(result.token_ids) > 1:  # first token of a request with several sequences: fork the prompt
+            request.forked = True
+            for index in range(1, len(result.token_ids)):
+                child = seq.fork(index, _child_generator(request, index))
+                self.kv_cache.fork(seq, child)
+                request.sequences.append(child)
+                targets.append(child)
+        want_logprobs = request.sampling_params.logprobs is not None
+        for position, target in enumerate(targets):
+            token = result.token_ids[position]
+            target.token_ids.append(token)
+            target.cumulative_logprob += result.logprobs[position]
+            logprob: TokenLogprob = (
+                result.logprobs[position],
+                result.ranks[position],
+                result.top_ids[position] if result.top_ids else None,
+                result.top_logprobs[position] if result.top_logprobs else None,
+            )
+            _check_stop(request, target, self.max_seq_len)
+            if target.finished:
+                self.kv_cache.free(target)
+            delta.sequences.append(SequenceDelta(
+                index=target.index,
+                new_token_ids=[token],
+                new_logprobs=[logprob] if want_logprobs else None,
+                cumulative_logprob=target.cumulative_logprob,
+                finish_reason=target.finish_reason.value if target.finish_reason else None,
+                stop_reason=target.stop_reason,
+            ))
+
+    # ------------------------------------------------------------------ beam search
+
+    def _beam_step(self, request: Request, items: list[tuple[ScheduledSequence, SampleResult]],
+                   delta: RequestDelta) -> None:
+        params = request.sampling_params
+        if request.beam_state is None:
+            request.beam_state = BeamState(params.beam_width, params)
+        state: BeamState = request.beam_state
+        beams = [item.seq for item, _ in items]
+        results = [result for _, result in items]
+        continuations = state.step(
+            beam_outputs=[seq.output_token_ids for seq in beams],
+            beam_tokens=[list(zip(r.beam_ids, r.beam_logprobs)) for r in results],
+            beam_scores=[seq.cumulative_logprob for seq in beams],
+            beam_token_logprobs=[list(seq.logprob_history) for seq in beams],
+        )
+        if state.done:
+            for seq in request.sequences:
+                seq.finish_reason = seq.finish_reason or FinishReason.STOP
+            delta.replace = True
+            for index, hyp in enumerate(state.best(params.n)):
+                delta.sequences.append(SequenceDelta(
+                    index=index,
+                    new_token_ids=hyp.output_token_ids,
+                    new_logprobs=[(lp, None, None, None) for lp in hyp.token_logprobs]
+                    if params.logprobs is not None else None,
+                    cumulative_logprob=hyp.cumulative_logprob,
+                    finish_reason=(FinishReason.STOP if hyp.finished_by_stop else FinishReason.LENGTH).value,
+                    stop_reason=hyp.output_token_ids[-1]
+                    if hyp.finished_by_stop and hyp.output_token_ids[-1] in params.stop_token_ids else None,
+                ))
+            return
+        request.forked = True
+        reused: set[int] = set()
+        next_beams: list[Sequence] = []
+        for cont in continuations:
+            parent = beams[cont.parent]
+            if cont.parent not in reused:
+                reused.add(cont.parent)
+                next_beams.append(parent)
+            else:
+                child = parent.fork(len(next_beams), None)
+                self.kv_cache.fork(parent, child)
+                next_beams.append(child)
+        for position, seq in enumerate(beams):
+            if position not in reused:
+                self.kv_cache.free(seq)
+        for index, (seq, cont) in enumerate(zip(next_beams, continuations)):
+            seq.index = index
+            seq.token_ids.append(cont.token_id)
+            seq.cumulative_logprob = cont.cumulative_logprob
+            seq.logprob_history.append(cont.token_logprob)
+        request.sequences = next_beams

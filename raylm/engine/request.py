@@ -1,0 +1,142 @@
+"""Request state inside the engine. Requests carry state; the scheduler and the KV cache manager act on it.
+
+A request holds one or more sequences: one while its prompt is prefilled, then `best_of` (or the beam
+width) after the first token, all sharing the prompt's KV blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from raylm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    ABORT = "abort"
+
+
+@dataclass
+class Sequence:
+    """One token sequence: the prompt plus what it generated, and the cache blocks holding its keys."""
+
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: FinishReason | None = None
+    stop_reason: int | None = None
+    generator: torch.Generator | None = None
+    # Prefix-cache cursor: blocks of this sequence already keyed, and the key of the last one.
+    num_hashed_blocks: int = 0
+    last_block_hash: int | None = None
+    # Per-token (token logprob, rank, top-k ids, top-k logprobs), kept for beam search outputs only.
+    logprob_history: list[tuple] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def reset_for_recompute(self) -> None:
+        """After preemption: no blocks, nothing computed; the whole sequence is computed again."""
+        self.block_ids = []
+        self.num_computed_tokens = 0
+        self.num_hashed_blocks = 0
+        self.last_block_hash = None
+
+    def fork(self, index: int, generator: torch.Generator | None) -> Sequence:
+        """A copy sharing history (the caller shares the blocks through reference counts)."""
+        return Sequence(
+            index=index,
+            token_ids=list(self.token_ids),
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_computed_tokens=self.num_computed_tokens,
+            block_ids=list(self.block_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            generator=generator,
+            num_hashed_blocks=self.num_hashed_blocks,
+            last_block_hash=self.last_block_hash,
+            logprob_history=list(self.logprob_history),
+        )
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: float = 0.5
+    arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    sequences: list[Sequence] = field(default_factory=list)
+    prompt_block_hashes: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    forked: bool = False
+    beam_state: object | None = None
+    first_scheduled_time: float | None = None
+    prompt_logprobs_next: int = 1  # next prompt position whose log-probability is still to be reported
+    stop_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        self.stop_ids = self.sampling_params.all_stop_token_ids
+        if not self.sequences:
+            generator = None
+            if self.sampling_params.seed is not None:
+                generator = torch.Generator().manual_seed(self.sampling_params.seed)
+            self.sequences.append(Sequence(0, list(self.prompt_token_ids), len(self.prompt_token_ids),
+                                           generator=generator))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def live_sequences(self) -> list[Sequence]:
+        return [seq for seq in self.sequences if not seq.finished]
+
+    @property
+    def is_beam_search(self) -> bool:
+        return self.sampling_params.use_beam_search
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
+
+    def sort_key(self) -> tuple[float, float]:
+        """Scheduling order: higher priority first, then first come first served."""
+        return (-self.priority, self.arrival_time)

@@ -1,0 +1,126 @@
+"""Turning logits into tokens: penalties, min_tokens, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+Reported log-probabilities are those of the model's raw distribution (before penalties and
+temperature), so they compare directly with a reference model. Sampling draws with the exponential
+race (argmax of p / E, E ~ Exp(1)), which picks token i with probability p_i and lets each seeded
+request draw from its own generator, independent of what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from raylm.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row of logits."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None = None
+    num_samples: int = 1
+    beam_candidates: int = 0  # > 0: return this many top (token, logprob) pairs for beam search instead
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    beam_ids: list[int] = field(default_factory=list)
+    beam_logprobs: list[float] = field(default_factory=list)
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
+                    output_ids: list[int]) -> None:
+    """In place on one row. Repetition penalty over prompt and output; presence/frequency over output."""
+    device = logits.device
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=device)
+        if seen.numel():
+            values = logits[seen]
+            logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
+                                       values * params.repetition_penalty)
+    if output_ids and (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0):
+        ids = torch.tensor(output_ids, dtype=torch.long, device=device)
+        counts = torch.zeros_like(logits).index_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None, min_p: float | None) -> torch.Tensor:
+    """Masks (with -inf) the tokens outside the top-k / top-p nucleus / min-p floor of one or more rows."""
+    vocab = logits.shape[-1]
+    if top_k is not None and 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass before it already does.
+        drop_sorted = (cumulative - sorted_logits.softmax(dim=-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if min_p is not None and min_p > 0.0:
+        probs = logits.softmax(dim=-1)
+        floor = probs.max(dim=-1, keepdim=True).values * min_p
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    return logits
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None, num_samples: int) -> list[int]:
+    noise = torch.empty((num_samples, probs.shape[-1]), device=probs.device).exponential_(generator=generator)
+    return (probs.unsqueeze(0) / noise).argmax(dim=-1).tolist()
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+        """logits: [len(rows), vocab] float32. Returns one SampleResult per row."""
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        processed = logits.clone()
+        for i, row in enumerate(rows):
+            if row.params.has_penalties:
+                apply_penalties(processed[i], row.params, row.prompt_token_ids, row.output_token_ids)
+            stop_ids = row.params.all_stop_token_ids
+            if stop_ids and len(row.output_token_ids) < row.params.min_tokens:
+                processed[i, torch.tensor(sorted(stop_ids), dtype=torch.long)] = float("-inf")
+        greedy_ids = processed.argmax(dim=-1).tolist()
+        results = []
+        for i, row in enumerate(rows):
+            if row.beam_candidates:
+                beam_logprobs = torch.log_softmax(processed[i], dim=-1)
+                values, ids = torch.topk(beam_logprobs, row.beam_candidates)
+                results.append(SampleResult([], [], [], beam_ids=ids.tolist(), beam_logprobs=values.tolist()))
+                continue
+            if row.params.is_greedy:
+                tokens = [greedy_ids[i]] * row.num_samples
+            else:
+                params = row.params
+                scaled = processed[i] / params.effective_temperature
+                scaled = filter_logits(scaled, params.top_k, params.top_p, params.min_p)
+                generator = row.generator or self.generator
+                tokens = _draw(scaled.softmax(dim=-1), generator, row.num_samples)
+            results.append(self._result(raw_logprobs[i], tokens, row.params.logprobs))
+        return results
+
+    @staticmethod
+    def _result(raw_logprobs: torch.Tensor, tokens: list[int], num_top: int | None) -> SampleResult:
+        token_tensor = torch.tensor(tokens, dtype=torch.long)
+        chosen = raw_logprobs[token_tensor]
+        ranks = (raw_logprobs.unsqueeze(0) > chosen.unsqueeze(1)).sum(dim=-1) + 1
+        result = SampleResult(tokens, chosen.tolist(), ranks.tolist())
+        if num_top:
+            values, ids = torch.topk(raw_logprobs, num_top)
+            result.top_ids = [ids.tolist()] * len(tokens)
+            result.top_logprobs = [values.tolist()] * len(tokens)
+        return result

@@ -1,0 +1,194 @@
+"""Continuous batching: which sequences run this step, with how many tokens, in which KV blocks.
+
+Each step spends a budget of `max_num_tokens` tokens over at most `max_batch_size` sequences. Running
+requests go first, in priority order (higher priority, then earlier arrival); a long prompt is split
+into chunks across steps. When the cache runs out of blocks, the lowest-priority running request is
+preempted: its blocks are freed and it is computed again later (recompute). Waiting requests are then
+admitted in the same order until one does not fit. A request's sequences are scheduled together.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from raylm.engine.kv_cache import KVCacheManager
+from raylm.engine.request import Request, RequestStatus, Sequence
+
+
+@dataclass
+class ScheduledSequence:
+    request: Request
+    seq: Sequence
+    start: int  # position of the first token computed this step
+    num_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """True when this step computes the sequence's last known token, so a new token is sampled."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start : self.start + self.num_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    decodes: list[ScheduledSequence] = field(default_factory=list)  # one token each
+    prefills: list[ScheduledSequence] = field(default_factory=list)  # chunks of several tokens
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def scheduled(self) -> list[ScheduledSequence]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_tokens for item in self.decodes) + sum(item.num_tokens for item in self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    def __init__(self, kv_cache: KVCacheManager, max_batch_size: int, max_num_tokens: int,
+                 enable_chunked_prefill: bool = True):
+        self.kv_cache = kv_cache
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+
+    # ------------------------------------------------------------------ queues
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=Request.sort_key)
+
+    def finish_request(self, request: Request) -> None:
+        """Frees every block of a request and removes it from the queues."""
+        for seq in request.sequences:
+            self.kv_cache.free(seq)
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+
+    def _preempt(self, request: Request) -> None:
+        for seq in request.sequences:
+            self.kv_cache.free(seq)
+            seq.reset_for_recompute()
+        request.num_preemptions += 1
+        self.running.remove(request)
+        self.add_request(request)
+
+    # ------------------------------------------------------------------ planning
+
+    def _plan(self, request: Request, budget: int) -> list[tuple[Sequence, int]] | None:
+        """Tokens per live sequence this step, or None when the budget cannot serve every sequence."""
+        live = [seq for seq in request.live_sequences if seq.num_uncomputed_tokens > 0]
+        if not live:
+            return []
+        if request.is_beam_search and len(live) > 1 and any(s.num_uncomputed_tokens > 1 for s in live):
+            # Beams recomputing after preemption all finish their prefix first, then take their
+            # last token in one step together, so that one beam step sees every beam's logits.
+            wanted = [(seq, seq.num_uncomputed_tokens - 1) for seq in live]
+        else:
+            wanted = [(seq, seq.num_uncomputed_tokens) for seq in live]
+        plan = []
+        for seq, tokens in wanted:
+            if tokens <= 0:
+                continue
+            if tokens > budget and not self.enable_chunked_prefill:
+                return None
+            take = min(tokens, budget)
+            if take <= 0:
+                return None
+            plan.append((seq, take))
+            budget -= take
+        return plan
+
+    def _allocate(self, request: Request, plan: list[tuple[Sequence, int]]) -> bool:
+        needed = sum(self.kv_cache.blocks_needed(seq, tokens) for seq, tokens in plan)
+        if needed > self.kv_cache.num_free_blocks:
+            return False
+        for seq, tokens in plan:
+            if not self.kv_cache.allocate(request, seq, tokens):
+                raise RuntimeError("KV cache accounting error: allocation failed after the capacity check")
+        return True
+
+    def _emit(self, out: SchedulerOutput, request: Request, plan: list[tuple[Sequence, int]]) -> int:
+        for seq, tokens in plan:
+            item = ScheduledSequence(request, seq, seq.num_computed_tokens, tokens)
+            (out.decodes if tokens == 1 else out.prefills).append(item)
+        return sum(tokens for _, tokens in plan)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        token_budget = self.max_num_tokens
+        seq_budget = self.max_batch_size
+
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            plan = self._plan(request, token_budget)
+            if plan is None or len(plan) > seq_budget:
+                break
+            while not self._allocate(request, plan):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is request:
+                    plan = None
+                    break
+            if plan is None:
+                break
+            token_budget -= self._emit(out, request, plan)
+            seq_budget -= len(plan)
+            index += 1
+
+        while self.waiting and not out.num_preempted and token_budget > 0 and seq_budget > 0:
+            request = self.waiting[0]
+            hits = []
+            if not request.forked and request.sequences[0].num_computed_tokens == 0:
+                hits = self.kv_cache.match_prefix(request)
+            cached_tokens = len(hits) * self.kv_cache.block_size
+            first = request.sequences[0]
+            if hits:
+                first.num_computed_tokens = cached_tokens  # tentatively, for planning
+            plan = self._plan(request, token_budget)
+            if hits:
+                first.num_computed_tokens = 0
+            if plan is None or len(plan) > seq_budget:
+                break
+            if hits:
+                if not self.kv_cache.allocate(request, first, plan[0][1], prefix_hits=hits):
+                    break
+                if not self._allocate(request, plan[1:]):
+                    break
+            elif not self._allocate(request, plan):
+                break
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+                self.kv_cache.count_prefix_misses(request, len(hits))
+                request.num_cached_tokens = cached_tokens
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=Request.sort_key)
+            token_budget -= self._emit(out, request, plan)
+            seq_budget -= len(plan)
+
+        out.block_copies = self.kv_cache.take_pending_copies()
+        return out

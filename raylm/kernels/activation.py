@@ -1,0 +1,21 @@
+"""Gated activations (torch reference)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def gated_activation(name: str):
+    """Returns f(gate_up) = act(gate) * up for a tensor holding gate and up side by side."""
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported; supported: {sorted(_ACTIVATIONS)}")
+    act = _ACTIVATIONS[name]
+
+    def apply(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return act(gate) * up
+
+    return apply

@@ -1,0 +1,139 @@
+"""Paged attention, torch reference backend.
+
+Tokens of a step are flattened: first the decode sequences (one query token each), then the prefill
+chunks. New keys and values are written into the paged cache at their slots; attention then reads
+each sequence's whole context back from the cache through precomputed slot indices. The metadata is
+built once per step and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's chunk of query tokens over its cached prefix."""
+
+    query_start: int
+    query_len: int
+    context_slots: torch.Tensor | None  # [context_len] cache slots; None when the chunk is its whole context
+    mask: torch.Tensor | None  # [1, 1, query_len, context_len] bool; None means plain causal
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of every new token
+    num_decode_tokens: int = 0
+    decode_slots: torch.Tensor | None = None  # [num_decodes, max_context] cache slots, padded
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_context] bool
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def context_slots(block_table: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """Cache slots of positions 0..context_len-1 for block tables of shape [..., num_blocks]."""
+    positions = torch.arange(context_len, device=block_table.device)
+    return block_table[..., positions // block_size] * block_size + positions % block_size
+
+
+def _padded_table(block_lists: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(len(blocks) for blocks in block_lists)
+    return torch.tensor([blocks + [0] * (width - len(blocks)) for blocks in block_lists], dtype=torch.long,
+                        device=device)
+
+
+def build_metadata(
+    decode_contexts: list[tuple[list[int], int]],
+    prefill_chunks: list[tuple[list[int], int, int]],
+    slot_mapping: list[int],
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Builds the metadata of a step.
+
+    decode_contexts: (block_ids, context_len) per decode sequence, in token order.
+    prefill_chunks: (block_ids, start_position, query_len) per prefill chunk, in token order.
+    """
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device))
+    if decode_contexts:
+        max_context = max(length for _, length in decode_contexts)
+        table = _padded_table([blocks for blocks, _ in decode_contexts], device)
+        lengths = torch.tensor([length for _, length in decode_contexts], device=device)
+        key_pos = torch.arange(max_context, device=device)
+        mask = key_pos[None, :] < lengths[:, None]
+        if sliding_window is not None:
+            mask &= key_pos[None, :] > (lengths[:, None] - 1 - sliding_window)
+        meta.num_decode_tokens = len(decode_contexts)
+        meta.decode_slots = context_slots(table, max_context, block_size)
+        meta.decode_mask = mask[:, None, None, :]
+    query_start = meta.num_decode_tokens
+    for blocks, start, query_len in prefill_chunks:
+        context_len = start + query_len
+        windowed = sliding_window is not None and context_len > sliding_window
+        if start == 0 and not windowed:
+            meta.prefills.append(PrefillChunk(query_start, query_len, None, None))
+        else:
+            table = torch.tensor(blocks, dtype=torch.long, device=device)
+            slots = context_slots(table, context_len, block_size)
+            query_pos = torch.arange(start, context_len, device=device)[:, None]
+            key_pos = torch.arange(context_len, device=device)[None, :]
+            mask = key_pos <= query_pos
+            if sliding_window is not None:
+                mask &= key_pos > query_pos - sliding_window
+            meta.prefills.append(PrefillChunk(query_start, query_len, slots, mask[None, None]))
+        query_start += query_len
+    return meta
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Stores new keys and values ([T, H_kv, D]) at their slots of the paged cache."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, H_q, D]; k, v: [T, H_kv, D]; caches: [num_blocks, block_size, H_kv, D]. Returns [T, H_q, D]."""
+    write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    out = torch.empty_like(q)
+    num_decodes = meta.num_decode_tokens
+    if num_decodes:
+        keys = flat_k[meta.decode_slots].transpose(1, 2)  # [B, H_kv, L, D]
+        values = flat_v[meta.decode_slots].transpose(1, 2)
+        query = q[:num_decodes].unsqueeze(2)  # [B, H_q, 1, D]
+        attn = F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        )
+        out[:num_decodes] = attn.squeeze(2)
+    for chunk in meta.prefills:
+        rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+        query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H_q, Lq, D]
+        if chunk.context_slots is None:
+            keys = k[rows].transpose(0, 1).unsqueeze(0)
+            values = v[rows].transpose(0, 1).unsqueeze(0)
+            attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            keys = flat_k[chunk.context_slots].transpose(0, 1).unsqueeze(0)
+            values = flat_v[chunk.context_slots].transpose(0, 1).unsqueeze(0)
+            attn = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=chunk.mask, scale=scale, enable_gqa=True
+            )
+        out[rows] = attn.squeeze(0).transpose(0, 1)
+    return out

@@ -1,0 +1,29 @@
+"""RMSNorm, with and without a fused residual add (torch reference)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalises in float32 and scales in the input dtype, as the reference models do."""
+    input_dtype = x.dtype
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + eps)
+    return weight * hidden.to(input_dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        x = x + residual
+        return rms_norm(x, self.weight, self.eps), x

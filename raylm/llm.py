@@ -1,0 +1,269 @@
+"""LLM: the offline API. Prepares inputs, submits them to the engine, and returns RequestOutputs."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from raylm.actors.executor import Executor, LocalExecutor
+from raylm.actors.worker import EngineInfo, WorkerSpec, resolve_device, resolve_dtype
+from raylm.config import LlmArgs
+from raylm.engine_client import EngineClient
+from raylm.inputs import PromptInputs, is_single_prompt, to_prompt_list, tokenize_prompt
+from raylm.models.loader import load_hf_config
+from raylm.models.source import ModelSource, resolve_model
+from raylm.outputs import RequestOutput
+from raylm.results import GenerationResult
+from raylm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def _load_tokenizer(args: LlmArgs, source: ModelSource) -> Any:
+    if args.skip_tokenizer_init:
+        return None
+    from transformers import AutoTokenizer
+
+    path = args.tokenizer or str(source.config_dir)
+    return AutoTokenizer.from_pretrained(path, revision=args.tokenizer_revision,
+                                         trust_remote_code=args.trust_remote_code)
+
+
+def _eos_token_ids(source: ModelSource, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
+    """End-of-sequence ids: the generation config's, else the model config's, plus the tokenizer's."""
+    ids: list[int] = []
+    try:
+        from transformers import GenerationConfig
+
+        generation = GenerationConfig.from_pretrained(str(source.config_dir))
+        eos = generation.eos_token_id
+        ids.extend(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    except OSError:
+        pass
+    if not ids:
+        eos = getattr(hf_config, "eos_token_id", None)
+        ids.extend(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(ids))
+
+
+class LLM:
+    """Loads a model and generates from it.
+
+    `LLM()` with no model runs the embedded default, SmolLM2-135M-Instruct. Keyword arguments are those
+    of `LlmArgs` (max_batch_size, max_num_tokens, max_seq_len, kv_cache_config, dtype, ...).
+    """
+
+    def __init__(self, model: str | None = None, tokenizer: str | None = None, **kwargs: Any):
+        begin = time.perf_counter()
+        if model is not None:
+            kwargs["model"] = model
+        self.args = LlmArgs(tokenizer=tokenizer, **kwargs)
+        self._request_ids = itertools.count()
+        self._client: EngineClient | None = None
+        source = resolve_model(self.args.model, self.args.revision)
+        hf_config = load_hf_config(source, self.args.trust_remote_code)
+        self._tokenizer = _load_tokenizer(self.args, source)
+        self._eos_ids = _eos_token_ids(source, hf_config, self._tokenizer)
+        prepared = time.perf_counter()
+        device = resolve_device(self.args.device)
+        config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        dtype = resolve_dtype(self.args.dtype, device, config_dtype)
+        spec = WorkerSpec(self.args, source, device, dtype, self._max_seq_len(hf_config))
+        self._executor = self._create_executor(spec)
+        self.info: EngineInfo = self._executor.info
+        self._client = EngineClient(self._executor, self._tokenizer, self.args.iter_stats_max_iterations,
+                                    self.args.kv_cache_config.event_buffer_max_size)
+        self._startup_metrics = dict(self.info.startup_metrics)
+        self._startup_metrics.setdefault("py_executor", {})
+        self._startup_metrics["py_executor"]["config_and_checkpoint_loader_initialization_seconds"] = (
+            prepared - begin)
+        self._startup_metrics["total_llm_creation_seconds"] = time.perf_counter() - begin
+
+    def _max_seq_len(self, hf_config: Any) -> int:
+        if self.args.max_seq_len is not None:
+            return self.args.max_seq_len
+        return int(getattr(hf_config, "max_position_embeddings", None) or 4096)
+
+    def _create_executor(self, spec: WorkerSpec) -> Executor:
+        if self.args.world_size > 1 or self.args.executor == "ray":
+            raise ValueError("tensor/pipeline parallelism and executor='ray' need the Ray executor, "
+                             "which this build does not include yet")
+        return LocalExecutor(spec)
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def startup_metrics(self) -> dict:
+        return self._startup_metrics
+
+    def get_kv_cache_capacity(self) -> dict:
+        return {
+            "maxNumBlocks": self.info.num_blocks,
+            "tokensPerBlock": self.info.block_size,
+            "maxNumTokens": self.info.num_blocks * self.info.block_size,
+        }
+
+    # ------------------------------------------------------------------ requests
+
+    def _prepare_params(self, params: SamplingParams | None) -> SamplingParams:
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if params.stop and (not params.detokenize or self._tokenizer is None):
+            raise ValueError("stop strings need detokenize=True and a tokenizer")
+        return dataclasses.replace(params, _eos_token_ids=self._eos_ids)
+
+    def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        max_seq_len = self.info.max_seq_len
+        if prompt_len >= max_seq_len:
+            raise ValueError(f"prompt has {prompt_len} tokens; max_seq_len is {max_seq_len}, so it must be shorter")
+        if prompt_len + params.max_tokens > max_seq_len:
+            raise ValueError(f"prompt ({prompt_len} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                             f"max_seq_len ({max_seq_len})")
+        if not self.args.enable_chunked_prefill and prompt_len > self.args.max_num_tokens:
+            raise ValueError(f"prompt has {prompt_len} tokens, more than max_num_tokens ({self.args.max_num_tokens});"
+                             " enable chunked prefill or raise max_num_tokens")
+        block = self.info.block_size
+        per_sequence = -(-(prompt_len + params.max_tokens) // block)
+        needed = per_sequence + (params.num_sequences - 1) * (-(-params.max_tokens // block) + 1)
+        if needed > self.info.num_blocks:
+            raise ValueError(f"request needs up to {needed} KV cache blocks but the cache holds "
+                             f"{self.info.num_blocks}; raise kv_cache_config.max_tokens or lower max_tokens")
+
+    def _submit(self, prompt: PromptInputs, params: SamplingParams, priority: float, streaming: bool,
+                cache_salt: str | None = None) -> GenerationResult:
+        if not 0.0 <= priority <= 1.0:
+            raise ValueError(f"priority must be in [0, 1], got {priority}")
+        if self._client is None:
+            raise RuntimeError("the LLM is shut down")
+        text, token_ids = tokenize_prompt(prompt, self._tokenizer, params.add_special_tokens)
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]
+        vocab = self.info.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+        self._check_fits(len(token_ids), params)
+        request_id = str(next(self._request_ids))
+        return self._client.add(request_id, text, token_ids, params, priority, cache_salt, streaming)
+
+    def generate(
+        self,
+        inputs: PromptInputs | Sequence[PromptInputs],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: float | list[float] = 0.5,
+        cache_salt: str | Sequence[str] | None = None,
+    ) -> RequestOutput | list[RequestOutput]:
+        """Generates for one prompt or a batch; returns one RequestOutput per prompt, in order."""
+        single = is_single_prompt(inputs)
+        prompts = to_prompt_list(inputs)
+        params_list = self._per_prompt(sampling_params, len(prompts), "sampling_params")
+        priorities = self._per_prompt(priority, len(prompts), "priority")
+        salts = self._per_prompt(cache_salt, len(prompts), "cache_salt")
+        prepared = {id(p): self._prepare_params(p) for p in params_list}
+        results = []
+        try:
+            for prompt, params, prio, salt in zip(prompts, params_list, priorities, salts):
+                results.append(self._submit(prompt, prepared[id(params)], prio, False, salt))
+        except Exception:
+            for result in results:
+                result.abort()
+            raise
+        outputs = self._collect(results, use_tqdm)
+        return outputs[0] if single else outputs
+
+    @staticmethod
+    def _per_prompt(value: Any, count: int, name: str) -> list:
+        if isinstance(value, (list, tuple)):
+            if len(value) != count:
+                raise ValueError(f"{name} has {len(value)} entries but there are {count} prompts")
+            return list(value)
+        return [value] * count
+
+    def _collect(self, results: list[GenerationResult], use_tqdm: bool) -> list[RequestOutput]:
+        progress = None
+        if use_tqdm and len(results) > 1:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=len(results), desc="Processed prompts", dynamic_ncols=True)
+        outputs = []
+        try:
+            for result in results:
+                outputs.append(result.result())
+                if progress is not None:
+                    progress.update(1)
+        except BaseException:
+            for result in results:
+                result.abort()
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+        return outputs
+
+    def generate_async(
+        self,
+        inputs: PromptInputs,
+        sampling_params: SamplingParams | None = None,
+        streaming: bool = False,
+        priority: float = 0.5,
+        cache_salt: str | None = None,
+    ) -> GenerationResult:
+        """Submits one prompt; await the result for the final output or `async for` over it to stream."""
+        if not is_single_prompt(inputs):
+            raise TypeError("generate_async takes a single prompt; call it once per prompt")
+        return self._submit(inputs, self._prepare_params(sampling_params), priority, streaming, cache_salt)
+
+    # ------------------------------------------------------------------ stats and events
+
+    def get_stats(self, timeout: float | None = 2) -> list[dict]:
+        """Iteration statistics gathered since the last call (waits up to timeout for the first)."""
+        return self._client.take_stats(timeout) if self._client else []
+
+    async def get_stats_async(self, timeout: float | None = 2) -> AsyncIterator[dict]:
+        stats = await asyncio.to_thread(self.get_stats, timeout)
+        for entry in stats:
+            yield entry
+
+    def get_kv_cache_events(self, timeout: float | None = 2) -> list[dict]:
+        if not self.args.kv_cache_config.event_buffer_max_size:
+            return []
+        return self._client.take_kv_events(timeout) if self._client else []
+
+    async def get_kv_cache_events_async(self, timeout: float | None = 2) -> AsyncIterator[dict]:
+        events = await asyncio.to_thread(self.get_kv_cache_events, timeout)
+        for event in events:
+            yield event
+
+    # ------------------------------------------------------------------ lifetime
+
+    def shutdown(self) -> None:
+        """Stops the engine and releases its memory; outstanding requests fail."""
+        client, self._client = self._client, None
+        if client is not None:
+            client.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass

@@ -1,0 +1,110 @@
+"""Building a model and filling its weights from safetensors, a .pt/.bin file, GGUF, or at random."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from raylm.models.arch import ArchConfig
+from raylm.models.parallel import SINGLE, ParallelContext
+from raylm.models.registry import resolve_architecture
+from raylm.models.source import ModelSource
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    arch: ArchConfig
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def load_hf_config(source: ModelSource, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(source.config_dir), trust_remote_code=trust_remote_code)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+def _iter_pt(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in sorted([*directory.glob("*.bin"), *directory.glob("*.pt")]):
+        yield from torch.load(path, map_location="cpu", weights_only=True).items()
+
+
+def _iter_checkpoint(source: ModelSource, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    if source.weights_format == "safetensors":
+        return _iter_safetensors(source.weights_path)
+    if source.weights_format == "pt":
+        return _iter_pt(source.weights_path)
+    raise ValueError(f"model {source.name!r} has no weight files (*.safetensors or *.bin)")
+
+
+def _init_dummy(model: nn.Module, seed: int) -> None:
+    """Random weights of the right shapes: normal(0, 0.02) matrices, unit norms, zero biases."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        elif name.endswith("bias"):
+            param.data.zero_()
+        else:
+            values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * 0.02
+            param.data.copy_(values.to(param.dtype))
+
+
+def load_model(
+    source: ModelSource,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    load_format: str = "auto",
+    ctx: ParallelContext = SINGLE,
+    seed: int = 0,
+) -> LoadedModel:
+    """Constructs the model for `hf_config` on `device` in `dtype` and loads this rank's weights."""
+    start = time.perf_counter()
+    entry, arch = resolve_architecture(hf_config)
+    with _default_dtype(dtype), torch.device(device):
+        model = entry.model_class(arch, max_positions, ctx)
+    prepared = time.perf_counter()
+    if load_format == "dummy":
+        _init_dummy(model, seed)
+    else:
+        loaded = model.load_weights(_iter_checkpoint(source, arch))
+        expected = {name for name, _ in model.named_parameters()}
+        missing = sorted(expected - loaded - ({"lm_head.weight"} if arch.tie_word_embeddings else set()))
+        if missing:
+            raise ValueError(f"checkpoint of {source.name!r} lacks weights: {', '.join(missing[:8])}")
+    populated = time.perf_counter()
+    model.eval()
+    timings = {
+        "checkpoint_preparation_seconds": prepared - start,
+        "weight_population_seconds": populated - prepared,
+        "total_model_loading_seconds": populated - start,
+    }
+    return LoadedModel(model, arch, timings)

@@ -1,0 +1,195 @@
+"""Tensor-parallel building blocks: linears and embeddings that hold one rank's shard.
+
+With a tensor-parallel size of 1 each layer is a plain dense layer. Every parameter carries a
+`weight_loader(param, loaded, shard_id)` that copies this rank's slice of a full checkpoint tensor,
+so a loader reads checkpoints without knowing how layers are split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Where this process sits in the tensor-parallel group."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_group: object | None = None
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            dist.all_reduce(tensor, group=self.tp_group)
+        return tensor
+
+    def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.tp_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=-1)
+
+
+SINGLE = ParallelContext()
+
+
+def _shard(size: int, ctx: ParallelContext, what: str) -> int:
+    if size % ctx.tp_size:
+        raise ValueError(f"{what} ({size}) must be divisible by tensor_parallel_size ({ctx.tp_size})")
+    return size // ctx.tp_size
+
+
+def _set_loader(param: nn.Parameter, loader: Callable) -> nn.Parameter:
+    param.weight_loader = loader
+    return param
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output rows; the output stays sharded."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext = SINGLE):
+        super().__init__()
+        self.ctx = ctx
+        self.out_per_rank = _shard(out_features, ctx, "output features")
+        self.weight = _set_loader(nn.Parameter(torch.empty(self.out_per_rank, in_features)), self._load)
+        self.bias = _set_loader(nn.Parameter(torch.empty(self.out_per_rank)), self._load) if bias else None
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        start = self.ctx.tp_rank * param.shape[0]
+        param.data.copy_(loaded.narrow(0, start, param.shape[0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (e.g. gate and up)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, ctx: ParallelContext = SINGLE):
+        super().__init__(in_features, sum(out_sizes), bias, ctx)
+        self.shard_sizes = [_shard(size, ctx, "output features") for size in out_sizes]
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        if shard_id is None:
+            raise ValueError("a merged projection needs the shard index of the checkpoint tensor")
+        size = self.shard_sizes[shard_id]
+        offset = sum(self.shard_sizes[:shard_id])
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.ctx.tp_rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Query, key and value projections in one matmul, heads split across ranks.
+
+    When there are fewer KV heads than ranks, each KV head is replicated on tp_size / num_kv_heads ranks.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        ctx: ParallelContext = SINGLE,
+    ):
+        self.head_dim = head_dim
+        self.num_heads = _shard(num_heads, ctx, "attention heads")
+        if num_kv_heads >= ctx.tp_size:
+            self.num_kv_heads = _shard(num_kv_heads, ctx, "key/value heads")
+            self.kv_replicas = 1
+        else:
+            if ctx.tp_size % num_kv_heads:
+                raise ValueError(
+                    f"tensor_parallel_size ({ctx.tp_size}) must be a multiple of the key/value heads "
+                    f"({num_kv_heads}) when it exceeds them"
+                )
+            self.num_kv_heads = 1
+            self.kv_replicas = ctx.tp_size // num_kv_heads
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        total = (self.num_heads + 2 * self.num_kv_heads) * head_dim * ctx.tp_size
+        super().__init__(hidden_size, total, bias, ctx)
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        if shard_id == "q":
+            offset, size, rank_index = 0, self.q_size, self.ctx.tp_rank
+        elif shard_id in ("k", "v"):
+            offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
+            size, rank_index = self.kv_size, self.ctx.tp_rank // self.kv_replicas
+        else:
+            raise ValueError(f"QKV shard must be 'q', 'k' or 'v', got {shard_id!r}")
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, rank_index * size, size))
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split by input columns; partial sums are all-reduced across ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext = SINGLE):
+        super().__init__()
+        self.ctx = ctx
+        self.in_per_rank = _shard(in_features, ctx, "input features")
+        self.weight = _set_loader(nn.Parameter(torch.empty(out_features, self.in_per_rank)), self._load)
+        self.bias = _set_loader(nn.Parameter(torch.empty(out_features)), default_weight_loader) if bias else None
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        start = self.ctx.tp_rank * param.shape[1]
+        param.data.copy_(loaded.narrow(1, start, param.shape[1]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        out = self.ctx.all_reduce(out)
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split into contiguous per-rank ranges."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, ctx: ParallelContext = SINGLE):
+        super().__init__()
+        self.ctx = ctx
+        self.vocab_size = vocab_size
+        self.per_rank = -(-vocab_size // ctx.tp_size)
+        self.start = ctx.tp_rank * self.per_rank
+        self.end = min(self.start + self.per_rank, vocab_size)
+        self.weight = _set_loader(nn.Parameter(torch.empty(self.per_rank, hidden_size)), self._load)
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+        rows = self.end - self.start
+        param.data[:rows].copy_(loaded[self.start : self.end])
+        param.data[rows:].zero_()
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.ctx.tp_size == 1:
+            return F.embedding(token_ids, self.weight)
+        in_range = (token_ids >= self.start) & (token_ids < self.end)
+        local = torch.where(in_range, token_ids - self.start, 0)
+        out = F.embedding(local, self.weight) * in_range.unsqueeze(-1).to(self.weight.dtype)
+        return self.ctx.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection onto the vocabulary; each rank computes its vocabulary slice, then gathers."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.ctx.tp_size == 1:
+            return logits
+        return self.ctx.all_gather_last_dim(logits)[..., : self.vocab_size]

@@ -1,0 +1,177 @@
+"""Driver-side output processing: incremental detokenization, stop strings, logprobs, RequestOutput.
+
+The engine sends token ids; everything that is text happens here. When a sequence's text reaches a stop
+string, the text is cut there and the engine is told to end that sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from raylm.engine.messages import RequestDelta, SequenceDelta, TokenLogprob
+from raylm.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from raylm.sampling_params import SamplingParams
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text chunks, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool):
+        from tokenizers.decoders import DecodeStream
+
+        self.backend = tokenizer.backend_tokenizer
+        # A few prompt tokens give the decoder the context that decides leading spaces.
+        self.stream = DecodeStream(ids=prompt_token_ids[-6:], skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        return self.stream.step(self.backend, token_id) or ""
+
+
+@dataclass
+class SequenceState:
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: TokenLogprobs | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_text: int = 0  # characters of text already reported (streaming diffs)
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+    stop_checked: int = 0  # characters of text already searched for stop strings
+
+
+class RequestState:
+    """Everything the driver knows about one request while it runs."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 tokenizer: Any, stream_each_step: bool):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.tokenizer = tokenizer
+        self.stream_each_step = stream_each_step and (params.best_of is None or params.best_of == params.n)
+        self.sequences: dict[int, SequenceState] = {}
+        self.prompt_logprobs: TokenLogprobs | None = [None] if params.prompt_logprobs is not None else None
+        self.num_cached_tokens = 0
+        self.finished = False
+        self.error: str | None = None
+        self.max_stop_len = max((len(s) for s in params.stop), default=0)
+
+    # ------------------------------------------------------------------ applying deltas
+
+    def _sequence(self, index: int) -> SequenceState:
+        if index not in self.sequences:
+            detokenizer = None
+            if self.params.detokenize and self.tokenizer is not None:
+                detokenizer = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids,
+                                                     self.params.skip_special_tokens)
+            logprobs = [] if self.params.logprobs is not None else None
+            self.sequences[index] = SequenceState(index, detokenizer, logprobs=logprobs)
+        return self.sequences[index]
+
+    def apply(self, delta: RequestDelta) -> list[tuple[str, int]]:
+        """Folds an engine delta in; returns the (request id, index) of sequences that hit a stop string."""
+        self.num_cached_tokens = delta.num_cached_tokens or self.num_cached_tokens
+        if delta.prompt_logprobs and self.prompt_logprobs is not None:
+            self.prompt_logprobs.extend(self._logprob_dict(token, entry) for token, entry in zip(
+                self.prompt_token_ids[len(self.prompt_logprobs):], delta.prompt_logprobs))
+        if delta.replace:
+            self.sequences = {}
+        stopped = []
+        for seq_delta in delta.sequences:
+            seq = self._sequence(seq_delta.index)
+            if seq.finish_reason is not None:
+                continue  # ended by a stop string; the engine's later tokens are dropped
+            if self._apply_sequence(seq, seq_delta):
+                stopped.append((self.request_id, seq.index))
+        if delta.error:
+            self.error = delta.error
+        if delta.finished or (self.sequences and all(s.finish_reason for s in self.sequences.values())
+                              and len(self.sequences) >= self.params.num_sequences):
+            self.finished = True
+            for seq in self.sequences.values():
+                seq.finish_reason = seq.finish_reason or "abort"
+        return stopped
+
+    def _apply_sequence(self, seq: SequenceState, delta: SequenceDelta) -> bool:
+        params = self.params
+        ends_on_stop_token = delta.finish_reason == "stop" and not params.include_stop_str_in_output
+        for position, token in enumerate(delta.new_token_ids):
+            seq.token_ids.append(token)
+            is_last = position == len(delta.new_token_ids) - 1
+            if seq.detokenizer is not None and not (is_last and ends_on_stop_token):
+                seq.text += seq.detokenizer.step(token)
+            if seq.logprobs is not None and delta.new_logprobs:
+                seq.logprobs.append(self._logprob_dict(token, delta.new_logprobs[position]))
+        seq.cumulative_logprob = delta.cumulative_logprob
+        if params.stop and seq.detokenizer is not None and self._check_stop_strings(seq):
+            return True
+        if delta.finish_reason is not None:
+            seq.finish_reason, seq.stop_reason = delta.finish_reason, delta.stop_reason
+        return False
+
+    def _check_stop_strings(self, seq: SequenceState) -> bool:
+        start = max(0, seq.stop_checked - self.max_stop_len + 1)
+        seq.stop_checked = len(seq.text)
+        best: tuple[int, str] | None = None
+        for stop in self.params.stop:
+            found = seq.text.find(stop, start)
+            if found != -1 and (best is None or found < best[0]):
+                best = (found, stop)
+        if best is None:
+            return False
+        found, stop = best
+        seq.text = seq.text[: found + len(stop)] if self.params.include_stop_str_in_output else seq.text[:found]
+        seq.finish_reason, seq.stop_reason = "stop", stop
+        return True
+
+    def _logprob_dict(self, token: int, entry: TokenLogprob) -> dict[int, Logprob]:
+        logprob, rank, top_ids, top_logprobs = entry
+        result = {token: Logprob(logprob, rank, self._decode_one(token))}
+        for position, (top_id, top_logprob) in enumerate(zip(top_ids or [], top_logprobs or [])):
+            if top_id not in result:
+                result[top_id] = Logprob(top_logprob, position + 1, self._decode_one(top_id))
+        return result
+
+    def _decode_one(self, token: int) -> str | None:
+        if self.tokenizer is None or not self.params.detokenize:
+            return None
+        return self.tokenizer.decode([token])
+
+    # ------------------------------------------------------------------ snapshots
+
+    def snapshot(self) -> RequestOutput:
+        """The request's state now; diffs cover what changed since the previous snapshot."""
+        sequences = sorted(self.sequences.values(), key=lambda s: s.index)
+        if self.finished and len(sequences) > self.params.n:
+            sequences = sorted(sequences, key=lambda s: -s.cumulative_logprob)[: self.params.n]
+        outputs = []
+        for position, seq in enumerate(sequences):
+            outputs.append(CompletionOutput(
+                index=position,
+                text=seq.text,
+                token_ids=list(seq.token_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                text_diff=seq.text[seq.sent_text:],
+                token_ids_diff=seq.token_ids[seq.sent_tokens:],
+                logprobs_diff=seq.logprobs[seq.sent_logprobs:] if seq.logprobs is not None else [],
+            ))
+            seq.sent_text, seq.sent_tokens = len(seq.text), len(seq.token_ids)
+            seq.sent_logprobs = len(seq.logprobs) if seq.logprobs is not None else 0
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            finished=self.finished,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+            num_cached_tokens=self.num_cached_tokens,
+        )

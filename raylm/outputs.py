@@ -1,0 +1,60 @@
+"""What a request returns: RequestOutput, CompletionOutput and per-token Logprob."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class Logprob(NamedTuple):
+    """Log-probability of one token, its rank in the distribution (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per position: token id -> Logprob (the chosen token plus the top-k alternatives).
+TokenLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: TokenLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text_diff: str = ""
+    token_ids_diff: list[int] = field(default_factory=list)
+    logprobs_diff: TokenLogprobs = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class RequestOutput:
+    """The state of a request: its prompt and the sequences generated so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: TokenLogprobs | None = None
+    num_cached_tokens: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text if self.outputs else ""

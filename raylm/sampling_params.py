@@ -1,0 +1,185 @@
+"""SamplingParams: how one request is decoded.
+
+Defaults follow the LLM API: with none of temperature / top_k / top_p / min_p given, decoding is greedy.
+Every field is validated at construction; a bad value raises ValueError (or TypeError for a wrong
+type) naming the field and the allowed range.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass
+class SamplingParams:
+    """Decoding parameters of a request."""
+
+    max_tokens: int = 32
+    min_tokens: int = 0
+    n: int = 1
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    seed: int | None = None
+
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    end_id: int | None = None
+    pad_id: int | None = None
+
+    logprobs: int | None = None
+    prompt_logprobs: int | bool | None = None
+
+    detokenize: bool = True
+    add_special_tokens: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+
+    # Filled from the tokenizer by the driver when end_id is not given.
+    _eos_token_ids: tuple[int, ...] = field(default=(), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 0
+        elif self.prompt_logprobs is False:
+            self.prompt_logprobs = None
+        self._validate()
+
+    # ---------------------------------------------------------------- validation
+
+    def _validate(self) -> None:
+        self._check_int("max_tokens", self.max_tokens, low=1)
+        self._check_int("min_tokens", self.min_tokens, low=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        self._check_int("n", self.n, low=1)
+        if self.best_of is not None:
+            self._check_int("best_of", self.best_of, low=1)
+            if self.best_of < self.n:
+                raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
+        self._check_float("temperature", self.temperature, low=0.0, optional=True)
+        if self.top_k is not None:
+            self._check_int("top_k", self.top_k, low=0)
+        self._check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True, optional=True)
+        self._check_float("min_p", self.min_p, low=0.0, high=1.0, optional=True)
+        if self.seed is not None:
+            self._check_int("seed", self.seed, low=0)
+        self._check_float("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+        self._check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        self._check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        self._check_float("length_penalty", self.length_penalty)
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        for stop in self.stop:
+            if not isinstance(stop, str):
+                raise TypeError(f"stop must be a string or a list of strings, got an item {stop!r}")
+            if not stop:
+                raise ValueError("stop strings must not be empty")
+        for token_id in self.stop_token_ids:
+            self._check_int("stop_token_ids", token_id, low=0)
+        if self.end_id is not None:
+            self._check_int("end_id", self.end_id, low=0)
+        if self.logprobs is not None:
+            self._check_int("logprobs", self.logprobs, low=0, high=20)
+        if self.prompt_logprobs is not None:
+            self._check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=20)
+        if self.truncate_prompt_tokens is not None:
+            self._check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, low=1)
+        if self.use_beam_search and self.temperature not in (None, 0.0):
+            raise ValueError("use_beam_search does not combine with temperature sampling; leave temperature unset")
+        for f in fields(self):
+            if f.name.startswith("_"):
+                continue
+            value = getattr(self, f.name)
+            if f.type in ("bool", "bool | str") and not isinstance(value, (bool, str)):
+                raise TypeError(f"{f.name} must be a bool, got {type(value).__name__}")
+
+    @staticmethod
+    def _check_int(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{name} must be an integer, got {type(value).__name__} ({value!r})")
+        if low is not None and value < low:
+            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise ValueError(f"{name} must be {bound}, got {value}")
+        if high is not None and value > high:
+            raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+    @staticmethod
+    def _check_float(
+        name: str,
+        value: object,
+        low: float | None = None,
+        high: float | None = None,
+        low_open: bool = False,
+        optional: bool = False,
+    ) -> None:
+        if value is None and optional:
+            return
+        if not _is_number(value):
+            raise TypeError(f"{name} must be a number, got {type(value).__name__} ({value!r})")
+        if math.isnan(value) or math.isinf(value):
+            raise ValueError(f"{name} must be a finite number, got {value}")
+        lower = "(" if low_open else "["
+        bound = f"in {lower}{low}, {high}]" if high is not None else (f"> {low}" if low_open else f">= {low}")
+        if low is not None and (value < low or (low_open and value == low)):
+            raise ValueError(f"{name} must be {bound}, got {value}")
+        if high is not None and value > high:
+            raise ValueError(f"{name} must be {bound}, got {value}")
+
+    # ---------------------------------------------------------------- derived views
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when decoding picks the most likely token every step."""
+        if self.temperature is not None:
+            return self.temperature == 0.0 or self.top_k == 1
+        if self.top_k == 1:
+            return True
+        return self.top_k is None and self.top_p is None and self.min_p is None
+
+    @property
+    def effective_temperature(self) -> float:
+        return 1.0 if self.temperature is None else self.temperature
+
+    @property
+    def beam_width(self) -> int:
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the engine runs for this request: best_of candidates, or the beams."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def all_stop_token_ids(self) -> frozenset[int]:
+        """Token ids that end a sequence: stop_token_ids plus the end ids unless ignore_eos."""
+        ids = set(self.stop_token_ids)
+        if not self.ignore_eos:
+            ids.update((self.end_id,) if self.end_id is not None else self._eos_token_ids)
+        return frozenset(ids)
