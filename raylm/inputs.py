@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypedDict, Union
+from typing import Any, TypedDict
 
 from typing_extensions import NotRequired
 
@@ -18,7 +18,7 @@ class TokensPrompt(TypedDict):
     prompt: NotRequired[str]
 
 
-PromptInputs = Union[str, list[int], TextPrompt, TokensPrompt]
+PromptInputs = str | list[int] | TextPrompt | TokensPrompt
 
 
 def is_single_prompt(inputs: Any) -> bool:
