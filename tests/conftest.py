@@ -1,0 +1,102 @@
+"""Shared fixtures: tiny random models of every supported architecture, the real SmolLM2, HF references."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from raylm.models.source import resolve_model
+
+CACHE = Path(os.environ.get("RAYLM_TEST_CACHE", Path.home() / ".cache" / "raylm" / "test-models"))
+# Bump when the tiny configs change, so stale cached models are not reused.
+TINY_VERSION = 1
+
+
+def _tiny_config(arch: str):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                  initializer_range=0.1, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
+    if arch == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=False, rope_theta=500000.0,
+                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 1024})
+    if arch == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000000.0)
+    if arch == "qwen3":
+        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, rope_theta=1000000.0)
+    raise ValueError(arch)
+
+
+TINY_ARCHS = ["llama", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The embedded default model, converted to an HF directory (config, tokenizer, weights)."""
+    return resolve_model(None).config_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(smollm2_dir) -> dict[str, Path]:
+    """Tiny random models (2 layers, hidden 64) of each architecture, with the SmolLM2 tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dirs = {}
+    tokenizer = None
+    for arch in TINY_ARCHS:
+        target = CACHE / f"tiny-{arch}-v{TINY_VERSION}"
+        if not (target / "config.json").exists():
+            torch.manual_seed(1234)
+            model = AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32)
+            model.save_pretrained(target)
+            tokenizer = tokenizer or AutoTokenizer.from_pretrained(smollm2_dir)
+            tokenizer.save_pretrained(target)
+        dirs[arch] = target
+    return dirs
+
+
+def hf_model(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF transformers' greedy continuation of one prompt (no padding), EOS included if produced."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             num_beams=1, pad_token_id=2)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    """log_softmax of HF's logits at every position of token_ids: row p scores token p + 1."""
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+PROMPTS = [
+    "The capital of France is",
+    "Hello, my name is",
+    "In 1492, Columbus sailed across the Atlantic Ocean and",
+    "def fibonacci(n):",
+    "List three colors:",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. " * 3
+    + "Once more:",
+    "Q: What is 2 + 2?\nA:",
+    "Rain",
+    "Translate to French: I like apples. ->",
+    "A long time ago in a galaxy far, far away, there lived a young farmer named Luke who dreamed of "
+    "adventure among the stars. One day, he found two droids carrying a secret message from a princess. "
+    "The message said",
+    "Machine learning is",
+    "Once upon a time",
+]
