@@ -15,6 +15,7 @@ from raylm.actors.worker import EngineInfo, WorkerSpec, resolve_device, resolve_
 from raylm.config import LlmArgs
 from raylm.engine_client import EngineClient
 from raylm.inputs import PromptInputs, is_single_prompt, to_prompt_list, tokenize_prompt
+from raylm.models.arch import config_dtype
 from raylm.models.loader import load_hf_config
 from raylm.models.source import ModelSource, resolve_model
 from raylm.outputs import RequestOutput
@@ -73,8 +74,7 @@ class LLM:
         self._eos_ids = _eos_token_ids(source, hf_config, self._tokenizer)
         prepared = time.perf_counter()
         device = resolve_device(self.args.device)
-        config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        dtype = resolve_dtype(self.args.dtype, device, config_dtype)
+        dtype = resolve_dtype(self.args.dtype, device, config_dtype(hf_config))
         spec = WorkerSpec(self.args, source, device, dtype, self._max_seq_len(hf_config))
         self._executor = self._create_executor(spec)
         self.info: EngineInfo = self._executor.info

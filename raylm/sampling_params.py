@@ -59,6 +59,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise TypeError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise TypeError(f"stop_token_ids must be a list of integers, got {type(self.stop_token_ids).__name__}")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.prompt_logprobs is True:
@@ -90,6 +94,9 @@ class SamplingParams:
         self._check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         self._check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         self._check_float("length_penalty", self.length_penalty)
+        if not isinstance(self.early_stopping, (bool, str)):
+            raise TypeError(f"early_stopping must be a bool, got {type(self.early_stopping).__name__} "
+                            "(or the string 'never')")
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
         for stop in self.stop:
@@ -110,11 +117,8 @@ class SamplingParams:
         if self.use_beam_search and self.temperature not in (None, 0.0):
             raise ValueError("use_beam_search does not combine with temperature sampling; leave temperature unset")
         for f in fields(self):
-            if f.name.startswith("_"):
-                continue
-            value = getattr(self, f.name)
-            if f.type in ("bool", "bool | str") and not isinstance(value, (bool, str)):
-                raise TypeError(f"{f.name} must be a bool, got {type(value).__name__}")
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
+                raise TypeError(f"{f.name} must be a bool, got {type(getattr(self, f.name)).__name__}")
 
     @staticmethod
     def _check_int(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
@@ -139,10 +143,11 @@ class SamplingParams:
             return
         if not _is_number(value):
             raise TypeError(f"{name} must be a number, got {type(value).__name__} ({value!r})")
-        if math.isnan(value) or math.isinf(value):
-            raise ValueError(f"{name} must be a finite number, got {value}")
         lower = "(" if low_open else "["
         bound = f"in {lower}{low}, {high}]" if high is not None else (f"> {low}" if low_open else f">= {low}")
+        if math.isnan(value) or math.isinf(value):
+            range_text = f" {bound}" if low is not None else ""
+            raise ValueError(f"{name} must be a finite number{range_text}, got {value}")
         if low is not None and (value < low or (low_open and value == low)):
             raise ValueError(f"{name} must be {bound}, got {value}")
         if high is not None and value > high:

@@ -118,13 +118,13 @@ def test_leaving_a_stream_early_aborts_the_request(llm):
 
 def test_sync_iteration_streams_and_abort_finishes(llm):
     result = llm.generate_async("Once upon a time", SamplingParams(max_tokens=300, ignore_eos=True), streaming=True)
-    seen = 0
+    chunks = []
     for chunk in result:
-        seen += 1
-        if seen == 2:
+        chunks.append(chunk)
+        if len(chunks) == 2:
             result.abort()
-    assert chunk.finished and chunk.outputs[0].finish_reason == "abort"
-    assert len(chunk.outputs[0].token_ids) < 300
+    assert chunks[-1].finished and chunks[-1].outputs[0].finish_reason == "abort"
+    assert len(chunks[-1].outputs[0].token_ids) < 300
 
 
 # ---------------------------------------------------------------------- n, best_of, seeds

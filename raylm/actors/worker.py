@@ -125,10 +125,10 @@ class Worker:
         token_cap = -(-kv_config.max_tokens // block_size) if kv_config.max_tokens else None
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            memory_cap = int(free * (kv_config.free_gpu_memory_fraction or 0.9)) // per_block
+            memory_cap = int(free * (kv_config.free_gpu_memory_fraction or 0.9)) // per_block - 1  # null block
             num_blocks = min(memory_cap, token_cap) if token_cap is not None else memory_cap
         else:
-            num_blocks = token_cap if token_cap is not None else DEFAULT_CPU_KV_BYTES // per_block
+            num_blocks = token_cap if token_cap is not None else DEFAULT_CPU_KV_BYTES // per_block - 1
         if num_blocks < 1:
             raise ValueError(f"the KV cache does not fit: one block needs {per_block} bytes")
         return num_blocks

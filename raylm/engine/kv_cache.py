@@ -5,6 +5,9 @@ chained over every token before it (and the request's cache salt); a free block 
 evicted, so a later request with the same prefix takes it back instead of recomputing it. Free blocks
 are evicted least recently freed first. Sequences forked from one another share blocks by reference
 count; the first write into a shared, partially filled last block copies it (copy-on-write).
+
+Block 0 is the null block: never handed out, kept zero by the model runner, and the target of every
+padded slot in attention, so cache memory can be left uninitialised.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from raylm.engine.request import Request, Sequence
+
+NULL_BLOCK = 0
 
 
 def hash_block(parent_hash: int | None, token_ids: list[int], salt: str | None) -> int:
@@ -44,8 +49,8 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_block_reuse = enable_block_reuse
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.blocks = [Block(i) for i in range(num_blocks + 1)]  # block ids 1..num_blocks; 0 is the null block
+        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
         self.cached: dict[int, Block] = {}
         self.pending_copies: list[tuple[int, int]] = []
         self.alloc_total_blocks = 0
@@ -74,11 +79,32 @@ class KVCacheManager:
             needed += 1
         return needed
 
-    def _needs_copy(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def blocks_needed_for(self, plan: list[tuple[Sequence, int]]) -> int:
+        """Blocks a whole step plan takes: several sharers of one partial block writing in the same step need
+        one copy fewer than their number when they are all of its sharers (the last one writes in place)."""
+        needed = 0
+        writers: dict[int, int] = {}
+        for seq, num_new_tokens in plan:
+            needed += self.blocks_needed(seq, num_new_tokens)
+            shared = self._shared_partial_block(seq, num_new_tokens)
+            if shared is not None:
+                writers[shared] = writers.get(shared, 0) + 1
+        for block_id, count in writers.items():
+            if count >= self.blocks[block_id].ref_count:
+                needed -= 1
+        return needed
+
+    def _shared_partial_block(self, seq: Sequence, num_new_tokens: int) -> int | None:
+        """The partially filled, shared block that writing num_new_tokens into seq would copy, if any."""
         if num_new_tokens == 0 or seq.num_computed_tokens % self.block_size == 0:
-            return False
+            return None
         last = seq.num_computed_tokens // self.block_size
-        return last < len(seq.block_ids) and self.blocks[seq.block_ids[last]].ref_count > 1
+        if last < len(seq.block_ids) and self.blocks[seq.block_ids[last]].ref_count > 1:
+            return seq.block_ids[last]
+        return None
+
+    def _needs_copy(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self._shared_partial_block(seq, num_new_tokens) is not None
 
     def stats(self) -> dict:
         lookups = self.reused_blocks + self.missed_blocks
@@ -128,16 +154,23 @@ class KVCacheManager:
         num_full = min(seq.num_computed_tokens // size, len(seq.block_ids))
         if num_full <= seq.num_hashed_blocks:
             return
-        parent_hash = seq.last_block_hash
-        stored = []
+        stored: list[dict] = []
+        parent_hash = None
         for index in range(seq.num_hashed_blocks, num_full):
             block = self.blocks[seq.block_ids[index]]
             tokens = seq.token_ids[index * size : (index + 1) * size]
-            block_hash = block.block_hash or hash_block(seq.last_block_hash, tokens, request.cache_salt)
+            block_hash = block.block_hash
+            if block_hash is None:
+                block_hash = hash_block(seq.last_block_hash, tokens, request.cache_salt)
             if block.block_hash is None and block_hash not in self.cached:
+                if not stored:
+                    parent_hash = seq.last_block_hash
                 block.block_hash = block_hash
                 self.cached[block_hash] = block
                 stored.append({"type": "stored_block", "block_hash": block_hash, "tokens": tokens})
+            elif stored:  # a run of stored blocks ended: report it with its own parent
+                self._emit({"type": "stored", "parent_hash": parent_hash, "blocks": stored})
+                stored = []
             seq.last_block_hash = block_hash
         seq.num_hashed_blocks = num_full
         if stored:

@@ -67,12 +67,16 @@ class ModelRunner:
         return 2 * self.arch.num_layers * self.block_size * self.num_kv_heads * self.arch.head_dim * element
 
     def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype) -> None:
-        shape = (num_blocks, self.block_size, self.num_kv_heads, self.arch.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=kv_dtype, device=self.device),
-             torch.zeros(shape, dtype=kv_dtype, device=self.device))
-            for _ in range(self.arch.num_layers)
-        ]
+        """num_blocks usable blocks plus the null block 0, which alone is zeroed: every other slot is
+        written before attention reads it, so the rest is left uninitialised (and untouched on the CPU)."""
+        shape = (num_blocks + 1, self.block_size, self.num_kv_heads, self.arch.head_dim)
+        self.kv_caches = []
+        for _ in range(self.arch.num_layers):
+            k_cache = torch.empty(shape, dtype=kv_dtype, device=self.device)
+            v_cache = torch.empty(shape, dtype=kv_dtype, device=self.device)
+            k_cache[0].zero_()
+            v_cache[0].zero_()
+            self.kv_caches.append((k_cache, v_cache))
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:

@@ -75,7 +75,8 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None, 
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None, num_samples: int) -> list[int]:
-    noise = torch.empty((num_samples, probs.shape[-1]), device=probs.device).exponential_(generator=generator)
+    # Noise comes from the request's CPU generator, so seeded draws are the same on every device.
+    noise = torch.empty((num_samples, probs.shape[-1])).exponential_(generator=generator).to(probs.device)
     return (probs.unsqueeze(0) / noise).argmax(dim=-1).tolist()
 
 

@@ -105,13 +105,16 @@ class Scheduler:
             wanted = [(seq, seq.num_uncomputed_tokens - 1) for seq in live]
         else:
             wanted = [(seq, seq.num_uncomputed_tokens) for seq in live]
+        wanted = [(seq, tokens) for seq, tokens in wanted if tokens > 0]
+        # Recompute after preemption may chunk even without chunked prefill: prompt plus output can outgrow
+        # the budget that admitted the prompt.
+        may_chunk = self.enable_chunked_prefill or request.num_preemptions > 0
         plan = []
-        for seq, tokens in wanted:
-            if tokens <= 0:
-                continue
-            if tokens > budget and not self.enable_chunked_prefill:
+        for position, (seq, tokens) in enumerate(wanted):
+            later = len(wanted) - position - 1  # keep a token for every later sequence
+            if tokens > budget - later and not may_chunk:
                 return None
-            take = min(tokens, budget)
+            take = min(tokens, budget - later)
             if take <= 0:
                 return None
             plan.append((seq, take))
@@ -119,8 +122,7 @@ class Scheduler:
         return plan
 
     def _allocate(self, request: Request, plan: list[tuple[Sequence, int]]) -> bool:
-        needed = sum(self.kv_cache.blocks_needed(seq, tokens) for seq, tokens in plan)
-        if needed > self.kv_cache.num_free_blocks:
+        if self.kv_cache.blocks_needed_for(plan) > self.kv_cache.num_free_blocks:
             return False
         for seq, tokens in plan:
             if not self.kv_cache.allocate(request, seq, tokens):
@@ -161,29 +163,26 @@ class Scheduler:
 
         while self.waiting and not out.num_preempted and token_budget > 0 and seq_budget > 0:
             request = self.waiting[0]
-            hits = []
-            if not request.forked and request.sequences[0].num_computed_tokens == 0:
-                hits = self.kv_cache.match_prefix(request)
-            cached_tokens = len(hits) * self.kv_cache.block_size
+            looks_up = not request.forked and request.sequences[0].num_computed_tokens == 0
+            hits = self.kv_cache.match_prefix(request) if looks_up else []
             first = request.sequences[0]
             if hits:
-                first.num_computed_tokens = cached_tokens  # tentatively, for planning
+                first.num_computed_tokens = len(hits) * self.kv_cache.block_size  # tentatively, for planning
             plan = self._plan(request, token_budget)
             if hits:
                 first.num_computed_tokens = 0
             if plan is None or len(plan) > seq_budget:
                 break
-            if hits:
+            if hits:  # an unforked request: the plan is its one sequence
                 if not self.kv_cache.allocate(request, first, plan[0][1], prefix_hits=hits):
-                    break
-                if not self._allocate(request, plan[1:]):
                     break
             elif not self._allocate(request, plan):
                 break
+            if looks_up:
+                self.kv_cache.count_prefix_misses(request, len(hits))
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
-                self.kv_cache.count_prefix_misses(request, len(hits))
-                request.num_cached_tokens = cached_tokens
+                request.num_cached_tokens = len(hits) * self.kv_cache.block_size
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=Request.sort_key)

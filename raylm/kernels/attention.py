@@ -68,7 +68,8 @@ def build_metadata(
         if sliding_window is not None:
             mask &= key_pos[None, :] > (lengths[:, None] - 1 - sliding_window)
         meta.num_decode_tokens = len(decode_contexts)
-        meta.decode_slots = context_slots(table, max_context, block_size)
+        # Padded positions read slot 0 of the null block, which stays zero, so masked values are finite.
+        meta.decode_slots = context_slots(table, max_context, block_size).masked_fill(~mask, 0)
         meta.decode_mask = mask[:, None, None, :]
     query_start = meta.num_decode_tokens
     for blocks, start, query_len in prefill_chunks:

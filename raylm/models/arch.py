@@ -89,13 +89,19 @@ def _sliding_window(hf_config: Any) -> int | None:
     return int(window)
 
 
+def config_dtype(hf_config: Any) -> torch.dtype | None:
+    """The checkpoint's dtype as the config states it (under either of its HF names)."""
+    fields = vars(hf_config)
+    dtype = fields.get("dtype") or fields.get("torch_dtype")
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
 def arch_from_hf(hf_config: Any, architecture: str, qkv_bias: bool, qk_norm: bool) -> ArchConfig:
     """Reads an HF PretrainedConfig of the Llama / Qwen family."""
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     attention_bias = bool(getattr(hf_config, "attention_bias", False))
-    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
     return ArchConfig(
         architecture=architecture,
         vocab_size=hf_config.vocab_size,
@@ -115,7 +121,7 @@ def arch_from_hf(hf_config: Any, architecture: str, qkv_bias: bool, qk_norm: boo
         qk_norm=qk_norm,
         sliding_window=_sliding_window(hf_config),
         hidden_act=getattr(hf_config, "hidden_act", "silu"),
-        torch_dtype=dtype if isinstance(dtype, torch.dtype) else None,
+        torch_dtype=config_dtype(hf_config),
         bos_token_id=getattr(hf_config, "bos_token_id", None),
         eos_token_ids=_eos_ids(hf_config),
     )

@@ -1,0 +1,154 @@
+"""The `raylm` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+_LOG_LEVELS = ["error", "warning", "info", "debug"]
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--model", default=None,
+                        help="HF directory, .gguf file, hub id or alias (default: embedded SmolLM2-135M-Instruct)")
+    engine.add_argument("--tokenizer", default=None)
+    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    engine.add_argument("--max_batch_size", "--max-batch-size", type=int, default=256)
+    engine.add_argument("--max_num_tokens", "--max-num-tokens", type=int, default=8192)
+    engine.add_argument("--max_seq_len", "--max-seq-len", type=int, default=None)
+    engine.add_argument("--kv_cache_max_tokens", "--kv-cache-max-tokens", type=int, default=None,
+                        help="KV cache capacity in tokens (the CPU capacity; a cap on GPU)")
+    engine.add_argument("--kv_cache_free_gpu_memory_fraction", type=float, default=0.9)
+    engine.add_argument("--tokens_per_block", type=int, default=32)
+    engine.add_argument("--trust_remote_code", action="store_true")
+    engine.add_argument("--log_level", default="warning", choices=_LOG_LEVELS)
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument("--max_tokens", "--max-tokens", type=int, default=128)
+    sampling.add_argument("--min_tokens", type=int, default=0)
+    sampling.add_argument("--temperature", type=float, default=None, help="0 or unset: greedy")
+    sampling.add_argument("--top_k", "--top-k", type=int, default=None)
+    sampling.add_argument("--top_p", "--top-p", type=float, default=None)
+    sampling.add_argument("--min_p", "--min-p", type=float, default=None)
+    sampling.add_argument("--seed", type=int, default=None)
+    sampling.add_argument("--repetition_penalty", type=float, default=1.0)
+    sampling.add_argument("--presence_penalty", type=float, default=0.0)
+    sampling.add_argument("--frequency_penalty", type=float, default=0.0)
+    sampling.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    sampling.add_argument("--ignore_eos", action="store_true")
+    sampling.add_argument("--n", type=int, default=1, help="completions per prompt")
+    sampling.add_argument("--beam_width", type=int, default=None, help="beam search with this many beams")
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompts)
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as handle:
+            prompts.extend(line.rstrip("\n") for line in handle if line.strip())
+    if not prompts and not sys.stdin.isatty():
+        prompts.extend(line.rstrip("\n") for line in sys.stdin if line.strip())
+    if not prompts:
+        raise SystemExit("raylm generate: give prompts as arguments, with --prompts_file, or on stdin")
+    return prompts
+
+
+def _sampling_params(args: argparse.Namespace):
+    from raylm import SamplingParams
+
+    beam = args.beam_width is not None
+    return SamplingParams(
+        max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, min_p=args.min_p, seed=args.seed, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, stop=args.stop,
+        ignore_eos=args.ignore_eos, n=args.n, best_of=args.beam_width if beam else None, use_beam_search=beam,
+    )
+
+
+def _build_llm(args: argparse.Namespace):
+    from raylm import LLM, KvCacheConfig
+
+    return LLM(
+        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+        max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len,
+        trust_remote_code=args.trust_remote_code,
+        kv_cache_config=KvCacheConfig(max_tokens=args.kv_cache_max_tokens, tokens_per_block=args.tokens_per_block,
+                                      free_gpu_memory_fraction=args.kv_cache_free_gpu_memory_fraction),
+    )
+
+
+def generate(args: argparse.Namespace) -> int:
+    """Generates for each prompt; all prompts run as one batch, printed in order as their tokens arrive."""
+    from raylm.inputs import apply_chat_template
+
+    user_prompts = _read_prompts(args)
+    params = _sampling_params(args)
+    with _build_llm(args) as llm:
+        prompts = user_prompts
+        if args.chat:
+            system = [{"role": "system", "content": args.system}] if args.system else []
+            prompts = [apply_chat_template(llm.tokenizer, system + [{"role": "user", "content": p}])
+                       for p in user_prompts]
+            params.add_special_tokens = False
+        results = [llm.generate_async(prompt, params, streaming=not args.json) for prompt in prompts]
+        for user_prompt, result in zip(user_prompts, results):
+            if args.json:
+                output = result.result()
+                record = {"prompt": user_prompt, "outputs": [
+                    {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                    for c in output.outputs]}
+                print(json.dumps(record), flush=True)
+                continue
+            if len(user_prompts) > 1 or args.chat:
+                print(f">>> {user_prompt}", flush=True)
+            else:
+                sys.stdout.write(user_prompt)
+            last = None
+            for chunk in result:
+                last = chunk
+                if params.n == 1 and not params.use_beam_search:
+                    sys.stdout.write(chunk.outputs[0].text_diff)
+                    sys.stdout.flush()
+            if params.n > 1 or params.use_beam_search:
+                for completion in last.outputs:
+                    print(f"\n[{completion.index}] {completion.text}")
+            print(flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raylm", description="raylm: a Ray-native LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for prompts (arguments, a file, or stdin)")
+    gen.add_argument("prompts", nargs="*", help="prompts; read from --prompts_file or stdin when none")
+    gen.add_argument("--prompts_file", "--prompts-file", default=None, help="a file with one prompt per line")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--system", default=None, help="system message for --chat")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming")
+    _add_engine_args(gen)
+    _add_sampling_args(gen)
+    gen.set_defaults(handler=generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return args.handler(args)
+    except (ValueError, TypeError) as exc:
+        print(f"raylm {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
