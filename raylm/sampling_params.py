@@ -50,7 +50,6 @@ class SamplingParams:
     detokenize: bool = True
     add_special_tokens: bool = True
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
 
     # Filled from the tokenizer by the driver when end_id is not given.

@@ -225,6 +225,15 @@ def test_bad_input_is_a_clear_error_and_the_engine_keeps_serving(llm, call, erro
     assert llm.generate("The capital of France is", SamplingParams(max_tokens=2)).outputs[0].text == " Paris."
 
 
+def test_bad_requests_do_not_disturb_a_request_in_flight(llm):
+    expected = llm.generate("The capital of France is", SamplingParams(max_tokens=40, ignore_eos=True))
+    running = llm.generate_async("The capital of France is", SamplingParams(max_tokens=40, ignore_eos=True))
+    for bad in ("", [10**9], "x " * 1100):
+        with pytest.raises(ValueError):
+            llm.generate(bad)
+    assert running.result(timeout=60).outputs[0].token_ids == expected.outputs[0].token_ids
+
+
 def test_unknown_llm_argument_is_rejected():
     with pytest.raises(ValueError, match="max_batch_sise"):
         LLM(max_batch_sise=3)

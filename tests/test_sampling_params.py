@@ -17,7 +17,6 @@ BOOL_FIELDS = [
     "detokenize",
     "add_special_tokens",
     "skip_special_tokens",
-    "spaces_between_special_tokens",
 ]
 
 # (kwargs, message pattern): each must raise ValueError naming the field and the allowed range.

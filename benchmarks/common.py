@@ -1,0 +1,87 @@
+"""Shared pieces of the benchmarks: arguments, random prompts, the HF transformers peer, result files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF dir, config-only dir (with --load_format dummy), "
+                                                      ".gguf, hub id; default: embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--load_format", default="auto", choices=["auto", "dummy"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--max_batch_size", type=int, default=256)
+    parser.add_argument("--max_num_tokens", type=int, default=8192)
+    parser.add_argument("--kv_cache_max_tokens", type=int, default=None)
+    parser.add_argument("--kv_cache_free_gpu_memory_fraction", type=float, default=0.9)
+    parser.add_argument("--peer", choices=["none", "hf"], default="none",
+                        help="also run HF transformers on the same prompts and print the ratio")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output_json", default=None, help="result file (default: benchmarks/results/<name>.json)")
+
+
+def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """Random token-id prompts, avoiding the first 1000 ids (special tokens live there in most vocabularies)."""
+    rng = random.Random(seed)
+    low = min(1000, vocab_size // 2)
+    return [[rng.randrange(low, vocab_size) for _ in range(length)] for _ in range(num)]
+
+
+def build_llm(args: argparse.Namespace, max_seq_len: int):
+    from raylm import LLM, KvCacheConfig
+
+    return LLM(
+        model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+        max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, max_seq_len=max_seq_len,
+        skip_tokenizer_init=args.load_format == "dummy", seed=args.seed,
+        kv_cache_config=KvCacheConfig(max_tokens=args.kv_cache_max_tokens, enable_block_reuse=False,
+                                      free_gpu_memory_fraction=args.kv_cache_free_gpu_memory_fraction),
+    )
+
+
+def hf_peer(args: argparse.Namespace, llm):
+    """The same model in HF transformers, on the same device and dtype (random weights for dummy runs)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from raylm.models.source import resolve_model
+
+    source = resolve_model(args.model)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[llm.info.dtype]
+    if args.load_format == "dummy":
+        config = AutoConfig.from_pretrained(source.config_dir)
+        with torch.device(llm.info.device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source.config_dir, dtype=dtype).to(llm.info.device)
+    model.eval()
+    return model
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def machine() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
+def write_result(name: str, args: argparse.Namespace, result: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = Path(args.output_json) if args.output_json else RESULTS / f"{name}.json"
+    record = {"name": name, "machine": machine(), "torch": torch.__version__,
+              "time": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args), **result}
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path

@@ -1,0 +1,108 @@
+"""Latency of one batch, like `vllm bench latency`: batch B of random prompts of I tokens, O tokens out
+(EOS ignored, greedy), mean end-to-end seconds over iterations; also start-up time to the first token.
+
+    python benchmarks/latency.py --batch_size 1 --input_len 32 --output_len 128 --peer hf
+    python benchmarks/latency.py --model benchmarks/configs/llama-3.1-8b --load_format dummy --batch_size 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import add_model_args, build_llm, hf_peer, random_prompts, synchronize, write_result  # noqa: E402
+
+
+def time_raylm(llm, prompts, output_len: int, iters: int, warmup: int) -> list[float]:
+    from raylm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    for _ in range(warmup):
+        llm.generate(inputs, params, use_tqdm=False)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+        assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
+    return times
+
+
+def time_hf(model, prompts, output_len: int, iters: int, warmup: int, device: str) -> list[float]:
+    input_ids = torch.tensor(prompts, device=device)
+    kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, num_beams=1,
+                  pad_token_id=0, attention_mask=torch.ones_like(input_ids))
+    times = []
+    with torch.inference_mode():
+        for step in range(warmup + iters):
+            synchronize(device)
+            start = time.perf_counter()
+            out = model.generate(input_ids, **kwargs)
+            synchronize(device)
+            if step >= warmup:
+                times.append(time.perf_counter() - start)
+            assert out.shape[1] == input_ids.shape[1] + output_len
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser)
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--input_len", type=int, default=32)
+    parser.add_argument("--output_len", type=int, default=128)
+    parser.add_argument("--num_iters", type=int, default=3)
+    parser.add_argument("--num_iters_warmup", type=int, default=1)
+    args = parser.parse_args()
+
+    from raylm import SamplingParams, TokensPrompt
+
+    begin = time.perf_counter()
+    llm = build_llm(args, max_seq_len=args.input_len + args.output_len + 16)
+    startup = time.perf_counter() - begin
+    prompts = random_prompts(args.batch_size, args.input_len, llm.info.vocab_size, args.seed)
+    llm.generate(TokensPrompt(prompt_token_ids=prompts[0]), SamplingParams(max_tokens=1, ignore_eos=True))
+    first_token = time.perf_counter() - begin
+
+    ours = time_raylm(llm, prompts, args.output_len, args.num_iters, args.num_iters_warmup)
+    tokens = args.batch_size * args.output_len
+    result = {
+        "raylm": {"latency_s": ours, "mean_latency_s": statistics.mean(ours),
+                  "ms_per_output_token": 1000 * statistics.mean(ours) / args.output_len,
+                  "output_tokens_per_s": tokens / statistics.mean(ours),
+                  "startup_s": startup, "startup_to_first_token_s": first_token},
+    }
+    rows = [("raylm", statistics.mean(ours))]
+    if args.peer == "hf":
+        device = llm.info.device
+        model = hf_peer(args, llm)
+        peer = time_hf(model, prompts, args.output_len, args.num_iters, args.num_iters_warmup, device)
+        result["hf"] = {"latency_s": peer, "mean_latency_s": statistics.mean(peer),
+                        "ms_per_output_token": 1000 * statistics.mean(peer) / args.output_len,
+                        "output_tokens_per_s": tokens / statistics.mean(peer)}
+        result["speedup_vs_hf"] = statistics.mean(peer) / statistics.mean(ours)
+        rows.append(("hf transformers", statistics.mean(peer)))
+    llm.shutdown()
+
+    name = f"latency-{Path(args.model or 'smollm2').name}-b{args.batch_size}-i{args.input_len}-o{args.output_len}-" \
+           f"{llm.info.device}"
+    path = write_result(name, args, result)
+    print(f"\nbatch {args.batch_size}, input {args.input_len}, output {args.output_len} on {llm.info.device} "
+          f"({llm.info.dtype}); start-up {startup:.2f} s, first token at {first_token:.2f} s")
+    print(f"{'engine':<18}{'mean e2e (s)':>14}{'ms/token':>12}{'out tok/s':>12}")
+    for label, latency in rows:
+        print(f"{label:<18}{latency:>14.3f}{1000 * latency / args.output_len:>12.2f}{tokens / latency:>12.1f}")
+    if "speedup_vs_hf" in result:
+        print(f"raylm / hf speed ratio: {result['speedup_vs_hf']:.2f}x")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

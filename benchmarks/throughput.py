@@ -1,0 +1,92 @@
+"""Offline throughput, like `vllm bench throughput`: N random-token prompts of I tokens, O tokens out each
+(EOS ignored), all submitted at once; output and total tokens per second, engine start excluded.
+
+    python benchmarks/throughput.py --num_prompts 64 --input_len 128 --output_len 128 --peer hf
+    python benchmarks/throughput.py --model benchmarks/configs/llama-3.1-8b --load_format dummy \\
+        --num_prompts 1000 --input_len 1024 --output_len 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import add_model_args, build_llm, hf_peer, random_prompts, synchronize, write_result  # noqa: E402
+
+
+def run_raylm(llm, prompts, output_len: int) -> float:
+    from raylm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:2]], SamplingParams(max_tokens=4),
+                 use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
+    return elapsed
+
+
+def run_hf(model, prompts, output_len: int, device: str) -> float:
+    """HF transformers' continuous batching (generate_batch), EOS never reached."""
+    import torch
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                              eos_token_id=-1, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate_batch(inputs=prompts[:2], generation_config=config, progress_bar=False)
+        synchronize(device)
+        start = time.perf_counter()
+        outputs = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+        synchronize(device)
+        elapsed = time.perf_counter() - start
+    lengths = [len(out.generated_tokens) for out in outputs.values()]
+    assert len(lengths) == len(prompts) and min(lengths) == output_len, lengths[:4]
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser)
+    parser.add_argument("--num_prompts", type=int, default=64)
+    parser.add_argument("--input_len", type=int, default=128)
+    parser.add_argument("--output_len", type=int, default=128)
+    args = parser.parse_args()
+
+    llm = build_llm(args, max_seq_len=args.input_len + args.output_len + 16)
+    prompts = random_prompts(args.num_prompts, args.input_len, llm.info.vocab_size, args.seed)
+    elapsed = run_raylm(llm, prompts, args.output_len)
+    output_tokens = args.num_prompts * args.output_len
+    total_tokens = args.num_prompts * (args.input_len + args.output_len)
+    result = {"raylm": {"elapsed_s": elapsed, "output_tokens_per_s": output_tokens / elapsed,
+                        "total_tokens_per_s": total_tokens / elapsed, "requests_per_s": args.num_prompts / elapsed}}
+    rows = [("raylm", elapsed)]
+    if args.peer == "hf":
+        model = hf_peer(args, llm)
+        peer = run_hf(model, prompts, args.output_len, llm.info.device)
+        result["hf"] = {"elapsed_s": peer, "output_tokens_per_s": output_tokens / peer,
+                        "total_tokens_per_s": total_tokens / peer, "requests_per_s": args.num_prompts / peer}
+        result["speedup_vs_hf"] = peer / elapsed
+        rows.append(("hf transformers", peer))
+    llm.shutdown()
+
+    name = f"throughput-{Path(args.model or 'smollm2').name}-n{args.num_prompts}-i{args.input_len}-" \
+           f"o{args.output_len}-{llm.info.device}"
+    path = write_result(name, args, result)
+    print(f"\n{args.num_prompts} prompts x ({args.input_len} in, {args.output_len} out) on {llm.info.device} "
+          f"({llm.info.dtype})")
+    print(f"{'engine':<18}{'elapsed (s)':>12}{'output tok/s':>14}{'total tok/s':>13}{'req/s':>9}")
+    for label, seconds in rows:
+        print(f"{label:<18}{seconds:>12.2f}{output_tokens / seconds:>14.1f}{total_tokens / seconds:>13.1f}"
+              f"{args.num_prompts / seconds:>9.2f}")
+    if "speedup_vs_hf" in result:
+        print(f"raylm / hf speed ratio: {result['speedup_vs_hf']:.2f}x")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
