@@ -19,36 +19,49 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import add_model_args, build_llm, hf_peer, random_prompts, synchronize, write_result  # noqa: E402
 
 
-def time_raylm(llm, prompts, output_len: int, iters: int, warmup: int) -> list[float]:
+def raylm_runner(llm, prompts, output_len: int):
     from raylm import SamplingParams, TokensPrompt
 
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    for _ in range(warmup):
-        llm.generate(inputs, params, use_tqdm=False)
-    times = []
-    for _ in range(iters):
+
+    def run() -> float:
         start = time.perf_counter()
         outputs = llm.generate(inputs, params, use_tqdm=False)
-        times.append(time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
         assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
-    return times
+        return elapsed
+
+    return run
 
 
-def time_hf(model, prompts, output_len: int, iters: int, warmup: int, device: str) -> list[float]:
+def hf_runner(model, prompts, output_len: int, device: str):
     input_ids = torch.tensor(prompts, device=device)
     kwargs = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False, num_beams=1,
                   pad_token_id=0, attention_mask=torch.ones_like(input_ids))
-    times = []
-    with torch.inference_mode():
-        for step in range(warmup + iters):
+
+    def run() -> float:
+        with torch.inference_mode():
             synchronize(device)
             start = time.perf_counter()
             out = model.generate(input_ids, **kwargs)
             synchronize(device)
-            if step >= warmup:
-                times.append(time.perf_counter() - start)
-            assert out.shape[1] == input_ids.shape[1] + output_len
+            elapsed = time.perf_counter() - start
+        assert out.shape[1] == input_ids.shape[1] + output_len
+        return elapsed
+
+    return run
+
+
+def measure(runners: dict, iters: int, warmup: int) -> dict[str, list[float]]:
+    """Runs the engines in turn, iteration by iteration, so drift of the machine hits both alike."""
+    for _ in range(warmup):
+        for run in runners.values():
+            run()
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(iters):
+        for name, run in runners.items():
+            times[name].append(run())
     return times
 
 
@@ -71,25 +84,21 @@ def main() -> None:
     llm.generate(TokensPrompt(prompt_token_ids=prompts[0]), SamplingParams(max_tokens=1, ignore_eos=True))
     first_token = time.perf_counter() - begin
 
-    ours = time_raylm(llm, prompts, args.output_len, args.num_iters, args.num_iters_warmup)
-    tokens = args.batch_size * args.output_len
-    result = {
-        "raylm": {"latency_s": ours, "mean_latency_s": statistics.mean(ours),
-                  "ms_per_output_token": 1000 * statistics.mean(ours) / args.output_len,
-                  "output_tokens_per_s": tokens / statistics.mean(ours),
-                  "startup_s": startup, "startup_to_first_token_s": first_token},
-    }
-    rows = [("raylm", statistics.mean(ours))]
+    runners = {"raylm": raylm_runner(llm, prompts, args.output_len)}
     if args.peer == "hf":
-        device = llm.info.device
-        model = hf_peer(args, llm)
-        peer = time_hf(model, prompts, args.output_len, args.num_iters, args.num_iters_warmup, device)
-        result["hf"] = {"latency_s": peer, "mean_latency_s": statistics.mean(peer),
-                        "ms_per_output_token": 1000 * statistics.mean(peer) / args.output_len,
-                        "output_tokens_per_s": tokens / statistics.mean(peer)}
-        result["speedup_vs_hf"] = statistics.mean(peer) / statistics.mean(ours)
-        rows.append(("hf transformers", statistics.mean(peer)))
+        runners["hf"] = hf_runner(hf_peer(args, llm), prompts, args.output_len, llm.info.device)
+    times = measure(runners, args.num_iters, args.num_iters_warmup)
     llm.shutdown()
+    tokens = args.batch_size * args.output_len
+    result = {}
+    for name, latencies in times.items():
+        mean = statistics.mean(latencies)
+        result[name] = {"latency_s": latencies, "mean_latency_s": mean,
+                        "ms_per_output_token": 1000 * mean / args.output_len, "output_tokens_per_s": tokens / mean}
+    result["raylm"].update(startup_s=startup, startup_to_first_token_s=first_token)
+    if "hf" in times:
+        result["speedup_vs_hf"] = result["hf"]["mean_latency_s"] / result["raylm"]["mean_latency_s"]
+    rows = [(name if name == "raylm" else "hf transformers", result[name]["mean_latency_s"]) for name in times]
 
     name = f"latency-{Path(args.model or 'smollm2').name}-b{args.batch_size}-i{args.input_len}-o{args.output_len}-" \
            f"{llm.info.device}"

@@ -84,7 +84,7 @@ class Progress:
             target.cumulative_logprob += result.logprobs[position]
             logprob: TokenLogprob = (
                 result.logprobs[position],
-                result.ranks[position],
+                result.ranks[position] if result.ranks else None,
                 result.top_ids[position] if result.top_ids else None,
                 result.top_logprobs[position] if result.top_logprobs else None,
             )

@@ -85,43 +85,64 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
-        """logits: [len(rows), vocab] float32. Returns one SampleResult per row."""
+        """logits: [len(rows), vocab]. Returns one SampleResult per row."""
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-        processed = logits.clone()
-        for i, row in enumerate(rows):
-            if row.params.has_penalties:
-                apply_penalties(processed[i], row.params, row.prompt_token_ids, row.output_token_ids)
-            stop_ids = row.params.all_stop_token_ids
-            if stop_ids and len(row.output_token_ids) < row.params.min_tokens:
-                processed[i, torch.tensor(sorted(stop_ids), dtype=torch.long)] = float("-inf")
+        processed = self._process(logits, rows)
         greedy_ids = processed.argmax(dim=-1).tolist()
-        results = []
+        tokens_per_row: list[list[int]] = []
         for i, row in enumerate(rows):
+            params = row.params
             if row.beam_candidates:
-                beam_logprobs = torch.log_softmax(processed[i], dim=-1)
-                values, ids = torch.topk(beam_logprobs, row.beam_candidates)
-                results.append(SampleResult([], [], [], beam_ids=ids.tolist(), beam_logprobs=values.tolist()))
-                continue
-            if row.params.is_greedy:
-                tokens = [greedy_ids[i]] * row.num_samples
+                tokens_per_row.append([])
+            elif params.is_greedy:
+                tokens_per_row.append([greedy_ids[i]] * row.num_samples)
             else:
-                params = row.params
-                scaled = processed[i] / params.effective_temperature
-                scaled = filter_logits(scaled, params.top_k, params.top_p, params.min_p)
-                generator = row.generator or self.generator
-                tokens = _draw(scaled.softmax(dim=-1), generator, row.num_samples)
-            results.append(self._result(raw_logprobs[i], tokens, row.params.logprobs))
-        return results
+                scaled = filter_logits(processed[i] / params.effective_temperature, params.top_k, params.top_p,
+                                       params.min_p)
+                tokens_per_row.append(_draw(scaled.softmax(dim=-1), row.generator or self.generator, row.num_samples))
+        return self._results(raw_logprobs, processed, rows, tokens_per_row)
 
     @staticmethod
-    def _result(raw_logprobs: torch.Tensor, tokens: list[int], num_top: int | None) -> SampleResult:
-        token_tensor = torch.tensor(tokens, dtype=torch.long)
-        chosen = raw_logprobs[token_tensor]
-        ranks = (raw_logprobs.unsqueeze(0) > chosen.unsqueeze(1)).sum(dim=-1) + 1
-        result = SampleResult(tokens, chosen.tolist(), ranks.tolist())
-        if num_top:
-            values, ids = torch.topk(raw_logprobs, num_top)
-            result.top_ids = [ids.tolist()] * len(tokens)
-            result.top_logprobs = [values.tolist()] * len(tokens)
-        return result
+    def _process(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Logits after penalties and min_tokens masking (the input itself when no row needs either)."""
+        processed = None
+        for i, row in enumerate(rows):
+            params = row.params
+            masks_stops = params.min_tokens and len(row.output_token_ids) < params.min_tokens
+            if not params.has_penalties and not masks_stops:
+                continue
+            if processed is None:
+                processed = logits.clone()
+            if params.has_penalties:
+                apply_penalties(processed[i], params, row.prompt_token_ids, row.output_token_ids)
+            if masks_stops and params.all_stop_token_ids:
+                processed[i, torch.tensor(sorted(params.all_stop_token_ids), dtype=torch.long)] = float("-inf")
+        return logits if processed is None else processed
+
+    @staticmethod
+    def _results(raw_logprobs: torch.Tensor, processed: torch.Tensor, rows: list[SamplingRow],
+                 tokens_per_row: list[list[int]]) -> list[SampleResult]:
+        row_index = [i for i, tokens in enumerate(tokens_per_row) for _ in tokens]
+        flat_tokens = [token for tokens in tokens_per_row for token in tokens]
+        chosen = raw_logprobs[torch.tensor(row_index, dtype=torch.long), torch.tensor(flat_tokens, dtype=torch.long)]
+        chosen_list = chosen.tolist()
+        results = []
+        offset = 0
+        for i, (row, tokens) in enumerate(zip(rows, tokens_per_row)):
+            if row.beam_candidates:
+                values, ids = torch.topk(torch.log_softmax(processed[i], dim=-1), row.beam_candidates)
+                results.append(SampleResult([], [], [], beam_ids=ids.tolist(), beam_logprobs=values.tolist()))
+                continue
+            logprobs = chosen_list[offset : offset + len(tokens)]
+            result = SampleResult(tokens, logprobs, [])
+            if row.params.logprobs is not None:  # ranks and top-k only when asked for
+                row_chosen = chosen[offset : offset + len(tokens)]
+                result.ranks = ((raw_logprobs[i].unsqueeze(0) > row_chosen.unsqueeze(1)).sum(dim=-1) + 1).tolist()
+                if row.params.logprobs:
+                    values, ids = torch.topk(raw_logprobs[i], row.params.logprobs)
+                    result.top_ids = [ids.tolist()] * len(tokens)
+                    result.top_logprobs = [values.tolist()] * len(tokens)
+            offset += len(tokens)
+            results.append(result)
+        return results

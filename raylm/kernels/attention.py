@@ -116,8 +116,11 @@ def paged_attention(
     out = torch.empty_like(q)
     num_decodes = meta.num_decode_tokens
     if num_decodes:
-        keys = flat_k[meta.decode_slots].transpose(1, 2)  # [B, H_kv, L, D]
-        values = flat_v[meta.decode_slots].transpose(1, 2)
+        slots = meta.decode_slots
+        shape = (*slots.shape, num_kv_heads, head_dim)
+        # index_select gathers far faster than advanced indexing on the CPU.
+        keys = flat_k.index_select(0, slots.view(-1)).view(shape).transpose(1, 2)  # [B, H_kv, L, D]
+        values = flat_v.index_select(0, slots.view(-1)).view(shape).transpose(1, 2)
         query = q[:num_decodes].unsqueeze(2)  # [B, H_q, 1, D]
         attn = F.scaled_dot_product_attention(
             query, keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
@@ -131,8 +134,8 @@ def paged_attention(
             values = v[rows].transpose(0, 1).unsqueeze(0)
             attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            keys = flat_k[chunk.context_slots].transpose(0, 1).unsqueeze(0)
-            values = flat_v[chunk.context_slots].transpose(0, 1).unsqueeze(0)
+            keys = flat_k.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)
+            values = flat_v.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)
             attn = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=chunk.mask, scale=scale, enable_gqa=True
             )

@@ -47,10 +47,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_table", emb.sin(), persistent=False)
         self.head_dim = head_dim
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hk, D]; positions: [T]."""
-        cos = self.cos_table[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin_table[positions].to(q.dtype).unsqueeze(1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        return q, k
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at the given positions, [T, 1, D]: looked up once per forward, shared by all layers."""
+        cos = self.cos_table.index_select(0, positions).to(dtype).unsqueeze(1)
+        sin = self.sin_table.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
+    """q: [T, Hq, D], k: [T, Hk, D]; cos_sin from RotaryEmbedding.cos_sin."""
+    cos, sin = cos_sin
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -12,7 +12,7 @@ from torch import nn
 from raylm.kernels.activation import gated_activation
 from raylm.kernels.attention import AttentionMetadata, paged_attention
 from raylm.kernels.norm import RMSNorm
-from raylm.kernels.rotary import RotaryEmbedding, rope_inv_freq
+from raylm.kernels.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 from raylm.models.arch import ArchConfig
 from raylm.models.parallel import (
     SINGLE,
@@ -29,7 +29,7 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ArchConfig, rotary: RotaryEmbedding, ctx: ParallelContext):
+    def __init__(self, arch: ArchConfig, ctx: ParallelContext):
         super().__init__()
         self.head_dim = arch.head_dim
         self.qkv_proj = QKVParallelLinear(
@@ -40,10 +40,9 @@ class Attention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.rotary = rotary
         self.scale = arch.head_dim**-0.5
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -51,7 +50,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, rope)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
 
@@ -69,20 +68,20 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, rotary: RotaryEmbedding, ctx: ParallelContext):
+    def __init__(self, arch: ArchConfig, ctx: ParallelContext):
         super().__init__()
-        self.self_attn = Attention(arch, rotary, ctx)
+        self.self_attn = Attention(arch, ctx)
         self.mlp = MLP(arch, ctx)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, kv_cache, meta):
+    def forward(self, rope, hidden, residual, kv_cache, meta):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden = self.self_attn(rope, hidden, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -105,22 +104,22 @@ class LlamaForCausalLM(nn.Module):
         rope = arch.rope
         inv_freq = rope_inv_freq(arch.head_dim, rope.theta, rope.rope_type, rope.factor, rope.low_freq_factor,
                                  rope.high_freq_factor, rope.original_max_position_embeddings)
-        rotary = RotaryEmbedding(arch.head_dim, max_positions, inv_freq)
+        self.rotary = RotaryEmbedding(arch.head_dim, max_positions, inv_freq)
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, ctx)
-        self.layers = nn.ModuleList(DecoderLayer(arch, rotary, ctx) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, ctx) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, ctx)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = rotary
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final hidden states [T, hidden_size]."""
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, meta)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

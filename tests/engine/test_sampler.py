@@ -525,11 +525,12 @@ def test_reported_logprobs_are_the_raw_log_softmax_before_penalties_and_temperat
 def test_rank_is_one_for_the_argmax_and_one_plus_the_better_tokens_otherwise():
     logits = [0.1, 3.0, -2.0, 1.0, 0.5, 2.0, -1.0, 0.0]
     by_rank = sorted(range(VOCAB), key=lambda i: -logits[i])
-    [result] = _sample([_row(SamplingParams(temperature=5.0), seed=4, num_samples=400)], [logits])
+    [result] = _sample([_row(SamplingParams(temperature=5.0, logprobs=0), seed=4, num_samples=400)], [logits])
     assert set(result.token_ids) == set(range(VOCAB))
+    assert len(result.ranks) == len(result.token_ids)
     for token, rank in zip(result.token_ids, result.ranks):
         assert rank == by_rank.index(token) + 1
-    [greedy] = _sample([_row(SamplingParams())], [logits])
+    [greedy] = _sample([_row(SamplingParams(logprobs=0))], [logits])
     assert greedy.token_ids == [1] and greedy.ranks == [1]
 
 
@@ -556,7 +557,8 @@ def test_no_top_list_without_top_logprobs_but_the_chosen_logprob_is_reported(log
     [result] = _sample([_row(SamplingParams(logprobs=logprobs))])
     assert result.top_ids == [] and result.top_logprobs == []
     assert result.logprobs == pytest.approx([RAW_LOGPROBS[0]])
-    assert result.ranks == [1]
+    # Ranks are computed only when logprobs are asked for (they cost a pass over the vocabulary).
+    assert result.ranks == ([] if logprobs is None else [1])
 
 
 def test_logprobs_are_computed_in_float32_from_half_precision_logits():
