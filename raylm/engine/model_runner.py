@@ -1,5 +1,10 @@
 """The model runner: owns the device tensors (weights, KV cache), turns a schedule into a forward pass,
-and calls the sampler on the rows that need a token."""
+and calls the sampler on the rows that need a token.
+
+A step is described by a StepPlan, plain data that every rank of a multi-rank engine receives: each rank
+runs `forward` on its shard or stage, the last stage computes the logits the plan asks for, and rank 0
+samples. A single-process engine does all of it in `execute`.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +25,34 @@ _PROMPT_LOGPROB_ROWS = 256
 
 
 @dataclass
+class PromptLogprobSpec:
+    """Prompt positions whose next-token log-probabilities a request asked for."""
+
+    request_id: str
+    rows: list[int]  # rows of the step's hidden states (position p scores prompt token p + 1)
+    targets: list[int]  # the prompt tokens scored
+    num_top: int
+
+
+@dataclass
+class StepPlan:
+    """What every rank needs to run one step: flattened tokens, cache slots, and which logits to produce."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    decode_contexts: list[tuple[list[int], int]] = field(default_factory=list)
+    prefill_chunks: list[tuple[list[int], int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobSpec] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
 class ModelOutput:
     samples: list[SampleResult | None]  # aligned with SchedulerOutput.scheduled
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
@@ -36,7 +69,8 @@ def _sampling_row(item: ScheduledSequence) -> SamplingRow:
     return row
 
 
-def _logprob_entries(logprobs: torch.Tensor, targets: torch.Tensor, num_top: int) -> list[TokenLogprob]:
+def logprob_entries(logprobs: torch.Tensor, targets: torch.Tensor, num_top: int) -> list[TokenLogprob]:
+    """(logprob, rank, top ids, top logprobs) of each row's target token."""
     chosen = logprobs.gather(1, targets[:, None])
     ranks = (logprobs > chosen).sum(dim=-1) + 1
     chosen_list, rank_list = chosen.squeeze(1).tolist(), ranks.tolist()
@@ -46,6 +80,48 @@ def _logprob_entries(logprobs: torch.Tensor, targets: torch.Tensor, num_top: int
     else:
         tops = ((None, None) for _ in chosen_list)
     return [(lp, rank, top_ids, top_lps) for lp, rank, (top_ids, top_lps) in zip(chosen_list, rank_list, tops)]
+
+
+def plan_step(out: SchedulerOutput, block_size: int) -> StepPlan:
+    """Flattens a schedule (decodes first, then prefill chunks) into a StepPlan. Runs on rank 0, where the
+    requests live; records which prompt log-probabilities this step reports."""
+    plan = StepPlan(block_copies=list(out.block_copies))
+    offset = 0
+    for item in out.scheduled:
+        first_row = offset
+        span = range(item.start, item.start + item.num_tokens)
+        blocks = item.seq.block_ids
+        plan.input_ids.extend(item.token_ids)
+        plan.positions.extend(span)
+        plan.slot_mapping.extend(blocks[pos // block_size] * block_size + pos % block_size for pos in span)
+        offset += item.num_tokens
+        if item.num_tokens == 1:
+            plan.decode_contexts.append((blocks, item.start + 1))
+        else:
+            plan.prefill_chunks.append((blocks, item.start, item.num_tokens))
+        if item.completes:
+            plan.sample_rows.append(offset - 1)
+        spec = _prompt_logprob_spec(item, first_row)
+        if spec is not None:
+            plan.prompt_logprobs.append(spec)
+    return plan
+
+
+def _prompt_logprob_spec(item: ScheduledSequence, first_row: int) -> PromptLogprobSpec | None:
+    request = item.request
+    if not request.wants_prompt_logprobs or request.forked:
+        return None
+    last_target = min(item.start + item.num_tokens, request.num_prompt_tokens - 1)
+    first_target = max(item.start + 1, request.prompt_logprobs_next)
+    if first_target > last_target:
+        return None
+    request.prompt_logprobs_next = last_target + 1
+    return PromptLogprobSpec(
+        request_id=request.request_id,
+        rows=[first_row + target - 1 - item.start for target in range(first_target, last_target + 1)],
+        targets=request.prompt_token_ids[first_target : last_target + 1],
+        num_top=request.sampling_params.prompt_logprobs or 0,
+    )
 
 
 class ModelRunner:
@@ -58,20 +134,21 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = Sampler(seed)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.num_kv_heads = model.layers[0].self_attn.num_kv_heads
+        self.num_kv_heads = model.local_layers[0].self_attn.num_kv_heads
+        self.num_local_layers = model.num_local_layers
 
     # ------------------------------------------------------------------ KV cache
 
     def kv_bytes_per_block(self, kv_dtype: torch.dtype) -> int:
         element = torch.tensor([], dtype=kv_dtype).element_size()
-        return 2 * self.arch.num_layers * self.block_size * self.num_kv_heads * self.arch.head_dim * element
+        return 2 * self.num_local_layers * self.block_size * self.num_kv_heads * self.arch.head_dim * element
 
     def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype) -> None:
         """num_blocks usable blocks plus the null block 0, which alone is zeroed: every other slot is
         written before attention reads it, so the rest is left uninitialised (and untouched on the CPU)."""
         shape = (num_blocks + 1, self.block_size, self.num_kv_heads, self.arch.head_dim)
         self.kv_caches = []
-        for _ in range(self.arch.num_layers):
+        for _ in range(self.num_local_layers):
             k_cache = torch.empty(shape, dtype=kv_dtype, device=self.device)
             v_cache = torch.empty(shape, dtype=kv_dtype, device=self.device)
             k_cache[0].zero_()
@@ -87,77 +164,59 @@ class ModelRunner:
             k_cache[targets] = k_cache[sources]
             v_cache[targets] = v_cache[sources]
 
-    # ------------------------------------------------------------------ one step
+    # ------------------------------------------------------------------ the parts of a step
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelOutput:
-        self._copy_blocks(out.block_copies)
-        scheduled = out.scheduled
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        bs = self.block_size
-        for item in scheduled:
-            input_ids.extend(item.token_ids)
-            span = range(item.start, item.start + item.num_tokens)
-            positions.extend(span)
-            blocks = item.seq.block_ids
-            slot_mapping.extend(blocks[pos // bs] * bs + pos % bs for pos in span)
+    def forward(self, plan: StepPlan, intermediate=None):
+        """This rank's share of the step: final hidden states on the last stage, (hidden, residual) before."""
+        self._copy_blocks(plan.block_copies)
         meta = build_metadata(
-            decode_contexts=[(item.seq.block_ids, item.start + 1) for item in out.decodes],
-            prefill_chunks=[(item.seq.block_ids, item.start, item.num_tokens) for item in out.prefills],
-            slot_mapping=slot_mapping,
-            block_size=bs,
+            decode_contexts=plan.decode_contexts,
+            prefill_chunks=plan.prefill_chunks,
+            slot_mapping=plan.slot_mapping,
+            block_size=self.block_size,
             sliding_window=self.arch.sliding_window,
             device=self.device,
         )
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(positions, dtype=torch.long, device=self.device),
+        return self.model(
+            torch.tensor(plan.input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(plan.positions, dtype=torch.long, device=self.device),
             self.kv_caches,
             meta,
+            intermediate,
         )
-        return ModelOutput(self._sample(scheduled, hidden), self._prompt_logprobs(scheduled, hidden))
 
-    def _sample(self, scheduled: list[ScheduledSequence], hidden: torch.Tensor) -> list[SampleResult | None]:
-        rows, row_items, offset = [], [], 0
-        for position, item in enumerate(scheduled):
-            offset += item.num_tokens
-            if item.completes:
-                rows.append(offset - 1)
-                row_items.append(position)
-        samples: list[SampleResult | None] = [None] * len(scheduled)
-        if not rows:
-            return samples
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        results = self.sampler(logits, [_sampling_row(scheduled[i]) for i in row_items])
-        for position, result in zip(row_items, results):
-            samples[position] = result
+    @torch.inference_mode()
+    def compute_outputs(self, plan: StepPlan, hidden: torch.Tensor
+                        ) -> tuple[torch.Tensor | None, dict[str, list[TokenLogprob]]]:
+        """On the last stage: the sampling logits [len(sample_rows), vocab] and the prompt log-probabilities."""
+        logits = None
+        if plan.sample_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(plan.sample_rows, device=self.device)])
+        prompt_logprobs: dict[str, list[TokenLogprob]] = {}
+        for spec in plan.prompt_logprobs:
+            entries: list[TokenLogprob] = []
+            for start in range(0, len(spec.rows), _PROMPT_LOGPROB_ROWS):
+                rows = torch.tensor(spec.rows[start : start + _PROMPT_LOGPROB_ROWS], device=self.device)
+                targets = torch.tensor(spec.targets[start : start + _PROMPT_LOGPROB_ROWS], device=self.device)
+                logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
+                entries.extend(logprob_entries(logprobs, targets, spec.num_top))
+            prompt_logprobs[spec.request_id] = entries
+        return logits, prompt_logprobs
+
+    def sample(self, out: SchedulerOutput, logits: torch.Tensor | None) -> list[SampleResult | None]:
+        """On rank 0: one SampleResult per scheduled sequence that completes this step."""
+        samples: list[SampleResult | None] = [None] * len(out.scheduled)
+        positions = [i for i, item in enumerate(out.scheduled) if item.completes]
+        if positions:
+            results = self.sampler(logits, [_sampling_row(out.scheduled[i]) for i in positions])
+            for position, result in zip(positions, results):
+                samples[position] = result
         return samples
 
-    def _prompt_logprobs(self, scheduled: list[ScheduledSequence], hidden: torch.Tensor
-                         ) -> dict[str, list[TokenLogprob]]:
-        """Log-probabilities of prompt tokens: position p's logits score prompt token p + 1."""
-        found: dict[str, list[TokenLogprob]] = {}
-        offset = 0
-        for item in scheduled:
-            request = item.request
-            first_row = offset
-            offset += item.num_tokens
-            if not request.wants_prompt_logprobs or request.forked:
-                continue
-            last_target = min(item.start + item.num_tokens, request.num_prompt_tokens - 1)
-            first_target = max(item.start + 1, request.prompt_logprobs_next)
-            if first_target > last_target:
-                continue
-            num_top = request.sampling_params.prompt_logprobs or 0
-            entries: list[TokenLogprob] = []
-            for chunk_start in range(first_target, last_target + 1, _PROMPT_LOGPROB_ROWS):
-                chunk_end = min(chunk_start + _PROMPT_LOGPROB_ROWS, last_target + 1)
-                rows = torch.arange(chunk_start - 1, chunk_end - 1, device=self.device) - item.start + first_row
-                logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
-                targets = torch.tensor(request.prompt_token_ids[chunk_start:chunk_end], device=self.device)
-                entries.extend(_logprob_entries(logprobs, targets, num_top))
-            request.prompt_logprobs_next = last_target + 1
-            found[request.request_id] = entries
-        return found
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        """A whole step in this process (one rank holds the whole model)."""
+        plan = plan_step(out, self.block_size)
+        hidden = self.forward(plan)
+        logits, prompt_logprobs = self.compute_outputs(plan, hidden)
+        return ModelOutput(self.sample(out, logits), prompt_logprobs)

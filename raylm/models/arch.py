@@ -43,6 +43,15 @@ class ArchConfig:
     torch_dtype: torch.dtype | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (Qwen3-MoE): which layers route tokens to experts, and how.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[bool, ...] = ()
+
+    def is_moe_layer(self, index: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[index]
 
     @property
     def kv_elements_per_token(self) -> int:
@@ -98,8 +107,24 @@ def config_dtype(hf_config: Any) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
+def _moe_fields(hf_config: Any) -> dict:
+    num_experts = int(getattr(hf_config, "num_experts", 0) or getattr(hf_config, "num_local_experts", 0) or 0)
+    if not num_experts:
+        return {}
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or [])
+    layers = tuple(i not in dense and (i + 1) % step == 0 for i in range(hf_config.num_hidden_layers))
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=int(hf_config.num_experts_per_tok),
+        moe_intermediate_size=int(getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size),
+        norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", True)),
+        moe_layers=layers,
+    )
+
+
 def arch_from_hf(hf_config: Any, architecture: str, qkv_bias: bool, qk_norm: bool) -> ArchConfig:
-    """Reads an HF PretrainedConfig of the Llama / Qwen family."""
+    """Reads an HF PretrainedConfig of the Llama / Qwen family (dense or mixture of experts)."""
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     attention_bias = bool(getattr(hf_config, "attention_bias", False))
     return ArchConfig(
@@ -124,4 +149,5 @@ def arch_from_hf(hf_config: Any, architecture: str, qkv_bias: bool, qk_norm: boo
         torch_dtype=config_dtype(hf_config),
         bos_token_id=getattr(hf_config, "bos_token_id", None),
         eos_token_ids=_eos_ids(hf_config),
+        **_moe_fields(hf_config),
     )

@@ -1,6 +1,10 @@
 """Decoder-only transformer of the Llama family: Llama 2/3/3.1, Mistral, TinyLlama, SmolLM2, Qwen2/2.5
-(qkv bias) and Qwen3 (q/k RMSNorm per head). Pre-norm blocks, grouped-query attention, rotary
-positions, gated SiLU MLP."""
+(qkv bias), Qwen3 (q/k RMSNorm per head) and Qwen3-MoE (mixture-of-experts MLPs). Pre-norm blocks,
+grouped-query attention, rotary positions, gated SiLU MLP.
+
+Under pipeline parallelism a rank builds only its stage's layers (the others are parameterless
+placeholders, so parameter names keep their global layer index); the first stage embeds, the last
+normalises and projects onto the vocabulary."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from raylm.kernels.attention import AttentionMetadata, paged_attention
 from raylm.kernels.norm import RMSNorm
 from raylm.kernels.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 from raylm.models.arch import ArchConfig
+from raylm.models.moe import MoEBlock
 from raylm.models.parallel import (
     SINGLE,
     MergedColumnParallelLinear,
@@ -68,10 +73,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, ctx: ParallelContext):
+    def __init__(self, arch: ArchConfig, index: int, ctx: ParallelContext):
         super().__init__()
         self.self_attn = Attention(arch, ctx)
-        self.mlp = MLP(arch, ctx)
+        self.mlp = MoEBlock(arch, ctx) if arch.is_moe_layer(index) else MLP(arch, ctx)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -84,6 +89,13 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(rope, hidden, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+
+class MissingLayer(nn.Module):
+    """A layer that lives on another pipeline stage."""
+
+
+Intermediate = tuple[torch.Tensor, torch.Tensor]  # (hidden, residual) passed between pipeline stages
 
 
 class LlamaForCausalLM(nn.Module):
@@ -104,47 +116,101 @@ class LlamaForCausalLM(nn.Module):
         rope = arch.rope
         inv_freq = rope_inv_freq(arch.head_dim, rope.theta, rope.rope_type, rope.factor, rope.low_freq_factor,
                                  rope.high_freq_factor, rope.original_max_position_embeddings)
+        self.ctx = ctx
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, inv_freq)
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, ctx)
-        self.layers = nn.ModuleList(DecoderLayer(arch, ctx) for _ in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, ctx)
-        if arch.tie_word_embeddings:
+        self.start_layer, self.end_layer = ctx.layer_range(arch.num_layers)
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, ctx) \
+            if ctx.is_first_stage else None
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, i, ctx) if self.start_layer <= i < self.end_layer else MissingLayer()
+            for i in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps) if ctx.is_last_stage else None
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, ctx) if ctx.is_last_stage else None
+        if arch.tie_word_embeddings and ctx.pp_size == 1:
             self.lm_head.weight = self.embed_tokens.weight
 
+    @property
+    def num_local_layers(self) -> int:
+        return self.end_layer - self.start_layer
+
+    @property
+    def local_layers(self) -> list[DecoderLayer]:
+        return list(self.layers[self.start_layer : self.end_layer])
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns the final hidden states [T, hidden_size]."""
-        hidden = self.embed_tokens(input_ids)
+                meta: AttentionMetadata, intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+        """input_ids, positions: [T]; kv_caches: this stage's layers. The last stage returns the final hidden
+        states [T, hidden_size]; earlier stages return (hidden, residual) for the next stage."""
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
         rope = self.rotary.cos_sin(positions, hidden.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for layer, kv_cache in zip(self.local_layers, kv_caches):
             hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+        if self.norm is None:
+            return hidden, residual if residual is not None else torch.zeros_like(hidden)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
+    def _local_name(self, name: str) -> str | None:
+        """The parameter a checkpoint tensor fills on this rank, or None when it belongs elsewhere."""
+        name = name.removeprefix("model.")
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name.startswith("layers."):
+            index = int(name.split(".", 2)[1])
+            return name if self.start_layer <= index < self.end_layer else None
+        if name.startswith("embed_tokens."):
+            if self.embed_tokens is not None:
+                return name
+            # A tied LM head on a later stage than the embedding loads the embedding's weights itself.
+            return "lm_head.weight" if self.lm_head is not None and self.arch.tie_word_embeddings else None
+        if name.startswith("lm_head."):
+            if self.lm_head is None or (self.arch.tie_word_embeddings and self.ctx.pp_size == 1):
+                return None
+            return name
+        if name.startswith("norm."):
+            return name if self.norm is not None else None
+        return name
+
+    def _fused_name(self, name: str) -> tuple[str, object]:
+        """Maps a checkpoint name onto a fused parameter: (parameter name, shard id)."""
+        if ".mlp.experts." in name:  # layers.L.mlp.experts.E.{gate,up,down}_proj.weight
+            prefix, rest = name.split(".experts.", 1)
+            expert, proj, _ = rest.split(".", 2)
+            target = "w2" if proj == "down_proj" else "w13"
+            return f"{prefix}.{target}", (int(expert), 1 if proj == "up_proj" else 0)
+        for ckpt_name, (fused_name, fused_shard) in self.stacked_params.items():
+            if f".{ckpt_name}." in name:
+                return name.replace(ckpt_name, fused_name), fused_shard
+        return name, None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copies checkpoint tensors (HF names) into this rank's parameters; returns the names loaded."""
+        """Copies checkpoint tensors (HF names) into this rank's parameters; returns the names loaded.
+
+        Tensors may be lazy slices (anything with .shape and .narrow): loaders read only this rank's shard.
+        """
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb.inv_freq" in name:
+        for checkpoint_name, tensor in weights:
+            name = self._local_name(checkpoint_name)
+            if name is None:
                 continue
-            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
-                continue
-            shard_id = None
-            for ckpt_name, (fused_name, fused_shard) in self.stacked_params.items():
-                if f".{ckpt_name}." in name:
-                    name, shard_id = name.replace(ckpt_name, fused_name), fused_shard
-                    break
+            name, shard_id = self._fused_name(name)
+            if name.endswith((".w13", ".w2")):
+                block = self.get_submodule(name.rsplit(".", 1)[0])
+                if not block.owns(shard_id[0]):
+                    continue
             if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no parameter in {self.arch.architecture}")
+                raise ValueError(f"checkpoint tensor {checkpoint_name!r} has no parameter in "
+                                 f"{self.arch.architecture}")
             param = params[name]
             loader = getattr(param, "weight_loader", default_weight_loader)
-            loader(param, tensor.to(param.dtype), shard_id)
+            loader(param, tensor, shard_id)
             loaded.add(name)
         return loaded

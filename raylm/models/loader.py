@@ -41,13 +41,29 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def _iter_safetensors(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
+class LazyTensor:
+    """A checkpoint tensor not read yet: a rank reads only the slice its weight loader narrows to."""
+
+    def __init__(self, handle, name: str):
+        self._slice = handle.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._slice[:] if index is Ellipsis else self._slice[index]
+
+
+def _iter_safetensors(directory: Path) -> Iterator[tuple[str, LazyTensor]]:
     from safetensors import safe_open
 
     for path in sorted(directory.glob("*.safetensors")):
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                yield name, LazyTensor(handle, name)
 
 
 def _iter_pt(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:

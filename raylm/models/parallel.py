@@ -18,11 +18,30 @@ from torch import nn
 
 @dataclass(frozen=True)
 class ParallelContext:
-    """Where this process sits in the tensor-parallel group."""
+    """Where this process sits: its tensor-parallel group, pipeline stage, and expert-parallel split."""
 
     tp_rank: int = 0
     tp_size: int = 1
     tp_group: object | None = None
+    pp_rank: int = 0
+    pp_size: int = 1
+    ep_size: int = 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def layer_range(self, num_layers: int) -> tuple[int, int]:
+        """The layers of this pipeline stage: an even split, earlier stages taking the remainder."""
+        if num_layers < self.pp_size:
+            raise ValueError(f"pipeline_parallel_size ({self.pp_size}) exceeds the model's layers ({num_layers})")
+        base, extra = divmod(num_layers, self.pp_size)
+        start = self.pp_rank * base + min(self.pp_rank, extra)
+        return start, start + base + (1 if self.pp_rank < extra else 0)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
@@ -52,9 +71,9 @@ def _set_loader(param: nn.Parameter, loader: Callable) -> nn.Parameter:
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
-    if param.shape != loaded.shape:
+    if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
-    param.data.copy_(loaded)
+    param.data.copy_(loaded[...] if not isinstance(loaded, torch.Tensor) else loaded)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -173,7 +192,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
         rows = self.end - self.start
-        param.data[:rows].copy_(loaded[self.start : self.end])
+        param.data[:rows].copy_(loaded.narrow(0, self.start, rows))
         param.data[rows:].zero_()
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,77 @@
+"""Mixture-of-experts block (Qwen3-MoE), with experts split across ranks (expert parallelism).
+
+Every rank sees every token (activations are replicated after attention) and routes all of them; a rank
+computes only the experts it holds, for the tokens routed to them, and the partial outputs are summed
+across the tensor-parallel group. With moe_expert_parallel_size = ep < tp, the experts are split into ep
+groups and each expert's intermediate dimension is further split across the tp / ep ranks of its group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raylm.models.arch import ArchConfig
+from raylm.models.parallel import ParallelContext
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, arch: ArchConfig, ctx: ParallelContext):
+        super().__init__()
+        self.ctx = ctx
+        self.num_experts = arch.num_experts
+        self.top_k = arch.num_experts_per_tok
+        self.norm_topk_prob = arch.norm_topk_prob
+        ep = ctx.ep_size
+        if ctx.tp_size % ep or self.num_experts % ep:
+            raise ValueError(f"moe_expert_parallel_size ({ep}) must divide tensor_parallel_size ({ctx.tp_size}) "
+                             f"and the number of experts ({self.num_experts})")
+        self.expert_tp = ctx.tp_size // ep
+        self.expert_tp_rank = ctx.tp_rank % self.expert_tp
+        ep_rank = ctx.tp_rank // self.expert_tp
+        self.local_count = self.num_experts // ep
+        self.first_expert = ep_rank * self.local_count
+        if arch.moe_intermediate_size % self.expert_tp:
+            raise ValueError(f"moe_intermediate_size ({arch.moe_intermediate_size}) must be divisible by "
+                             f"tensor_parallel_size / moe_expert_parallel_size ({self.expert_tp})")
+        self.inter = arch.moe_intermediate_size // self.expert_tp
+        hidden = arch.hidden_size
+        self.gate = nn.Linear(hidden, self.num_experts, bias=False)  # the router, replicated
+        self.w13 = nn.Parameter(torch.empty(self.local_count, 2 * self.inter, hidden))
+        self.w2 = nn.Parameter(torch.empty(self.local_count, hidden, self.inter))
+        self.w13.weight_loader = self._load_w13
+        self.w2.weight_loader = self._load_w2
+
+    def owns(self, expert: int) -> bool:
+        return self.first_expert <= expert < self.first_expert + self.local_count
+
+    def _load_w13(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: tuple[int, int]) -> None:
+        expert, half = shard_id
+        rows = loaded.narrow(0, self.expert_tp_rank * self.inter, self.inter)
+        param.data[expert - self.first_expert, half * self.inter : (half + 1) * self.inter].copy_(rows)
+
+    def _load_w2(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: tuple[int, int]) -> None:
+        expert, _ = shard_id
+        param.data[expert - self.first_expert].copy_(loaded.narrow(1, self.expert_tp_rank * self.inter, self.inter))
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], experts [T, k]) as the reference router computes them."""
+        logits = F.linear(hidden, self.gate.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(hidden.dtype), experts
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.route(hidden)
+        out = torch.zeros_like(hidden)
+        for local in range(self.local_count):
+            token_idx, slot = torch.nonzero(experts == self.first_expert + local, as_tuple=True)
+            if token_idx.numel() == 0:
+                continue
+            gate, up = F.linear(hidden[token_idx], self.w13[local]).chunk(2, dim=-1)
+            expert_out = F.linear(F.silu(gate) * up, self.w2[local])
+            out.index_add_(0, token_idx, expert_out * weights[token_idx, slot].unsqueeze(-1))
+        return self.ctx.all_reduce(out)
