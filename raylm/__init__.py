@@ -5,12 +5,14 @@ from raylm.inputs import TextPrompt, TokensPrompt
 from raylm.llm import LLM
 from raylm.outputs import CompletionOutput, Logprob, RequestOutput
 from raylm.results import GenerationResult, RequestError
+from raylm.rl_api import AsyncLLM
 from raylm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "AsyncLLM",
     "CompletionOutput",
     "GenerationResult",
     "KvCacheConfig",

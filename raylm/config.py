@@ -69,6 +69,10 @@ class LlmArgs(StrictModel):
     kv_cache_config: KvCacheConfig = Field(default_factory=KvCacheConfig)
     scheduler_config: SchedulerConfig = Field(default_factory=SchedulerConfig)
 
+    worker_extension_cls: Any = Field(
+        default=None, description="A class (or 'module.Class') whose methods are mixed into every worker, "
+                                  "for collective_rpc.")
+
     seed: int = Field(default=0, ge=0)
     iter_stats_max_iterations: int = Field(default=1000, ge=0)
     attention_backend: Literal["auto", "torch"] = "auto"
@@ -77,6 +81,13 @@ class LlmArgs(StrictModel):
     @classmethod
     def _kv_cache_from_dict(cls, value: Any) -> Any:
         return KvCacheConfig(**value) if isinstance(value, dict) else value
+
+    @field_validator("worker_extension_cls")
+    @classmethod
+    def _extension_is_a_class(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, (str, type)):
+            raise ValueError(f"worker_extension_cls must be a class or 'module.Class', got {type(value).__name__}")
+        return value
 
     @model_validator(mode="after")
     def _check_parallelism(self) -> LlmArgs:

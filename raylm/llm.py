@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -62,6 +63,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None, **kwargs: Any):
+        self._placement = {key: kwargs.pop(key, None) for key in
+                           ("placement_groups", "placement_bundle_indices", "per_worker_gpu_share")}
         begin = time.perf_counter()
         if model is not None:
             kwargs["model"] = model
@@ -76,7 +79,7 @@ class LLM:
         device = resolve_device(self.args.device)
         dtype = resolve_dtype(self.args.dtype, device, config_dtype(hf_config))
         spec = WorkerSpec(self.args, source, device, dtype, self._max_seq_len(hf_config))
-        self._executor = self._create_executor(spec)
+        self._executor = self._create_executor(spec, device)
         self.info: EngineInfo = self._executor.info
         self._client = EngineClient(self._executor, self._tokenizer, self.args.iter_stats_max_iterations,
                                     self.args.kv_cache_config.event_buffer_max_size)
@@ -91,11 +94,30 @@ class LLM:
             return self.args.max_seq_len
         return int(getattr(hf_config, "max_position_embeddings", None) or 4096)
 
-    def _create_executor(self, spec: WorkerSpec) -> Executor:
-        if self.args.world_size > 1 or self.args.executor == "ray":
-            raise ValueError("tensor/pipeline parallelism and executor='ray' need the Ray executor, "
-                             "which this build does not include yet")
-        return LocalExecutor(spec)
+    def _uses_ray(self) -> bool:
+        from raylm.actors.ray_executor import ray_cluster_is_up
+
+        if self.args.executor != "auto":
+            return self.args.executor == "ray"
+        return self.args.world_size > 1 or bool(self._placement["placement_groups"]) or ray_cluster_is_up()
+
+    def _create_executor(self, spec: WorkerSpec, device: str) -> Executor:
+        args = self.args
+        if not self._uses_ray():
+            if args.world_size > 1:
+                raise ValueError("tensor_parallel_size x pipeline_parallel_size > 1 needs executor='ray'")
+            if any(value is not None for value in self._placement.values()):
+                raise ValueError("placement_groups, placement_bundle_indices and per_worker_gpu_share need "
+                                 "executor='ray'")
+            return LocalExecutor(spec)
+        from raylm.actors.distributed import RankLayout
+        from raylm.actors.ray_executor import RayExecutor
+
+        if device == "cpu":
+            spec.cpu_threads = max(1, (os.cpu_count() or 1) // args.world_size)
+        layout = RankLayout(args.tensor_parallel_size, args.pipeline_parallel_size,
+                            args.moe_expert_parallel_size or 1)
+        return RayExecutor(spec, layout, worker_extension_cls=args.worker_extension_cls, **self._placement)
 
     # ------------------------------------------------------------------ properties
 
@@ -247,6 +269,31 @@ class LLM:
         events = await asyncio.to_thread(self.get_kv_cache_events, timeout)
         for event in events:
             yield event
+
+    # ------------------------------------------------------------------ workers and health
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
+                       unique_reply_rank: int | None = None, target_ranks: int | list[int] | None = None) -> list:
+        """Calls a worker method (or one of worker_extension_cls) on the target ranks; one result per rank,
+        or only unique_reply_rank's."""
+        if self._client is None:
+            raise RuntimeError("the LLM is shut down")
+        if isinstance(target_ranks, int):
+            target_ranks = [target_ranks]
+        results = self._executor.collective_rpc(method, tuple(args), kwargs, target_ranks)
+        if unique_reply_rank is None:
+            return results
+        ranks = list(range(self.args.world_size)) if target_ranks is None else target_ranks
+        if unique_reply_rank not in ranks:
+            raise ValueError(f"unique_reply_rank {unique_reply_rank} is not among the target ranks {ranks}")
+        return [results[ranks.index(unique_reply_rank)]]
+
+    def check_health(self) -> None:
+        """Raises RuntimeError when the engine cannot serve requests."""
+        if self._client is None:
+            raise RuntimeError("the LLM is shut down")
+        if self._client.dead_reason is not None or not self._executor.is_healthy():
+            raise RuntimeError(f"the engine is not running: {self._client.dead_reason or 'a worker died'}")
 
     # ------------------------------------------------------------------ lifetime
 

@@ -16,7 +16,7 @@ TINY_VERSION = 1
 
 
 def _tiny_config(arch: str):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
@@ -29,10 +29,18 @@ def _tiny_config(arch: str):
         return Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000000.0)
     if arch == "qwen3":
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, rope_theta=1000000.0)
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**common, head_dim=32, tie_word_embeddings=False, rope_theta=1000000.0,
+                              num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                              decoder_sparse_step=1, mlp_only_layers=[1])
+    if arch == "llama_6heads":  # heads divisible by 3, for a tensor-parallel size that is not a power of two
+        return LlamaConfig(**{**common, "hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3,
+                              "intermediate_size": 192}, tie_word_embeddings=True)
     raise ValueError(arch)
 
 
-TINY_ARCHS = ["llama", "qwen2", "qwen3"]
+TINY_ARCHS = ["llama", "qwen2", "qwen3", "qwen3_moe"]
+ALL_TINY = [*TINY_ARCHS, "llama_6heads"]
 
 
 @pytest.fixture(scope="session")
@@ -48,7 +56,7 @@ def tiny_model_dirs(smollm2_dir) -> dict[str, Path]:
 
     dirs = {}
     tokenizer = None
-    for arch in TINY_ARCHS:
+    for arch in ALL_TINY:
         target = CACHE / f"tiny-{arch}-v{TINY_VERSION}"
         if not (target / "config.json").exists():
             torch.manual_seed(1234)
@@ -81,6 +89,16 @@ def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = model(torch.tensor([token_ids])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster for one test module, shut down after it so later modules run without Ray."""
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=True, log_to_driver=False)
+    yield ray
+    ray.shutdown()
 
 
 PROMPTS = [

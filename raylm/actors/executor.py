@@ -36,6 +36,9 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None: ...
 
+    def is_healthy(self) -> bool:
+        return True
+
 
 class LocalExecutor(Executor):
     """One worker in this process; the engine loop runs on a background thread."""
@@ -71,6 +74,9 @@ class LocalExecutor(Executor):
             raise ValueError(f"worker has no method {method!r}")
         # On the engine thread, between iterations, so the call never races a step.
         return [self.loop.call(lambda _engine: fn(*args, **(kwargs or {}))).result()]
+
+    def is_healthy(self) -> bool:
+        return self.loop.thread.is_alive()
 
     def shutdown(self) -> None:
         self.loop.stop()

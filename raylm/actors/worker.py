@@ -14,6 +14,7 @@ from raylm.config import LlmArgs
 from raylm.engine.engine_core import EngineCore, EngineLimits
 from raylm.engine.model_runner import ModelRunner
 from raylm.models.loader import load_hf_config, load_model
+from raylm.models.parallel import SINGLE, ParallelContext
 from raylm.models.source import ModelSource
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,7 +31,7 @@ class WorkerSpec:
     device: str
     dtype: str
     max_seq_len: int
-    rank: int = 0
+    cpu_threads: int | None = None  # torch threads of a CPU worker (None: torch's default)
 
 
 @dataclass
@@ -64,13 +65,21 @@ def resolve_dtype(requested: str, device: str, config_dtype: torch.dtype | None)
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec):
+    """One device's share of the engine. Start-up runs in three parts so that a multi-rank engine can agree
+    on one KV capacity: load_model (returns this rank's capacity), init_cache, then on rank 0 build_engine."""
+
+    def __init__(self, spec: WorkerSpec, ctx: ParallelContext = SINGLE):
         self.spec = spec
+        self.ctx = ctx
         self.device = torch.device(spec.device)
         self.dtype = _DTYPES[spec.dtype]
-        self.timings: dict[str, dict[str, float]] = {}
+        self.timings: dict[str, dict[str, float]] = {"py_executor": {}}
         self.engine: EngineCore | None = None
         self.runner: ModelRunner | None = None
+        self.arch = None
+        self._begin = time.perf_counter()
+        if spec.cpu_threads:
+            torch.set_num_threads(spec.cpu_threads)
 
     def report_device_id(self) -> str:
         """The GPU's UUID on CUDA; on the CPU a stable id of this host and process."""
@@ -78,22 +87,39 @@ class Worker:
             return str(torch.cuda.get_device_properties(self.device).uuid)
         return f"cpu-{uuid.getnode():012x}-{os.getpid()}"
 
-    def start(self) -> EngineInfo:
-        """Loads the model, sizes and allocates the KV cache, and builds the engine core."""
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        kv_config = self.spec.args.kv_cache_config
+        return self.dtype if kv_config.dtype == "auto" else _DTYPES[kv_config.dtype]
+
+    def load_model(self) -> int:
+        """Loads this rank's shard of the model; returns how many KV blocks this rank can hold."""
         begin = time.perf_counter()
         args = self.spec.args
         hf_config = load_hf_config(self.spec.source, args.trust_remote_code)
         loaded = load_model(self.spec.source, hf_config, self.dtype, self.device, self.spec.max_seq_len,
-                            args.load_format, seed=args.seed)
-        model_built = time.perf_counter()
+                            args.load_format, ctx=self.ctx, seed=args.seed)
+        self.arch = loaded.arch
+        self.runner = ModelRunner(loaded.model, loaded.arch, self.device, self.dtype,
+                                  args.kv_cache_config.tokens_per_block, seed=args.seed)
+        self.timings["model_loader"] = loaded.timings
+        self.timings["py_executor"]["model_engine_creation_seconds"] = time.perf_counter() - begin
+        return self._num_blocks(self.kv_dtype)
+
+    def init_cache(self, num_blocks: int) -> EngineInfo:
+        begin = time.perf_counter()
+        self.runner.allocate_kv_cache(num_blocks, self.kv_dtype)
+        seconds = time.perf_counter() - begin
+        self.timings["py_executor"]["final_kv_cache_creation_seconds"] = seconds
+        self.timings["py_executor"]["kv_cache_capacity_configuration_seconds"] = seconds
+        return EngineInfo(num_blocks, self.spec.args.kv_cache_config.tokens_per_block, self.spec.max_seq_len,
+                          self.arch.vocab_size, self.spec.device, self.spec.dtype, self.timings)
+
+    def build_engine(self, num_blocks: int, runner=None) -> EngineCore:
+        """The engine core (rank 0 only), stepping `runner` (this worker's runner unless given)."""
+        args = self.spec.args
         kv_config = args.kv_cache_config
-        self.runner = ModelRunner(loaded.model, loaded.arch, self.device, self.dtype, kv_config.tokens_per_block,
-                                  seed=args.seed)
-        kv_dtype = self.dtype if kv_config.dtype == "auto" else _DTYPES[kv_config.dtype]
-        num_blocks = self._num_blocks(kv_dtype)
-        self.runner.allocate_kv_cache(num_blocks, kv_dtype)
-        kv_ready = time.perf_counter()
-        self.engine = EngineCore(self.runner, EngineLimits(
+        self.engine = EngineCore(runner or self.runner, EngineLimits(
             max_batch_size=args.max_batch_size,
             max_num_tokens=args.max_num_tokens,
             max_seq_len=self.spec.max_seq_len,
@@ -104,19 +130,15 @@ class Worker:
             event_buffer_max_size=kv_config.event_buffer_max_size,
             iter_stats_max_iterations=args.iter_stats_max_iterations,
         ))
-        done = time.perf_counter()
-        self.timings = {
-            "model_loader": loaded.timings,
-            "py_executor": {
-                "model_engine_creation_seconds": model_built - begin,
-                "kv_cache_capacity_configuration_seconds": kv_ready - model_built,
-                "final_kv_cache_creation_seconds": kv_ready - model_built,
-                "worker_start_seconds": done - kv_ready,
-                "total_py_executor_creation_seconds": done - begin,
-            },
-        }
-        return EngineInfo(num_blocks, kv_config.tokens_per_block, self.spec.max_seq_len, loaded.arch.vocab_size,
-                          self.spec.device, self.spec.dtype, self.timings)
+        self.timings["py_executor"]["total_py_executor_creation_seconds"] = time.perf_counter() - self._begin
+        return self.engine
+
+    def start(self) -> EngineInfo:
+        """Single-process start-up: the whole model on this device."""
+        num_blocks = self.load_model()
+        info = self.init_cache(num_blocks)
+        self.build_engine(num_blocks)
+        return info
 
     def _num_blocks(self, kv_dtype: torch.dtype) -> int:
         kv_config = self.spec.args.kv_cache_config

@@ -23,6 +23,7 @@ _REGISTRY: dict[str, ModelEntry] = {
     "MistralForCausalLM": ModelEntry(LlamaForCausalLM),
     "Qwen2ForCausalLM": ModelEntry(LlamaForCausalLM, qkv_bias=True),
     "Qwen3ForCausalLM": ModelEntry(LlamaForCausalLM, qk_norm=True),
+    "Qwen3MoeForCausalLM": ModelEntry(LlamaForCausalLM, qk_norm=True),
 }
 
 

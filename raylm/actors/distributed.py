@@ -1,0 +1,203 @@
+"""Process groups and the multi-rank step.
+
+Ranks are laid out stage-major: rank = pp_rank * tp + tp_rank. `torch.distributed` is initialised through
+a TCPStore at rank 0: NCCL carries CUDA tensors (tensor-parallel all-reduces, pipeline activations on
+GPUs), gloo carries CPU tensors and control (the step plan that rank 0 broadcasts every iteration).
+
+Rank 0 hosts the engine. Each step it broadcasts the plan (split into pp micro-batches), runs its own
+stage, and under pipeline parallelism receives the logits from the last stage; the other ranks run
+`worker_loop`: receive the plan, run their stage, pass activations on. Stages work on different
+micro-batches at the same time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from raylm.engine.model_runner import ModelOutput, ModelRunner, StepPlan, plan_step
+from raylm.engine.scheduler import SchedulerOutput
+from raylm.models.parallel import ParallelContext
+
+# Idle workers wait in a broadcast for the next step; a dead peer is detected by the driver, not by this.
+_CONTROL_TIMEOUT = datetime.timedelta(days=30)
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    tp: int
+    pp: int
+    ep: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.tp
+
+    def pp_rank(self, rank: int) -> int:
+        return rank // self.tp
+
+    def rank_of(self, pp_rank: int, tp_rank: int) -> int:
+        return pp_rank * self.tp + tp_rank
+
+
+def free_address() -> tuple[str, int]:
+    """This node's address and a free TCP port for the TCPStore."""
+    try:
+        import ray
+
+        host = ray.util.get_node_ip_address()
+    except Exception:
+        host = "127.0.0.1"
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return host, sock.getsockname()[1]
+
+
+@dataclass
+class Communicator:
+    """This rank's process groups."""
+
+    rank: int
+    layout: RankLayout
+    device: torch.device
+    control: object  # gloo group over all ranks
+    ctx: ParallelContext
+
+    @property
+    def pp_rank(self) -> int:
+        return self.layout.pp_rank(self.rank)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.layout.tp_rank(self.rank)
+
+    def neighbour(self, stage_offset: int) -> int:
+        return self.layout.rank_of(self.pp_rank + stage_offset, self.tp_rank)
+
+    @property
+    def last_stage_leader(self) -> int:
+        return self.layout.rank_of(self.layout.pp - 1, 0)
+
+    def broadcast_plans(self, plans: list[StepPlan] | None) -> list[StepPlan] | None:
+        box = [plans]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def send_tensor(self, tensor: torch.Tensor, dst: int) -> None:
+        dist.send(tensor.contiguous(), dst)
+
+    def recv_tensor(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(tensor, src)
+        return tensor
+
+    def send_object(self, obj: object, dst: int) -> None:
+        dist.send_object_list([obj], dst, group=self.control)
+
+    def recv_object(self, src: int) -> object:
+        box = [None]
+        dist.recv_object_list(box, src, group=self.control)
+        return box[0]
+
+
+def init_distributed(rank: int, layout: RankLayout, address: str, port: int, device: torch.device,
+                     timeout_s: float = 600.0) -> Communicator:
+    """Joins the job's process groups (every rank calls this with the same layout, address and port)."""
+    world = layout.world_size
+    store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    control = dist.new_group(list(range(world)), backend="gloo", timeout=_CONTROL_TIMEOUT)
+    tp_group = None
+    for stage in range(layout.pp):  # every rank creates every group, in the same order
+        ranks = [layout.rank_of(stage, t) for t in range(layout.tp)]
+        group = dist.new_group(ranks, backend=backend)
+        if stage == layout.pp_rank(rank):
+            tp_group = group
+    ctx = ParallelContext(tp_rank=layout.tp_rank(rank), tp_size=layout.tp, tp_group=tp_group,
+                          pp_rank=layout.pp_rank(rank), pp_size=layout.pp, ep_size=layout.ep)
+    return Communicator(rank, layout, device, control, ctx)
+
+
+def split_schedule(out: SchedulerOutput, parts: int) -> list[SchedulerOutput]:
+    """Contiguous slices of the schedule, one per pipeline micro-batch (fewer if there are fewer sequences)."""
+    items = out.scheduled
+    parts = max(1, min(parts, len(items)))
+    bounds = [round(i * len(items) / parts) for i in range(parts + 1)]
+    slices = []
+    for index in range(parts):
+        chunk = items[bounds[index] : bounds[index + 1]]
+        piece = SchedulerOutput(decodes=[i for i in chunk if i.num_tokens == 1],
+                                prefills=[i for i in chunk if i.num_tokens > 1])
+        slices.append(piece)
+    slices[0].block_copies = out.block_copies
+    return slices
+
+
+def run_stage(runner: ModelRunner, comm: Communicator, plans: list[StepPlan]):
+    """Runs this rank's stage over every micro-batch; returns the last stage's outputs per micro-batch."""
+    layout = comm.layout
+    hidden_size = runner.arch.hidden_size
+    pending = []
+    outputs = []
+    for plan in plans:
+        intermediate = None
+        if comm.pp_rank > 0:
+            shape = (plan.num_tokens, hidden_size)
+            src = comm.neighbour(-1)
+            intermediate = (comm.recv_tensor(shape, runner.dtype, src), comm.recv_tensor(shape, runner.dtype, src))
+        result = runner.forward(plan, intermediate)
+        if comm.pp_rank < layout.pp - 1:
+            dst = comm.neighbour(1)
+            pending.extend(dist.isend(t.contiguous(), dst) for t in result)  # the next micro-batch starts now
+        else:
+            outputs.append(runner.compute_outputs(plan, result))
+    for request in pending:
+        request.wait()
+    return outputs
+
+
+class DistributedRunner:
+    """Rank 0's view of a multi-rank model: the engine calls execute() as it would on a single runner."""
+
+    def __init__(self, runner: ModelRunner, comm: Communicator):
+        self.runner = runner
+        self.comm = comm
+        self.device = runner.device
+
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        layout = self.comm.layout
+        plans = [plan_step(piece, self.runner.block_size) for piece in split_schedule(out, layout.pp)]
+        self.comm.broadcast_plans(plans)
+        outputs = run_stage(self.runner, self.comm, plans)
+        if layout.pp > 1:
+            outputs = [self.comm.recv_object(self.comm.last_stage_leader) for _ in plans]
+        logits = [logit for logit, _ in outputs if logit is not None]
+        prompt_logprobs = {}
+        for _, entries in outputs:
+            prompt_logprobs.update(entries)
+        sample_logits = torch.cat(logits) if logits else None
+        return ModelOutput(self.runner.sample(out, sample_logits), prompt_logprobs)
+
+    def stop_workers(self) -> None:
+        self.comm.broadcast_plans(None)
+
+
+def worker_loop(runner: ModelRunner, comm: Communicator) -> None:
+    """Ranks other than 0: run every step rank 0 broadcasts, until it broadcasts None."""
+    while True:
+        plans = comm.broadcast_plans(None)
+        if plans is None:
+            return
+        outputs = run_stage(runner, comm, plans)
+        if outputs and comm.rank == comm.last_stage_leader:
+            for logits, entries in outputs:
+                comm.send_object((logits.cpu() if logits is not None else None, entries), 0)

@@ -1,0 +1,129 @@
+"""The worker actor: one per device, pinned to its placement-group bundle.
+
+Rank 0 hosts the engine loop (on a thread of the actor) and the engine channel's far end: submissions
+and aborts arrive through an ordered concurrency group, outputs leave through a long poll that returns
+every iteration's output gathered since the last one. The other ranks run the worker loop.
+"""
+
+from __future__ import annotations
+
+import importlib
+import queue
+import traceback
+from typing import Any
+
+import torch
+
+from raylm.actors.distributed import Communicator, DistributedRunner, RankLayout, free_address, init_distributed
+from raylm.actors.distributed import worker_loop as run_worker_loop
+from raylm.actors.engine_loop import EngineLoop
+from raylm.actors.worker import EngineInfo, Worker, WorkerSpec
+from raylm.engine.messages import EngineRequest, StepOutput
+
+# Concurrency groups of the actor: ordered control messages, the output long poll, the blocking loops.
+CONCURRENCY_GROUPS = {"control": 1, "outputs": 1, "loop": 1}
+
+
+def resolve_extension(extension: type | str | None) -> type | None:
+    """A worker extension class, given as a class or as 'module.Class'."""
+    if extension is None or isinstance(extension, type):
+        return extension
+    module, _, name = extension.rpartition(".")
+    if not module:
+        raise ValueError(f"worker_extension_cls must be 'module.Class', got {extension!r}")
+    return getattr(importlib.import_module(module), name)
+
+
+class RayWorker:
+    def __init__(self, spec: WorkerSpec, rank: int, layout: RankLayout, extension: type | str | None = None):
+        self.spec = spec
+        self.rank = rank
+        self.layout = layout
+        extension_cls = resolve_extension(extension)
+        self.worker_cls = type("ExtendedWorker", (Worker, extension_cls), {}) if extension_cls else Worker
+        self.comm: Communicator | None = None
+        self.worker: Worker | None = None
+        self.loop: EngineLoop | None = None
+        self.outputs: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()
+        self.loop_error: str | None = None
+
+    # ------------------------------------------------------------------ start-up
+
+    def node_address(self) -> tuple[str, int]:
+        return free_address()
+
+    def init_distributed(self, address: str, port: int) -> None:
+        device = torch.device(self.spec.device)
+        if self.layout.world_size > 1:
+            self.comm = init_distributed(self.rank, self.layout, address, port, device)
+            self.worker = self.worker_cls(self.spec, self.comm.ctx)
+        else:
+            self.worker = self.worker_cls(self.spec)
+
+    def load_model(self) -> int:
+        return self.worker.load_model()
+
+    def init_cache(self, num_blocks: int) -> EngineInfo:
+        return self.worker.init_cache(num_blocks)
+
+    def start_engine(self, num_blocks: int) -> dict:
+        """Rank 0: builds the engine core over all ranks and starts its loop; returns the start-up timings."""
+        runner = DistributedRunner(self.worker.runner, self.comm) if self.comm is not None else None
+        engine = self.worker.build_engine(num_blocks, runner)
+        self.loop = EngineLoop(engine, self.outputs.put)
+        self.loop.start()
+        return self.worker.timings
+
+    # ------------------------------------------------------------------ loops (concurrency group "loop")
+
+    def run_worker_loop(self) -> None:
+        """Ranks > 0: runs until rank 0 stops the workers; raises if the loop fails."""
+        run_worker_loop(self.worker.runner, self.comm)
+
+    def watch_engine(self) -> None:
+        """Rank 0: returns when the engine loop ends; raises if it died."""
+        self.loop.thread.join()
+        if self.loop.error is not None:
+            raise RuntimeError(f"engine loop died: {self.loop.error!r}")
+
+    # ------------------------------------------------------------------ engine channel (rank 0)
+
+    def submit(self, requests: list[EngineRequest]) -> None:
+        self.loop.submit(requests)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.loop.abort(request_ids)
+
+    def stop_sequences(self, sequences: list[tuple[str, int]]) -> None:
+        self.loop.stop_sequences(sequences)
+
+    def get_outputs(self, timeout: float) -> list[StepOutput]:
+        """Every iteration output since the last call; waits up to timeout for the first."""
+        try:
+            batch = [self.outputs.get(timeout=timeout)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                batch.append(self.outputs.get_nowait())
+            except queue.Empty:
+                return batch
+
+    # ------------------------------------------------------------------ RPC and shutdown
+
+    def execute_method(self, method: str, args: tuple, kwargs: dict) -> Any:
+        fn = getattr(self.worker, method, None)
+        if fn is None or method.startswith("_") or not callable(fn):
+            raise ValueError(f"worker has no method {method!r}")
+        return fn(*args, **kwargs)
+
+    def stop(self) -> None:
+        """Rank 0: stops the engine loop and releases the other ranks from their loop."""
+        if self.loop is None:
+            return
+        self.loop.stop()
+        if self.comm is not None:
+            try:
+                DistributedRunner(self.worker.runner, self.comm).stop_workers()
+            except Exception:
+                traceback.print_exc()

@@ -1,0 +1,5 @@
+"""The API RL trainers drive: AsyncLLM."""
+
+from raylm.rl_api.async_llm import AsyncLLM
+
+__all__ = ["AsyncLLM"]

@@ -1,0 +1,134 @@
+"""The Ray executor on CPU (gloo): TP / PP / EP parity, collective_rpc, failures, clean shutdown."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from raylm import LLM, KvCacheConfig, SamplingParams, TokensPrompt
+from tests.conftest import hf_greedy, hf_model
+
+PROMPTS = [[504, 3575, 282, 4649, 314], [19556, 28, 957, 1462, 314, 1133, 2040], [2, 9, 77, 1203, 11, 8, 3, 40] * 3]
+NEW_TOKENS = 16
+KV = KvCacheConfig(max_tokens=2048, tokens_per_block=16)
+
+
+def _generate(llm: LLM) -> list[list[int]]:
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], SamplingParams(max_tokens=NEW_TOKENS),
+                           use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _hf_tokens(path) -> list[list[int]]:
+    model = hf_model(path)
+    return [hf_greedy(model, prompt, NEW_TOKENS) for prompt in PROMPTS]
+
+
+@pytest.mark.parametrize(
+    ("arch", "tp", "pp", "ep"),
+    [
+        ("llama", 2, 1, None),
+        ("llama", 1, 2, None),
+        ("llama", 2, 2, None),
+        ("llama", 4, 1, None),  # 2 KV heads over 4 ranks: each KV head replicated twice
+        ("qwen2", 2, 1, None),
+        ("llama_6heads", 3, 1, None),  # a tensor-parallel size that is not a power of two
+        ("qwen3_moe", 2, 1, 2),  # experts split over 2 ranks
+        ("qwen3_moe", 2, 1, 1),  # every expert's intermediate split over 2 ranks
+        ("qwen3_moe", 1, 2, None),
+    ],
+)
+def test_parallel_greedy_tokens_equal_hf(ray_cluster, tiny_model_dirs, arch, tp, pp, ep):
+    path = tiny_model_dirs[arch]
+    with LLM(str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, moe_expert_parallel_size=ep,
+             kv_cache_config=KV) as llm:
+        assert len(llm.collective_rpc("report_device_id")) == tp * pp
+        got = _generate(llm)
+    assert got == _hf_tokens(path)
+
+
+def test_pipeline_micro_batches_keep_prompt_logprobs_and_sampling_exact(ray_cluster, tiny_model_dirs):
+    path = tiny_model_dirs["llama"]
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=5, logprobs=2, prompt_logprobs=1)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
+    with LLM(str(path), executor="local", kv_cache_config=KV) as single:
+        expected = single.generate(prompts, params, use_tqdm=False)
+    with LLM(str(path), pipeline_parallel_size=2, kv_cache_config=KV) as staged:
+        got = staged.generate(prompts, params, use_tqdm=False)
+    for ours, reference in zip(got, expected):
+        assert ours.outputs[0].token_ids == reference.outputs[0].token_ids
+        for a, b in zip(ours.prompt_logprobs[1:], reference.prompt_logprobs[1:]):
+            assert {t: round(v.logprob, 4) for t, v in a.items()} == {t: round(v.logprob, 4) for t, v in b.items()}
+
+
+def test_ray_executor_is_chosen_when_a_cluster_is_up_and_matches_local(ray_cluster, tiny_model_dirs):
+    path = tiny_model_dirs["qwen3"]
+    with LLM(str(path), kv_cache_config=KV) as auto:
+        assert type(auto._executor).__name__ == "RayExecutor"
+        via_ray = _generate(auto)
+    with LLM(str(path), executor="local", kv_cache_config=KV) as local:
+        assert via_ray == _generate(local)
+
+
+def test_collective_rpc_target_ranks_and_unique_reply(ray_cluster, tiny_model_dirs):
+    with LLM(str(tiny_model_dirs["llama"]), tensor_parallel_size=2, kv_cache_config=KV) as llm:
+        everyone = llm.collective_rpc("report_device_id")
+        assert len(set(everyone)) == 2
+        assert llm.collective_rpc("report_device_id", target_ranks=[1]) == everyone[1:]
+        assert llm.collective_rpc("report_device_id", target_ranks=1) == everyone[1:]
+        assert llm.collective_rpc("report_device_id", unique_reply_rank=1) == everyone[1:]
+        with pytest.raises(ValueError, match="target_ranks"):
+            llm.collective_rpc("report_device_id", target_ranks=[2])
+        with pytest.raises(ValueError, match="no method"):
+            llm.collective_rpc("_private")
+
+
+def _alive_workers(ray_module) -> list:
+    from ray.util.state import list_actors
+
+    return [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == "RayWorker"]
+
+
+def _live_groups() -> list:
+    from ray.util.state import list_placement_groups
+
+    return [g for g in list_placement_groups() if g.state != "REMOVED"]
+
+
+def test_shutdown_leaves_no_actors_or_placement_groups_and_two_engines_coexist(ray_cluster, tiny_model_dirs):
+    first = LLM(str(tiny_model_dirs["llama"]), tensor_parallel_size=2, kv_cache_config=KV)
+    second = LLM(str(tiny_model_dirs["qwen2"]), pipeline_parallel_size=2, kv_cache_config=KV)
+    assert len(_alive_workers(ray_cluster)) == 4
+    assert _generate(first) == _hf_tokens(tiny_model_dirs["llama"])
+    assert _generate(second) == _hf_tokens(tiny_model_dirs["qwen2"])
+    first.shutdown()
+    second.shutdown()
+    deadline = time.time() + 10
+    while (_alive_workers(ray_cluster) or _live_groups()) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _alive_workers(ray_cluster) == [] and _live_groups() == []
+
+
+def test_killing_a_worker_fails_requests_quickly_and_health_reports_it(ray_cluster, tiny_model_dirs):
+    llm = LLM(str(tiny_model_dirs["llama"]), tensor_parallel_size=2, kv_cache_config=KV)
+    try:
+        llm.check_health()
+        running = llm.generate_async([5, 6, 7], SamplingParams(max_tokens=2000, ignore_eos=True))
+        time.sleep(1.0)
+        killed_at = time.time()
+        ray_cluster.kill(llm._executor.actors[1])
+        # Either the driver sees the dead actor first, or rank 0's collective breaks: both fail the request.
+        with pytest.raises(RuntimeError, match="worker 1|Connection|engine step failed"):
+            running.result(timeout=30)
+        assert time.time() - killed_at < 10
+        with pytest.raises(RuntimeError, match="not running"):
+            llm.check_health()
+        with pytest.raises(RuntimeError, match="not running"):
+            llm.generate([1, 2, 3])
+    finally:
+        llm.shutdown()
+    deadline = time.time() + 10
+    while (_alive_workers(ray_cluster) or _live_groups()) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _alive_workers(ray_cluster) == [] and _live_groups() == []
