@@ -288,12 +288,20 @@ class LLM:
             raise ValueError(f"unique_reply_rank {unique_reply_rank} is not among the target ranks {ranks}")
         return [results[ranks.index(unique_reply_rank)]]
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine cannot serve requests, or None while it can."""
+        if self._client is None:
+            return "the engine is shut down"
+        if self._client.dead_reason is not None:
+            return self._client.dead_reason
+        return None if self._executor.is_healthy() else "an engine worker died"
+
     def check_health(self) -> None:
         """Raises RuntimeError when the engine cannot serve requests."""
-        if self._client is None:
-            raise RuntimeError("the LLM is shut down")
-        if self._client.dead_reason is not None or not self._executor.is_healthy():
-            raise RuntimeError(f"the engine is not running: {self._client.dead_reason or 'a worker died'}")
+        reason = self.dead_reason
+        if reason is not None:
+            raise RuntimeError(f"the engine is not running: {reason}")
 
     # ------------------------------------------------------------------ lifetime
 

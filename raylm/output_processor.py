@@ -6,6 +6,7 @@ string, the text is cut there and the engine is told to end that sequence.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,9 @@ class RequestState:
         self.num_cached_tokens = 0
         self.finished = False
         self.error: str | None = None
+        self.arrival_time = time.time()
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
 
     # ------------------------------------------------------------------ applying deltas
@@ -91,9 +95,12 @@ class RequestState:
                 stopped.append((self.request_id, seq.index))
         if delta.error:
             self.error = delta.error
+        if self.first_token_time is None and any(s.token_ids for s in self.sequences.values()):
+            self.first_token_time = time.time()
         if delta.finished or (self.sequences and all(s.finish_reason for s in self.sequences.values())
                               and len(self.sequences) >= self.params.num_sequences):
             self.finished = True
+            self.finished_time = time.time()
             for seq in self.sequences.values():
                 seq.finish_reason = seq.finish_reason or "abort"
         return stopped
@@ -145,6 +152,13 @@ class RequestState:
 
     # ------------------------------------------------------------------ snapshots
 
+    def _visible_text(self, seq: SequenceState) -> str:
+        """Text a snapshot may show: while a sequence runs, its last characters could still turn out to be
+        the start of a stop string (which the final text leaves out), so they wait."""
+        if seq.finish_reason is not None or self.max_stop_len <= 1:
+            return seq.text
+        return seq.text[: max(seq.sent_text, len(seq.text) - (self.max_stop_len - 1))]
+
     def snapshot(self) -> RequestOutput:
         """The request's state now; diffs cover what changed since the previous snapshot."""
         sequences = sorted(self.sequences.values(), key=lambda s: s.index)
@@ -152,19 +166,20 @@ class RequestState:
             sequences = sorted(sequences, key=lambda s: -s.cumulative_logprob)[: self.params.n]
         outputs = []
         for position, seq in enumerate(sequences):
+            text = self._visible_text(seq)
             outputs.append(CompletionOutput(
                 index=position,
-                text=seq.text,
+                text=text,
                 token_ids=list(seq.token_ids),
                 cumulative_logprob=seq.cumulative_logprob,
                 logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
                 finish_reason=seq.finish_reason,
                 stop_reason=seq.stop_reason,
-                text_diff=seq.text[seq.sent_text:],
+                text_diff=text[seq.sent_text:],
                 token_ids_diff=seq.token_ids[seq.sent_tokens:],
                 logprobs_diff=seq.logprobs[seq.sent_logprobs:] if seq.logprobs is not None else [],
             ))
-            seq.sent_text, seq.sent_tokens = len(seq.text), len(seq.token_ids)
+            seq.sent_text, seq.sent_tokens = len(text), len(seq.token_ids)
             seq.sent_logprobs = len(seq.logprobs) if seq.logprobs is not None else 0
         return RequestOutput(
             request_id=self.request_id,
@@ -174,4 +189,19 @@ class RequestState:
             finished=self.finished,
             prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
             num_cached_tokens=self.num_cached_tokens,
+            metrics=self._metrics(),
         )
+
+    def _metrics(self) -> dict[str, float]:
+        """Wall-clock times (seconds since the epoch) and the latencies derived from them."""
+        metrics = {"arrival_time": self.arrival_time}
+        if self.first_token_time is not None:
+            metrics["first_token_time"] = self.first_token_time
+            metrics["time_to_first_token"] = self.first_token_time - self.arrival_time
+        if self.finished_time is not None:
+            metrics["finished_time"] = self.finished_time
+            metrics["e2e_latency"] = self.finished_time - self.arrival_time
+            generated = max((len(s.token_ids) for s in self.sequences.values()), default=0)
+            if self.first_token_time is not None and generated > 1:
+                metrics["time_per_output_token"] = (self.finished_time - self.first_token_time) / (generated - 1)
+        return metrics

@@ -86,6 +86,25 @@ def test_streaming_deltas_concatenate_to_the_final_text(llm):
     assert final.text == llm.tokenizer.decode(final.token_ids, skip_special_tokens=True)
 
 
+def test_streamed_text_never_shows_the_start_of_a_stop_string(llm):
+    free = llm.generate("The capital of France is", SamplingParams(max_tokens=12)).outputs[0].text
+    stop = free[len(" Paris.") : len(" Paris.") + 6]  # begins right after " Paris."
+
+    async def run():
+        return [chunk async for chunk in llm.generate_async(
+            "The capital of France is", SamplingParams(max_tokens=12, stop=[stop]), streaming=True)]
+
+    chunks = asyncio.run(run())
+    assert chunks[-1].outputs[0].text == " Paris."
+    sent = ""
+    for chunk in chunks:
+        sent += chunk.outputs[0].text_diff
+        assert " Paris.".startswith(sent)  # no character the final text lacks is ever sent
+    assert sent == " Paris."
+    metrics = chunks[-1].metrics
+    assert 0 < metrics["time_to_first_token"] <= metrics["e2e_latency"]
+
+
 def test_cancelling_a_request_frees_its_blocks_and_others_continue(llm):
     async def run():
         task = asyncio.ensure_future(llm.generate_async("Tell me a long story:",

@@ -1,0 +1,184 @@
+"""build_app: the OpenAI-compatible FastAPI application over one engine.
+
+The app needs only this of the engine: generate_async(prompt, sampling_params, streaming=, priority=,
+cache_salt=) returning a GenerationResult, tokenizer, get_stats(timeout=), startup_metrics,
+get_kv_cache_capacity() and info.max_seq_len. raylm.LLM has them; a Ray Serve deployment can pass any
+object that does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from raylm import __version__
+from raylm.serving.chat import message_dicts, render_chat
+from raylm.serving.chat_completions import create_chat_completion
+from raylm.serving.completions import create_completion
+from raylm.serving.config import ServingConfig
+from raylm.serving.errors import OpenAIError, bad_request, from_validation_errors
+from raylm.serving.generation import ServingContext, unix_time
+from raylm.serving.metrics import ServingMetrics
+from raylm.serving.middleware import ApiKeyCheck, InFlightLimit
+from raylm.serving.profiling import ProfileConflict, StartProfileRequest, TorchProfiler
+from raylm.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    ResponsesRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from raylm.serving.responses import create_response
+
+logger = logging.getLogger(__name__)
+
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+
+
+def engine_dead_reason(engine: Any) -> str | None:
+    """Why the engine cannot serve requests, or None while it is up (an engine object without a
+    dead_reason counts as up; its failures surface per request)."""
+    return getattr(engine, "dead_reason", None)
+
+
+def build_app(engine: Any, config: ServingConfig) -> FastAPI:
+    """The FastAPI app serving `engine` under `config.served_model_name`; run it with any ASGI server."""
+    metrics = ServingMetrics(config.served_model_name)
+    context = ServingContext(engine, config, metrics, dead_reason=lambda: engine_dead_reason(engine))
+    profiler = TorchProfiler(config.profile_dir)
+    created = unix_time()
+
+    app = FastAPI(title="raylm", version=__version__)
+    _add_error_handlers(app)
+    app.add_middleware(InFlightLimit, max_in_flight=config.max_queue, routes=GENERATION_ROUTES,
+                       gauge=metrics.requests_in_flight)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyCheck, api_key=config.api_key)
+
+    # ------------------------------------------------------------------ OpenAI routes
+
+    def model_card() -> ModelCard:
+        return ModelCard(id=context.model_name, created=created, max_model_len=context.max_seq_len)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> ModelCard:
+        context.check_model(model)
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(context, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(context, body, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await create_response(context, body, request)
+
+    # ------------------------------------------------------------------ server state
+
+    @app.get("/health")
+    async def health() -> Response:
+        context.check_engine()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/server_info")
+    async def server_info() -> dict:
+        return {"model": context.model_name, "version": __version__, "max_seq_len": context.max_seq_len,
+                "kv_cache": engine.get_kv_cache_capacity(), "startup_metrics": engine.startup_metrics}
+
+    async def collect_stats() -> None:
+        metrics.ingest_iteration_stats(await asyncio.to_thread(engine.get_stats, timeout=0))
+
+    @app.get("/metrics")
+    async def iteration_stats() -> list[dict]:
+        await collect_stats()
+        return metrics.take_iteration_stats()
+
+    @app.get("/prometheus/metrics")
+    async def prometheus_metrics() -> Response:
+        await collect_stats()
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # ------------------------------------------------------------------ tokenizer
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        context.check_model(body.model)
+        if body.messages is not None:
+            _, tokens = render_chat(context.tokenizer, message_dicts(body.messages), config.chat_template,
+                                    body.add_generation_prompt)
+        else:
+            tokens = context.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=context.max_seq_len)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        context.check_model(body.model)
+        vocab_size = len(context.tokenizer)
+        bad = [token for token in body.tokens if not 0 <= token < vocab_size]
+        if bad:
+            raise bad_request(f"tokens must be in [0, {vocab_size}), got {bad[:5]}", "tokens")
+        return DetokenizeResponse(prompt=context.tokenizer.decode(body.tokens))
+
+    # ------------------------------------------------------------------ profiling
+
+    @app.post("/start_profile")
+    async def start_profile(body: StartProfileRequest | None = None) -> Response:
+        try:
+            path = await profiler.start(body or StartProfileRequest())
+        except ProfileConflict as exc:
+            return JSONResponse({"success": False, "message": str(exc)}, status_code=409)
+        return JSONResponse({"message": "Profiling started", "trace_path": path})
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> Response:
+        try:
+            path = await profiler.stop()
+        except ProfileConflict as exc:
+            return JSONResponse({"success": False, "message": str(exc)}, status_code=409)
+        return JSONResponse({"message": "Profiling stopped", "trace_path": path})
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves in OpenAI's shape."""
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, exc: RequestValidationError) -> Response:
+        return from_validation_errors(exc.errors()).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> Response:
+        return OpenAIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error serving %s", request.url.path)
+        return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}").response()

@@ -1,0 +1,62 @@
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with the matching HTTP status."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 409: "invalid_request_error", 429: "rate_limit_error"}
+
+
+class OpenAIError(Exception):
+    """An error the server answers with; raised anywhere below a route, rendered by the app's handler."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        kind = _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param, code)
+
+
+def from_engine_error(exc: ValueError | TypeError, fields: Sequence[str] = ()) -> OpenAIError:
+    """A 400 for a ValueError/TypeError raised by raylm; its messages start with the field they are about."""
+    message = str(exc)
+    first_word = message.split(" ", 1)[0]
+    return bad_request(message, param=first_word if first_word in fields else None)
+
+
+def from_validation_errors(errors: Sequence[dict[str, Any]]) -> OpenAIError:
+    """A 400 for the first pydantic error of a request body (FastAPI's RequestValidationError)."""
+    if not errors:
+        return bad_request("invalid request")
+    error = errors[0]
+    kind = error.get("type", "")
+    location = [str(part) for part in error.get("loc", ()) if part != "body"]
+    param = ".".join(location) or None
+    message = str(error.get("msg", "invalid value"))
+    if kind == "json_invalid":
+        return bad_request(f"the request body is not valid JSON: {error.get('ctx', {}).get('error', message)}",
+                           code="invalid_json")
+    if kind == "extra_forbidden":
+        return bad_request(f"Unrecognized request argument supplied: {param}", param, code="unknown_parameter")
+    if kind == "missing":
+        return bad_request(f"{param} is required", param, code="missing_required_parameter")
+    message = message.removeprefix("Value error, ")
+    if message.startswith("raylm does not support"):
+        return bad_request(message, param, code="unsupported_parameter")
+    return bad_request(f"{param}: {message}" if param else message, param, code="invalid_value")

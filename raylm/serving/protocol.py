@@ -1,0 +1,452 @@
+"""The OpenAI wire format: pydantic models of the requests and responses the server speaks.
+
+Requests are strict: a number is never a string or a bool, and a field the model does not declare is an
+error (400), so nothing that would change the output is dropped silently. Three kinds of declared fields:
+- implemented: mapped onto SamplingParams or the prompt;
+- ignored: OpenAI fields that do not change the output (user, metadata, store, ...), accepted and unused;
+- unsupported: OpenAI fields raylm does not implement yet (tools, response_format, logit_bias, ...),
+  answered 400 unless they hold a value that changes nothing (null, [], {}, {"type": "text"}, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from raylm.sampling_params import SamplingParams
+
+# Values of unsupported fields that ask for nothing beyond what raylm does anyway.
+_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "text": ({"format": {"type": "text"}},),
+    "tool_choice": ("none",),
+    "modalities": (["text"],),
+    "truncation": ("disabled",),
+    "background": (False,),
+    "top_logprobs": (0,),
+    "start_step": (0,),
+}
+
+
+def reject_unsupported(*names: str) -> Any:
+    """A field validator answering 400 when one of the named fields asks for something raylm lacks."""
+
+    def check(cls: type, value: Any, info: Any) -> Any:
+        if value is None or value == [] or value == {} or value in _NO_OP_VALUES.get(info.field_name, ()):
+            return value
+        raise ValueError(f"raylm does not support `{info.field_name}` yet")
+
+    return field_validator(*names)(check)
+
+
+class RequestModel(BaseModel):
+    """A request body: strict types and no undeclared fields."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+    include_obfuscation: Any = None  # ignored: padding against side channels; the text is unchanged
+
+
+class SamplingFields(RequestModel):
+    """Decoding fields every generation endpoint shares; top_k onwards are raylm extensions."""
+
+    model: str
+    temperature: float | None = None  # OpenAI's default, 1.0, when unset
+    top_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    priority: float = 0.5
+    cache_salt: str | None = None
+    # Ignored: they do not change the output.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        return dict(
+            temperature=1.0 if self.temperature is None else self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, seed=self.seed, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+        )
+
+
+class SamplingRequest(SamplingFields):
+    """Fields of /v1/completions and /v1/chat/completions beyond the shared ones."""
+
+    n: int = 1
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: Any = None
+
+    _unsupported = reject_unsupported("logit_bias")
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    def sampling_params(self, max_tokens: int, **extra: Any) -> SamplingParams:
+        """The engine's SamplingParams; raises ValueError/TypeError naming the field when a value is out of range."""
+        return SamplingParams(
+            max_tokens=max_tokens, n=self.n, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens, **self.sampling_kwargs(), **extra,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+
+# ---------------------------------------------------------------------------------------------- completions
+
+_PROMPT_SHAPE = "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists"
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    add_special_tokens: bool = True
+    suffix: Any = None
+
+    _unsupported = reject_unsupported("logit_bias", "suffix")
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_shape(cls, value: Any, handler: Any) -> Any:
+        try:
+            prompt = handler(value)
+        except ValidationError:
+            raise ValueError(_PROMPT_SHAPE) from None
+        if isinstance(prompt, list) and (not prompt or any(isinstance(p, list) and not p for p in prompt)):
+            raise ValueError("prompt must not be empty")
+        return prompt
+
+    @model_validator(mode="after")
+    def _best_of_cannot_stream(self) -> CompletionRequest:
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise ValueError("best_of > n cannot be streamed: the best sequences are known only at the end")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: its text or its token ids."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A whole completion, and (with usage unset until the last) each chunk of a streamed one."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------- chat
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only {"type": "text"} parts are supported (chat.py says so)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+    audio: Any = None
+    refusal: Any = None
+
+    _unsupported = reject_unsupported("tool_calls", "tool_call_id", "function_call", "audio", "refusal")
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+
+    _unsupported = reject_unsupported(
+        "logit_bias", "response_format", "tools", "tool_choice", "functions", "function_call", "audio",
+        "modalities", "prediction", "reasoning_effort", "web_search_options", "verbosity",
+    )
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs to be true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: dict[str, str]  # {"role": ..., "content": ...}, only the keys that changed
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+# ---------------------------------------------------------------------------------------------- responses
+
+
+class ResponseInputMessage(RequestModel):
+    """An item of the Responses API's input list: a message (earlier output items may be replayed)."""
+
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+    id: str | None = None  # ignored: an earlier output item's id
+    status: str | None = None  # ignored
+
+
+class ResponsesRequest(SamplingFields):
+    """POST /v1/responses (stateless: no stored conversations, no tools)."""
+
+    input: str | list[ResponseInputMessage]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    stream: bool = False
+    tools: Any = None
+    tool_choice: Any = None
+    text: Any = None
+    reasoning: Any = None
+    previous_response_id: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    background: Any = None
+    include: Any = None
+    truncation: Any = None
+    top_logprobs: Any = None
+    max_tool_calls: Any = None
+    stream_options: Any = None
+
+    _unsupported = reject_unsupported(
+        "tools", "tool_choice", "text", "reasoning", "previous_response_id", "conversation", "prompt", "background",
+        "include", "truncation", "top_logprobs", "max_tool_calls", "stream_options",
+    )
+
+
+class ResponseOutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class ResponseOutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] = "assistant"
+    content: list[ResponseOutputText]
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: PromptTokensDetails
+    output_tokens: int
+    output_tokens_details: dict[str, int] = Field(default_factory=lambda: {"reasoning_tokens": 0})
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    model: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    incomplete_details: dict[str, str] | None = None
+    error: dict[str, Any] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    output: list[ResponseOutputMessage] = Field(default_factory=list)
+    parallel_tool_calls: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    tool_choice: str = "none"
+    tools: list[Any] = Field(default_factory=list)
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    metadata: dict[str, str] | None = None
+    usage: ResponseUsage | None = None
+
+
+# ---------------------------------------------------------------------------------------------- other routes
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "raylm"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeRequest(RequestModel):
+    """POST /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -1,0 +1,70 @@
+"""The OpenAI server over the real embedded SmolLM2 engine, run by uvicorn on a free port in a thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import openai
+import pytest
+import uvicorn
+
+from raylm import LLM, KvCacheConfig, SamplingParams
+from raylm.serving import ServingConfig, build_app
+
+MODEL = "smollm2-test"
+
+
+@contextmanager
+def serve(app) -> Iterator[str]:
+    """Runs app until the block ends; yields its base URL (http://127.0.0.1:PORT)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+def openai_client(base_url: str, api_key: str = "unused") -> openai.OpenAI:
+    # No retries: a test that expects a 429 or a 5xx must see it, not a retry's answer.
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, timeout=120)
+
+
+def used_blocks(llm: LLM) -> int:
+    """KV blocks in use once the engine is idle: the last iteration of a fresh one-token request."""
+    llm.get_stats(timeout=0)
+    llm.generate("x", SamplingParams(max_tokens=1))
+    return llm.get_stats(timeout=1)[-1]["kvCacheStats"]["usedNumBlocks"]
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[LLM]:
+    with LLM(kv_cache_config=KvCacheConfig(max_tokens=4096), max_seq_len=1024) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def base_url(llm) -> Iterator[str]:
+    with serve(build_app(llm, ServingConfig(served_model_name=MODEL))) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url) -> openai.OpenAI:
+    return openai_client(base_url)

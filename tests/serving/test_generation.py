@@ -1,0 +1,104 @@
+"""Following requests: a client that disconnects (streaming or not) aborts its request and frees its KV
+blocks, many concurrent streaming clients all get correct, complete outputs, and a request the engine
+fails ends in an OpenAI error."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from types import SimpleNamespace
+
+import httpx2
+import openai
+
+from raylm import CompletionOutput, GenerationResult, RequestOutput
+from raylm.serving import ServingConfig, build_app
+from tests.conftest import PROMPTS
+from tests.serving.conftest import MODEL, serve, used_blocks
+
+# Without an abort, this request would run for far longer than the tests wait for its blocks.
+LONG = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 900, "ignore_eos": True}
+
+
+def _wait_for_free_blocks(llm, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while used_blocks(llm) != 0:
+        assert time.monotonic() < deadline, "the disconnected client's request still holds KV blocks"
+        time.sleep(0.2)
+
+
+def test_disconnecting_mid_stream_aborts_the_request_and_frees_its_blocks(base_url, llm):
+    with httpx2.Client(timeout=60) as http:
+        with http.stream("POST", f"{base_url}/v1/completions", json={**LONG, "stream": True}) as response:
+            assert response.status_code == 200
+            events = 0
+            for line in response.iter_lines():
+                events += line.startswith("data: ")
+                if events == 3:
+                    break
+    _wait_for_free_blocks(llm)
+
+
+def test_a_non_streaming_client_that_gives_up_aborts_its_request(base_url, llm):
+    try:
+        httpx2.post(f"{base_url}/v1/completions", json=LONG, timeout=1.5)
+        raise AssertionError("the long request finished before the client's timeout")
+    except httpx2.TimeoutException:
+        pass
+    _wait_for_free_blocks(llm)
+
+
+def test_fifty_concurrent_streaming_clients_get_the_greedy_reference_outputs(client):
+    prompts = (PROMPTS[:10] * 5)[:50]
+    references = {prompt: client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
+                                                    temperature=0).choices[0].text for prompt in set(prompts)}
+
+    async def stream_all() -> list[tuple[str, str | None]]:
+        async_client = openai.AsyncOpenAI(base_url=str(client.base_url), api_key="unused", max_retries=0,
+                                          timeout=120)
+
+        async def one(prompt: str) -> tuple[str, str | None]:
+            text, reason = "", None
+            async for chunk in await async_client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
+                                                                      temperature=0, stream=True):
+                text += chunk.choices[0].text
+                reason = chunk.choices[0].finish_reason or reason
+            return text, reason
+
+        try:
+            return await asyncio.gather(*(one(prompt) for prompt in prompts))
+        finally:
+            await async_client.close()
+
+    outputs = asyncio.run(stream_all())
+    assert [text for text, _ in outputs] == [references[prompt] for prompt in prompts]
+    assert all(reason in ("stop", "length") for _, reason in outputs)
+
+
+class FailingEngine:
+    """Just the engine interface build_app needs; every request fails after its first output."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.info = SimpleNamespace(max_seq_len=1024)
+
+    def generate_async(self, prompt, sampling_params, streaming=False, priority=0.5, cache_salt=None):
+        result = GenerationResult("0", streaming, abort=lambda request_id: None)
+        result.push(RequestOutput("0", prompt, [1, 2], [CompletionOutput(0, text="Hel", token_ids=[3])]))
+        result.fail("engine step failed: boom")
+        return result
+
+
+def test_a_request_the_engine_fails_ends_in_an_openai_error_streamed_or_not(llm):
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4}
+    with serve(build_app(FailingEngine(llm.tokenizer), ServingConfig(served_model_name=MODEL))) as url:
+        response = httpx2.post(f"{url}/v1/completions", json=body)
+        assert response.status_code == 500
+        error = response.json()["error"]
+        assert error["type"] == "server_error" and "boom" in error["message"]
+        with httpx2.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as streamed:
+            lines = [line for line in streamed.iter_lines() if line]
+        assert json.loads(lines[0].removeprefix("data: "))["choices"][0]["text"] == "Hel"
+        assert "boom" in json.loads(lines[-2].removeprefix("data: "))["error"]["message"]
+        assert lines[-1] == "data: [DONE]"
