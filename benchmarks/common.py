@@ -37,10 +37,11 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[li
     return [[rng.randrange(low, vocab_size) for _ in range(length)] for _ in range(num)]
 
 
-def build_llm(args: argparse.Namespace, max_seq_len: int):
+def build_llm(args: argparse.Namespace, max_seq_len: int, executor: str = "auto"):
     from raylm import LLM, KvCacheConfig
 
     return LLM(
+        executor=executor,
         model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, max_seq_len=max_seq_len,
         skip_tokenizer_init=args.load_format == "dummy", seed=args.seed,

@@ -42,6 +42,20 @@ class SchedulerConfig(StrictModel):
     capacity_scheduler_policy: Literal["GUARANTEED_NO_EVICT", "MAX_UTILIZATION"] = "MAX_UTILIZATION"
 
 
+class CudaGraphConfig(StrictModel):
+    """CUDA graphs for decode steps (GPU only)."""
+
+    batch_sizes: list[int] | None = Field(default=None, description="Batch sizes to capture (default: a ladder).")
+    max_batch_size: int = Field(default=256, ge=1, description="Largest batch captured when batch_sizes is unset.")
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _positive(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or min(value) < 1):
+            raise ValueError(f"cuda_graph_config.batch_sizes must be positive integers, got {value}")
+        return value
+
+
 class LlmArgs(StrictModel):
     """Arguments of `LLM(...)`; see the LLM API reference for each field."""
 
@@ -68,6 +82,8 @@ class LlmArgs(StrictModel):
     enable_chunked_prefill: bool = True
     kv_cache_config: KvCacheConfig = Field(default_factory=KvCacheConfig)
     scheduler_config: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    cuda_graph_config: CudaGraphConfig | None = Field(default_factory=CudaGraphConfig,
+                                                      description="None disables CUDA graphs.")
 
     worker_extension_cls: Any = Field(
         default=None, description="A class (or 'module.Class') whose methods are mixed into every worker, "
@@ -75,7 +91,7 @@ class LlmArgs(StrictModel):
 
     seed: int = Field(default=0, ge=0)
     iter_stats_max_iterations: int = Field(default=1000, ge=0)
-    attention_backend: Literal["auto", "torch"] = "auto"
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
 
     @field_validator("kv_cache_config", mode="before")
     @classmethod

@@ -49,10 +49,21 @@ def smollm2_dir() -> Path:
     return resolve_model(None).config_dir
 
 
+def _smollm2_tokenizer():
+    """The SmolLM2 tokenizer when the embedded model is installed (the GPU machine lacks it)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(resolve_model(None).config_dir)
+    except ValueError:
+        return None
+
+
 @pytest.fixture(scope="session")
-def tiny_model_dirs(smollm2_dir) -> dict[str, Path]:
-    """Tiny random models (2 layers, hidden 64) of each architecture, with the SmolLM2 tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def tiny_model_dirs() -> dict[str, Path]:
+    """Tiny random models (2 layers, hidden 64) of each architecture, with the SmolLM2 tokenizer when it is
+    installed (without it, use token-id prompts and skip_tokenizer_init=True)."""
+    from transformers import AutoModelForCausalLM
 
     dirs = {}
     tokenizer = None
@@ -62,8 +73,9 @@ def tiny_model_dirs(smollm2_dir) -> dict[str, Path]:
             torch.manual_seed(1234)
             model = AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32)
             model.save_pretrained(target)
-            tokenizer = tokenizer or AutoTokenizer.from_pretrained(smollm2_dir)
-            tokenizer.save_pretrained(target)
+            tokenizer = tokenizer or _smollm2_tokenizer()
+            if tokenizer is not None:
+                tokenizer.save_pretrained(target)
         dirs[arch] = target
     return dirs
 

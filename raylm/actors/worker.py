@@ -101,7 +101,8 @@ class Worker:
                             args.load_format, ctx=self.ctx, seed=args.seed)
         self.arch = loaded.arch
         self.runner = ModelRunner(loaded.model, loaded.arch, self.device, self.dtype,
-                                  args.kv_cache_config.tokens_per_block, seed=args.seed)
+                                  args.kv_cache_config.tokens_per_block, seed=args.seed,
+                                  attention_backend=args.attention_backend)
         self.timings["model_loader"] = loaded.timings
         self.timings["py_executor"]["model_engine_creation_seconds"] = time.perf_counter() - begin
         return self._num_blocks(self.kv_dtype)
@@ -112,6 +113,16 @@ class Worker:
         seconds = time.perf_counter() - begin
         self.timings["py_executor"]["final_kv_cache_creation_seconds"] = seconds
         self.timings["py_executor"]["kv_cache_capacity_configuration_seconds"] = seconds
+        graph_config = self.spec.args.cuda_graph_config
+        if graph_config is not None and self.device.type == "cuda":
+            from raylm.engine.cuda_graphs import default_batch_sizes
+
+            begin = time.perf_counter()
+            limit = min(graph_config.max_batch_size, self.spec.args.max_batch_size)
+            sizes = graph_config.batch_sizes or default_batch_sizes(limit)
+            self.runner.capture_graphs(sizes, self.spec.max_seq_len, self.ctx.pp_size)
+            self.timings.setdefault("final_model_engine", {})["gen_cuda_graph_capture_seconds"] = (
+                time.perf_counter() - begin)
         return EngineInfo(num_blocks, self.spec.args.kv_cache_config.tokens_per_block, self.spec.max_seq_len,
                           self.arch.vocab_size, self.spec.device, self.spec.dtype, self.timings)
 

@@ -18,6 +18,7 @@ from raylm.engine.messages import TokenLogprob
 from raylm.engine.sampler import Sampler, SampleResult, SamplingRow
 from raylm.engine.scheduler import ScheduledSequence, SchedulerOutput
 from raylm.kernels.attention import build_metadata
+from raylm.kernels.dispatch import use_triton
 from raylm.models.arch import ArchConfig
 
 # Prompt log-probabilities are computed this many positions at a time, to bound the logits' memory.
@@ -126,7 +127,7 @@ def _prompt_logprob_spec(item: ScheduledSequence, first_row: int) -> PromptLogpr
 
 class ModelRunner:
     def __init__(self, model: nn.Module, arch: ArchConfig, device: torch.device, dtype: torch.dtype,
-                 block_size: int, seed: int = 0):
+                 block_size: int, seed: int = 0, attention_backend: str = "auto"):
         self.model = model
         self.arch = arch
         self.device = device
@@ -136,6 +137,14 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_kv_heads = model.local_layers[0].self_attn.num_kv_heads
         self.num_local_layers = model.num_local_layers
+        self.graphs = None
+        self.build_metadata = build_metadata
+        if use_triton(torch.empty(0, device=device)) and attention_backend in ("auto", "triton"):
+            from raylm.kernels.triton_backend import build_triton_metadata
+
+            self.build_metadata = build_triton_metadata
+        elif attention_backend == "triton":
+            raise ValueError("attention_backend='triton' needs a CUDA device and Triton")
 
     # ------------------------------------------------------------------ KV cache
 
@@ -155,6 +164,18 @@ class ModelRunner:
             v_cache[0].zero_()
             self.kv_caches.append((k_cache, v_cache))
 
+    def capture_graphs(self, batch_sizes: list[int], max_seq_len: int, pp_size: int) -> None:
+        """Captures decode CUDA graphs (when the device, the kernels and the model allow them)."""
+        from raylm.engine.cuda_graphs import DecodeGraphs, graph_ladder_fits
+
+        if self.build_metadata is build_metadata or not graph_ladder_fits(self.arch, pp_size):
+            return
+        max_blocks = -(-max_seq_len // self.block_size)
+        graphs = DecodeGraphs(self.model, self.kv_caches, batch_sizes, max_blocks, self.arch.hidden_size,
+                              self.dtype, self.device, self.arch.sliding_window)
+        graphs.capture()
+        self.graphs = graphs
+
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
@@ -170,7 +191,10 @@ class ModelRunner:
     def forward(self, plan: StepPlan, intermediate=None):
         """This rank's share of the step: final hidden states on the last stage, (hidden, residual) before."""
         self._copy_blocks(plan.block_copies)
-        meta = build_metadata(
+        if (self.graphs is not None and intermediate is None and not plan.prefill_chunks
+                and self.graphs.fits(len(plan.decode_contexts), max(len(b) for b, _ in plan.decode_contexts))):
+            return self.graphs.run(plan.input_ids, plan.positions, plan.slot_mapping, plan.decode_contexts)
+        meta = self.build_metadata(
             decode_contexts=plan.decode_contexts,
             prefill_chunks=plan.prefill_chunks,
             slot_mapping=plan.slot_mapping,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from raylm.kernels.dispatch import use_triton
+
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
@@ -15,6 +17,10 @@ def gated_activation(name: str):
     act = _ACTIVATIONS[name]
 
     def apply(gate_up: torch.Tensor) -> torch.Tensor:
+        if name == "silu" and use_triton(gate_up):
+            from raylm.kernels.triton_ops import silu_and_mul
+
+            return silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return act(gate) * up
 

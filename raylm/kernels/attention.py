@@ -32,6 +32,9 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_context] bool
     prefills: list[PrefillChunk] = field(default_factory=list)
 
+    def attend(self, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
+        return paged_attention(q, k, v, k_cache, v_cache, self, scale)
+
 
 def context_slots(block_table: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
     """Cache slots of positions 0..context_len-1 for block tables of shape [..., num_blocks]."""

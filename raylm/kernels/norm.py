@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from raylm.kernels.dispatch import use_triton
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalises in float32 and scales in the input dtype, as the reference models do."""
@@ -23,6 +25,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if use_triton(x):
+            from raylm.kernels import triton_ops
+
+            if residual is None:
+                return triton_ops.rms_norm(x, self.weight, self.eps)
+            return triton_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         x = x + residual

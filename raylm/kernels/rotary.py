@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from raylm.kernels.dispatch import use_triton
+
 
 def rope_inv_freq(head_dim: int, theta: float, rope_type: str = "default", factor: float = 1.0,
                   low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
@@ -57,4 +59,8 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
     """q: [T, Hq, D], k: [T, Hk, D]; cos_sin from RotaryEmbedding.cos_sin."""
     cos, sin = cos_sin
+    if use_triton(q):
+        from raylm.kernels.triton_ops import rotary_embedding
+
+        return rotary_embedding(q, k, cos, sin)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from raylm.kernels.activation import gated_activation
-from raylm.kernels.attention import AttentionMetadata, paged_attention
+from raylm.kernels.attention import AttentionMetadata
 from raylm.kernels.norm import RMSNorm
 from raylm.kernels.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 from raylm.models.arch import ArchConfig
@@ -56,7 +56,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, rope)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale)
         return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
 
 

@@ -80,16 +80,19 @@ def _iter_checkpoint(source: ModelSource, arch: ArchConfig) -> Iterator[tuple[st
 
 
 def _init_dummy(model: nn.Module, seed: int) -> None:
-    """Random weights of the right shapes: normal(0, 0.02) matrices, unit norms, zero biases."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights of the right shapes, drawn on the weights' device: normal(0, 0.02) matrices, unit norms,
+    zero biases."""
+    generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
         elif name.endswith("bias"):
             param.data.zero_()
         else:
-            values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * 0.02
-            param.data.copy_(values.to(param.dtype))
+            device = param.device
+            if device not in generators:
+                generators[device] = torch.Generator(device=device).manual_seed(seed)
+            param.data.normal_(0.0, 0.02, generator=generators[device])
 
 
 def load_model(

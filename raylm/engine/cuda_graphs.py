@@ -1,0 +1,121 @@
+"""CUDA graphs for decode steps: one graph per batch size of a ladder, replayed over static buffers.
+
+A decode step of n sequences runs the graph of the smallest captured size >= n; the extra rows are
+padding: their cache slot is -1 (nothing is written) and they attend to one key of the null block. Before
+a replay the runner refills the static buffers in place (token ids, positions, slots, block tables,
+context lengths); the graph then launches every kernel of the forward pass at once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import torch
+
+from raylm.kernels.triton_backend import TritonAttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+
+def default_batch_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 64, every 16 up to 256, every 64 beyond, and max_batch_size itself."""
+    sizes = [1, 2, 4, 8]
+    step_sizes = [(64, 8), (256, 16), (max_batch_size, 64)]
+    size = 8
+    for limit, step in step_sizes:
+        while size + step <= min(limit, max_batch_size):
+            size += step
+            sizes.append(size)
+    return sorted({s for s in sizes if s <= max_batch_size} | {max_batch_size})
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv_caches, batch_sizes: list[int], max_blocks: int, hidden_size: int,
+                 dtype: torch.dtype, device: torch.device, sliding_window: int | None):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.batch_sizes = sorted(batch_sizes)
+        self.max_batch = self.batch_sizes[-1]
+        self.max_blocks = max_blocks
+        self.device = device
+        self.sliding_window = sliding_window
+        size = self.max_batch
+        self.input_ids = torch.zeros(size, dtype=torch.long, device=device)
+        self.positions = torch.zeros(size, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((size,), -1, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(size, max_blocks, dtype=torch.int32, device=device)
+        self.context_lens = torch.ones(size, dtype=torch.int32, device=device)
+        # Host staging, pinned on CUDA so the copies are asynchronous.
+        pin = device.type == "cuda"
+        self.host_table = torch.zeros(size, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.host_vectors = torch.zeros(4, size, dtype=torch.long, pin_memory=pin)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+
+    def _metadata(self, batch: int) -> TritonAttentionMetadata:
+        return TritonAttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch], num_decodes=batch,
+            decode_block_tables=self.block_tables[:batch], decode_context_lens=self.context_lens[:batch],
+            sliding_window=self.sliding_window,
+        )
+
+    def _forward(self, batch: int) -> torch.Tensor:
+        return self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._metadata(batch))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for batch in reversed(self.batch_sizes):  # the largest first, so the others reuse its memory
+                for _ in range(2):  # warm-up: compile and tune kernels outside the capture
+                    self._forward(batch)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.outputs[batch] = self._forward(batch)
+                self.graphs[batch] = graph
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+
+    def fits(self, num_seqs: int, max_blocks: int) -> bool:
+        return 0 < num_seqs <= self.max_batch and max_blocks <= self.max_blocks
+
+    @torch.inference_mode()
+    def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
+            contexts: list[tuple[list[int], int]]) -> torch.Tensor:
+        """Replays the graph for these decodes; returns their final hidden states [n, hidden]."""
+        count = len(input_ids)
+        batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
+        vectors = self.host_vectors.numpy()
+        vectors[0, :count] = input_ids
+        vectors[1, :count] = positions
+        vectors[2, :count] = slot_mapping
+        vectors[2, count:batch] = -1
+        vectors[3, :count] = [length for _, length in contexts]
+        vectors[3, count:batch] = 1
+        table = self.host_table.numpy()
+        width = 0
+        for row, (blocks, _) in enumerate(contexts):
+            table[row, : len(blocks)] = blocks
+            width = max(width, len(blocks))
+        table[count:batch, 0] = 0  # padding rows read the null block
+        self.input_ids[:batch].copy_(self.host_vectors[0, :batch], non_blocking=True)
+        self.positions[:batch].copy_(self.host_vectors[1, :batch], non_blocking=True)
+        self.slot_mapping[:batch].copy_(self.host_vectors[2, :batch], non_blocking=True)
+        self.context_lens[:batch].copy_(self.host_vectors[3, :batch], non_blocking=True)
+        self.block_tables[:batch, :width].copy_(self.host_table[:batch, :width], non_blocking=True)
+        if batch in self.graphs:
+            self.graphs[batch].replay()
+            return self.outputs[batch][:count]
+        return self._forward(batch)[:count]  # not captured (tests on the CPU): the same buffers, run eagerly
+
+
+def graph_ladder_fits(arch, pp_size: int) -> bool:
+    """Graphs need a forward without host synchronisation: not the mixture-of-experts block (it routes on
+    the host) and not pipeline stages (they exchange activations between processes)."""
+    return arch.num_experts == 0 and pp_size == 1
+

@@ -1,0 +1,79 @@
+"""Attention metadata for the Triton kernels: block tables, lengths and offsets as device tensors.
+
+The same metadata object serves a CUDA-graph replay: its tensors can be static buffers that the runner
+refills in place before each replay (see engine/cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class TritonAttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64; negative slots are not written (padding)
+    num_decodes: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
+    decode_context_lens: torch.Tensor | None = None  # [B] int32
+    prefill_block_tables: torch.Tensor | None = None  # [S, max_blocks] int32
+    query_start_loc: torch.Tensor | None = None  # [S + 1] int32, offsets within the prefill tokens
+    seq_starts: torch.Tensor | None = None  # [S] int32
+    prefill_context_lens: torch.Tensor | None = None  # [S] int32
+    sliding_window: int | None = None
+
+    def attend(self, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
+        from raylm.kernels.triton_attention import paged_decode_attention, paged_prefill_attention, write_kv_cache
+
+        write_kv_cache(k, v, k_cache, v_cache, self.slot_mapping)
+        decodes = self.num_decodes
+        if self.prefill_block_tables is None:
+            return paged_decode_attention(q, k_cache, v_cache, self.decode_block_tables, self.decode_context_lens,
+                                          scale, self.sliding_window)
+        out = torch.empty_like(q)
+        if decodes:
+            out[:decodes] = paged_decode_attention(q[:decodes], k_cache, v_cache, self.decode_block_tables,
+                                                   self.decode_context_lens, scale, self.sliding_window)
+        out[decodes:] = paged_prefill_attention(q[decodes:], k_cache, v_cache, self.prefill_block_tables,
+                                                self.query_start_loc, self.seq_starts, self.prefill_context_lens,
+                                                scale, self.sliding_window)
+        return out
+
+
+def _table(block_lists: list[list[int]]) -> np.ndarray:
+    width = max(len(blocks) for blocks in block_lists)
+    table = np.zeros((len(block_lists), width), dtype=np.int32)
+    for row, blocks in enumerate(block_lists):
+        table[row, : len(blocks)] = blocks
+    return table
+
+
+def build_triton_metadata(
+    decode_contexts: list[tuple[list[int], int]],
+    prefill_chunks: list[tuple[list[int], int, int]],
+    slot_mapping: list[int],
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device,
+) -> TritonAttentionMetadata:
+    """The same inputs as attention.build_metadata, laid out for the Triton kernels."""
+
+    def to_device(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device, non_blocking=True)
+
+    meta = TritonAttentionMetadata(slot_mapping=to_device(np.asarray(slot_mapping, dtype=np.int64)),
+                                   sliding_window=sliding_window)
+    if decode_contexts:
+        meta.num_decodes = len(decode_contexts)
+        meta.decode_block_tables = to_device(_table([blocks for blocks, _ in decode_contexts]))
+        meta.decode_context_lens = to_device(np.asarray([length for _, length in decode_contexts], dtype=np.int32))
+    if prefill_chunks:
+        starts = np.asarray([start for _, start, _ in prefill_chunks], dtype=np.int32)
+        lengths = np.asarray([length for _, _, length in prefill_chunks], dtype=np.int32)
+        meta.prefill_block_tables = to_device(_table([blocks for blocks, _, _ in prefill_chunks]))
+        meta.query_start_loc = to_device(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        meta.seq_starts = to_device(starts)
+        meta.prefill_context_lens = to_device(starts + lengths)
+    return meta

@@ -1,0 +1,186 @@
+"""Fused elementwise kernels in Triton: RMSNorm (with a residual add), rotary embedding, SiLU-and-mul.
+
+Each matches its torch reference (norm.py, rotary.py, activation.py) step for step: arithmetic runs in
+float32 and results are rounded to the tensor dtype where the reference rounds them, so float32 inputs agree
+to rounding error and half-precision inputs to about one unit in the last place.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# ------------------------------------------------------------------------------------------ RMSNorm
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden_size, eps,
+                     stride_x, stride_residual, stride_out, stride_residual_out,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden_size
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * stride_residual_out + cols, x, mask=mask)
+    hidden = x.to(tl.float32)
+    variance = tl.sum(hidden * hidden, axis=0) / hidden_size
+    normed = (hidden * tl.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    out = weight.to(tl.float32) * normed.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as a 2-D [rows, last dim] tensor with a contiguous last dimension (a view where possible)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(1) == 1 else rows.contiguous()
+
+
+def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    hidden_size = x.shape[-1]
+    if weight.shape != (hidden_size,):
+        raise ValueError(f"weight must be [{hidden_size}], got {list(weight.shape)}")
+    x_rows = _rows(x)
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    out_rows = out.view(-1, hidden_size)
+    if residual is None:
+        residual_rows = residual_out_rows = x_rows  # unused by the kernel
+        residual_out = None
+    else:
+        residual_rows = _rows(residual)
+        residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        residual_out_rows = residual_out.view(-1, hidden_size)
+    if x_rows.shape[0]:
+        block = triton.next_power_of_2(hidden_size)
+        _rms_norm_kernel[(x_rows.shape[0],)](
+            x_rows, residual_rows, weight.contiguous(), out_rows, residual_out_rows, hidden_size, eps,
+            x_rows.stride(0), residual_rows.stride(0), out_rows.stride(0), residual_out_rows.stride(0),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
+        )
+    return out, residual_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, as norm.rms_norm: the variance and the normalisation in float32,
+    the result cast to x's dtype and then scaled by weight (output dtype: x's and weight's promoted)."""
+    out, _ = _launch_rms_norm(x, None, weight, eps)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (rms_norm(x + residual), x + residual) in one pass; the sum is rounded to x's dtype before it
+    is normalised, as RMSNorm.forward does. Neither input is modified."""
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual must match x ({list(x.shape)}, {x.dtype}), got "
+                         f"{list(residual.shape)}, {residual.dtype}")
+    out, new_residual = _launch_rms_norm(x, residual, weight, eps)
+    return out, new_residual
+
+
+# ------------------------------------------------------------------------------------------ rotary
+
+
+@triton.jit
+def _rotate_heads(x_ptr, out_ptr, token, cos1, sin1, cos2, sin2, num_heads, half, stride_t, stride_h,
+                  stride_out_t, stride_out_h, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """NeoX rotate-half for every head of one token: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]."""
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads) & (dims < half)
+    first = x_ptr + token * stride_t + heads * stride_h + dims
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
+    out = out_ptr + token * stride_out_t + heads * stride_out_h + dims
+    tl.store(out, (x1 * cos1 - x2 * sin1).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out + half, (x2 * cos2 + x1 * sin2).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, num_q_heads, num_k_heads, half,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
+                   stride_q_out_t, stride_q_out_h, stride_k_out_t, stride_k_out_h,
+                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    dim_mask = dims < half
+    cos1 = tl.load(cos_ptr + token * stride_cos + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + token * stride_cos + half + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + token * stride_sin + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + token * stride_sin + half + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr, q_out_ptr, token, cos1, sin1, cos2, sin2, num_q_heads, half, stride_qt, stride_qh,
+                  stride_q_out_t, stride_q_out_h, BLOCK_HQ, BLOCK_HALF)
+    _rotate_heads(k_ptr, k_out_ptr, token, cos1, sin1, cos2, sin2, num_k_heads, half, stride_kt, stride_kh,
+                  stride_k_out_t, stride_k_out_h, BLOCK_HK, BLOCK_HALF)
+
+
+def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX-style rotary embedding, as rotary.apply_rotary; returns new (q, k) and leaves the inputs intact.
+
+    q: [T, H_q, D], k: [T, H_k, D]; cos, sin: one row of D values per token ([T, D], or [T, 1, D] as
+    RotaryEmbedding.cos_sin gives them). The rotation is computed in float32 and rounded once.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_k_heads = k.shape[1]
+    if k.shape != (num_tokens, num_k_heads, head_dim) or head_dim % 2:
+        raise ValueError(f"q and k must be [T, H, D] with one T and one even D, got {list(q.shape)} and "
+                         f"{list(k.shape)}")
+    cos_rows, sin_rows = _rows(cos), _rows(sin)
+    if cos_rows.shape != (num_tokens, head_dim) or sin_rows.shape != (num_tokens, head_dim):
+        raise ValueError(f"cos and sin must hold [{num_tokens}, {head_dim}] values, got {list(cos.shape)} and "
+                         f"{list(sin.shape)}")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if k.stride(2) != 1:
+        k = k.contiguous()
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+    if num_tokens:
+        half = head_dim // 2
+        _rotary_kernel[(num_tokens,)](
+            q, k, cos_rows, sin_rows, q_out, k_out, num_q_heads, num_k_heads, half,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_rows.stride(0), sin_rows.stride(0),
+            q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+            BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(num_k_heads),
+            BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
+        )
+    return q_out, k_out
+
+
+# ------------------------------------------------------------------------------------------ SiLU-and-mul
+
+
+@triton.jit
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, size, stride_in, stride_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < size
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_in + size + cols, mask=mask, other=0.0)
+    # Rounded to the input dtype before the product, as F.silu(gate) * up rounds it.
+    activated = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
+    out = activated.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [..., 2 * I] holding gate then up; returns [..., I] in gate_up's dtype,
+    as activation.gated_activation("silu")."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up's last dimension must be even (gate then up), got {gate_up.shape[-1]}")
+    size = gate_up.shape[-1] // 2
+    rows = _rows(gate_up)
+    out = torch.empty(*gate_up.shape[:-1], size, dtype=gate_up.dtype, device=gate_up.device)
+    out_rows = out.view(-1, size)
+    if rows.shape[0] and size:
+        block = min(triton.next_power_of_2(size), 1024)
+        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(size, block))](
+            rows, out_rows, size, rows.stride(0), out_rows.stride(0), BLOCK=block, num_warps=4,
+        )
+    return out

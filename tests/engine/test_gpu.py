@@ -1,0 +1,103 @@
+"""The GPU path (Triton kernels, CUDA graphs, sampling on the device) against HF transformers and the
+torch path. Runs only where CUDA is available."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raylm import LLM, KvCacheConfig, SamplingParams, TokensPrompt
+from tests.conftest import hf_greedy, hf_logprobs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+PROMPTS = [[504, 3575, 282, 4649, 314], [19556, 28, 957, 1462, 314, 1133, 2040] * 9, [7, 7, 7],
+           list(range(1000, 1100)), [2, 9, 77, 1203, 11, 8, 3, 40] * 3]
+NEW_TOKENS = 32
+KV = KvCacheConfig(max_tokens=8192, tokens_per_block=16)
+BF16_LOGPROB_TOLERANCE = 0.1  # |bf16 - fp32 reference| per chosen token, stated for the bf16 path
+
+
+def _llm(path, **kwargs) -> LLM:
+    return LLM(str(path), device="cuda", skip_tokenizer_init=True, kv_cache_config=KV, max_seq_len=1024, **kwargs)
+
+
+def _run(llm: LLM, params: SamplingParams):
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+
+
+def _hf_cuda(path, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to("cuda").eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("graphs", [True, False])
+def test_fp32_greedy_tokens_equal_hf_on_gpu(tiny_model_dirs, arch, graphs):
+    path = tiny_model_dirs[arch]
+    extra = {} if graphs else {"cuda_graph_config": None}
+    with _llm(path, dtype="float32", **extra) as llm:
+        assert (llm._executor.worker.runner.graphs is not None) == graphs
+        outputs = _run(llm, SamplingParams(max_tokens=NEW_TOKENS, logprobs=0, prompt_logprobs=0))
+    hf = _hf_cuda(path)
+    for prompt, output in zip(PROMPTS, outputs):
+        completion = output.outputs[0]
+        assert completion.token_ids == hf_greedy(hf, prompt, NEW_TOKENS)
+        reference = hf_logprobs(hf, prompt + completion.token_ids)
+        for offset, token in enumerate(completion.token_ids):
+            assert abs(completion.logprobs[offset][token].logprob - reference[len(prompt) - 1 + offset, token]) < 1e-3
+        for position in range(1, len(prompt)):
+            ours = output.prompt_logprobs[position][prompt[position]].logprob
+            assert abs(ours - reference[position - 1, prompt[position]]) < 1e-3
+
+
+def test_bf16_logprobs_within_the_stated_tolerance(tiny_model_dirs):
+    path = tiny_model_dirs["llama"]
+    with _llm(path, dtype="bfloat16") as llm:
+        outputs = _run(llm, SamplingParams(max_tokens=8, logprobs=0))
+    hf = _hf_cuda(path)
+    for prompt, output in zip(PROMPTS, outputs):
+        completion = output.outputs[0]
+        reference = hf_logprobs(hf, prompt + completion.token_ids)
+        for offset, token in enumerate(completion.token_ids):
+            error = abs(completion.logprobs[offset][token].logprob - reference[len(prompt) - 1 + offset, token])
+            assert error < BF16_LOGPROB_TOLERANCE
+
+
+def test_graphs_pad_odd_batches_and_match_eager(tiny_model_dirs):
+    path = tiny_model_dirs["qwen3"]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS[:3]]  # 3 sequences -> the graph of 4
+    with _llm(path, dtype="float32") as graphed:
+        with_graphs = [o.outputs[0].token_ids for o in graphed.generate(prompts, params, use_tqdm=False)]
+    with _llm(path, dtype="float32", cuda_graph_config=None) as eager:
+        without = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    assert with_graphs == without
+
+
+def test_sampling_features_on_the_gpu(tiny_model_dirs):
+    path = tiny_model_dirs["llama"]
+    with _llm(path, dtype="bfloat16") as llm:
+        seeded = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, top_k=50, min_p=0.01, seed=3,
+                                repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.1, logprobs=2)
+        first = _run(llm, seeded)
+        assert [o.outputs[0].token_ids for o in _run(llm, seeded)] == [o.outputs[0].token_ids for o in first]
+        several = llm.generate(TokensPrompt(prompt_token_ids=PROMPTS[0]),
+                               SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=1))
+        assert len(several.outputs) == 3 and len({tuple(c.token_ids) for c in several.outputs}) > 1
+        beams = llm.generate(TokensPrompt(prompt_token_ids=PROMPTS[0]),
+                             SamplingParams(n=2, use_beam_search=True, max_tokens=8))
+        assert len(beams.outputs) == 2
+        stopped = llm.generate(TokensPrompt(prompt_token_ids=PROMPTS[0]),
+                               SamplingParams(max_tokens=30, min_tokens=5, stop_token_ids=[first[0].outputs[0]
+                                                                                          .token_ids[6]]))
+        assert len(stopped.outputs[0].token_ids) >= 5
+
+
+def test_kv_capacity_comes_from_free_memory(tiny_model_dirs):
+    with LLM(str(tiny_model_dirs["llama"]), device="cuda", skip_tokenizer_init=True,
+             kv_cache_config=KvCacheConfig(free_gpu_memory_fraction=0.05)) as llm:
+        capacity = llm.get_kv_cache_capacity()
+    free, _ = torch.cuda.mem_get_info()
+    assert capacity["maxNumBlocks"] > 1000

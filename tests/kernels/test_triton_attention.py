@@ -1,0 +1,230 @@
+"""The Triton paged-attention kernels against the torch reference backend (kernels/attention.py).
+
+Each case builds a step the way the engine does: random caches with a random block assignment, the step's
+new keys and values written at their slots, then decode and prefill attention over the cache. The reference
+runs the same step in float32 (build_metadata + paged_attention); the kernels must agree with it and must
+leave the caches exactly as the reference's write does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tests.kernels import GPU_ONLY, MODULE_MARKS, kernel_device
+
+DEVICE = kernel_device()
+
+from raylm.kernels.attention import build_metadata, paged_attention  # noqa: E402
+from raylm.kernels.triton_attention import (  # noqa: E402
+    choose_num_splits,
+    paged_decode_attention,
+    paged_prefill_attention,
+    write_kv_cache,
+)
+
+pytestmark = MODULE_MARKS
+
+HALF_DTYPES = [pytest.param(torch.bfloat16, marks=GPU_ONLY, id="bf16"),
+               pytest.param(torch.float16, marks=GPU_ONLY, id="fp16")]
+ALL_DTYPES = [pytest.param(torch.float32, id="fp32"), *HALF_DTYPES]
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return DEVICE
+
+
+@dataclass
+class Shape:
+    page_size: int
+    num_kv_heads: int
+    group: int  # query heads per KV head
+    head_dim: int
+
+    def __str__(self) -> str:
+        return f"page{self.page_size}-kv{self.num_kv_heads}x{self.group}-d{self.head_dim}"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _run_step(device: torch.device, dtype: torch.dtype, shape: Shape, decode_lens: list[int],
+              prefill_chunks: list[tuple[int, int]], sliding_window: int | None = None,
+              num_splits: int | None = None) -> None:
+    """Runs one step of decodes (context lengths) then prefill chunks ((start, query_len)) through the
+    kernels and through the reference, and asserts that outputs and caches agree."""
+    page_size, num_kv_heads, head_dim = shape.page_size, shape.num_kv_heads, shape.head_dim
+    num_q_heads = num_kv_heads * shape.group
+    context_lens = decode_lens + [start + length for start, length in prefill_chunks]
+    # Block 0 is the reference's null block; one spare block is never assigned.
+    counts = [_cdiv(length, page_size) for length in context_lens]
+    num_blocks = sum(counts) + 2
+    ids = (torch.randperm(num_blocks - 1) + 1).tolist()
+    block_lists = []
+    for count in counts:
+        block_lists.append(ids[:count])
+        ids = ids[count:]
+    width = max(counts) + 1  # wider than any sequence needs, as a padded engine table is
+    table = torch.tensor([blocks + [0] * (width - len(blocks)) for blocks in block_lists], dtype=torch.int32,
+                         device=device)
+
+    def slot(seq: int, position: int) -> int:
+        return block_lists[seq][position // page_size] * page_size + position % page_size
+
+    num_decodes = len(decode_lens)
+    slots = [slot(seq, length - 1) for seq, length in enumerate(decode_lens)]
+    for index, (start, length) in enumerate(prefill_chunks):
+        slots += [slot(num_decodes + index, position) for position in range(start, start + length)]
+    num_tokens = len(slots)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size).to(dtype).to(device)
+
+    k_cache, v_cache = randn(num_blocks, page_size, num_kv_heads, head_dim), randn(num_blocks, page_size,
+                                                                                  num_kv_heads, head_dim)
+    q, k, v = randn(num_tokens, num_q_heads, head_dim), randn(num_tokens, num_kv_heads, head_dim), randn(
+        num_tokens, num_kv_heads, head_dim)
+    scale = head_dim**-0.5
+
+    meta = build_metadata([(block_lists[seq], length) for seq, length in enumerate(decode_lens)],
+                          [(block_lists[num_decodes + index], start, length)
+                           for index, (start, length) in enumerate(prefill_chunks)],
+                          slots, page_size, sliding_window, device)
+    ref_k_cache, ref_v_cache = k_cache.float(), v_cache.float()
+    expected = paged_attention(q.float(), k.float(), v.float(), ref_k_cache, ref_v_cache, meta, scale)
+
+    write_kv_cache(k, v, k_cache, v_cache, torch.tensor(slots, dtype=torch.int64, device=device))
+    out = torch.empty_like(q)
+    if num_decodes:
+        out[:num_decodes] = paged_decode_attention(
+            q[:num_decodes], k_cache, v_cache, table[:num_decodes],
+            torch.tensor(decode_lens, dtype=torch.int32, device=device), scale, sliding_window, num_splits)
+    if prefill_chunks:
+        query_lens = torch.tensor([length for _, length in prefill_chunks], dtype=torch.int32)
+        query_start_loc = torch.zeros(len(prefill_chunks) + 1, dtype=torch.int32)
+        query_start_loc[1:] = query_lens.cumsum(0)
+        seq_starts = torch.tensor([start for start, _ in prefill_chunks], dtype=torch.int32)
+        out[num_decodes:] = paged_prefill_attention(
+            q[num_decodes:], k_cache, v_cache, table[num_decodes:], query_start_loc.to(device),
+            seq_starts.to(device), (seq_starts + query_lens).to(device), scale, sliding_window)
+
+    assert torch.equal(k_cache.float(), ref_k_cache) and torch.equal(v_cache.float(), ref_v_cache)
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+# ------------------------------------------------------------------------------------------ cache write
+
+
+def test_write_kv_cache_stores_at_slots_and_skips_negative_slots(device):
+    torch.manual_seed(0)
+    k_cache = torch.zeros(4, 16, 2, 64, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    k, v = torch.randn(3, 2, 64, device=device), torch.randn(3, 2, 64, device=device)
+    write_kv_cache(k, v, k_cache, v_cache, torch.tensor([17, -1, 63], dtype=torch.int32, device=device))
+    torch.testing.assert_close(k_cache[1, 1], k[0], atol=0, rtol=0)
+    torch.testing.assert_close(v_cache[3, 15], v[2], atol=0, rtol=0)
+    assert k_cache.count_nonzero() == k[0].count_nonzero() + k[2].count_nonzero()
+    assert v_cache.count_nonzero() == v[0].count_nonzero() + v[2].count_nonzero()
+
+
+# ------------------------------------------------------------------------------------------ decode
+
+DECODE_SHAPES = [Shape(16, 2, 4, 64), Shape(32, 1, 8, 128), Shape(64, 4, 1, 32), Shape(16, 2, 7, 80),
+                 Shape(128, 1, 2, 256)]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=str)
+def test_decode_matches_reference_over_short_contexts(device, dtype, shape):
+    torch.manual_seed(1)
+    _run_step(device, dtype, shape, decode_lens=[1, 15, 16, 17, 100], prefill_chunks=[])
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
+@pytest.mark.parametrize("shape", [Shape(16, 2, 4, 64), Shape(32, 1, 8, 128)], ids=str)
+def test_decode_split_k_matches_reference_over_long_contexts(device, shape, num_splits):
+    torch.manual_seed(2)
+    _run_step(device, torch.float32, shape, decode_lens=[1, 1100, 2049], prefill_chunks=[], num_splits=num_splits)
+
+
+@pytest.mark.parametrize("sliding_window", [1, 8, 100])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_sliding_window_hides_old_keys(device, sliding_window, num_splits):
+    torch.manual_seed(3)
+    _run_step(device, torch.float32, Shape(16, 2, 2, 64), decode_lens=[1, 17, 300], prefill_chunks=[],
+              sliding_window=sliding_window, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_decode_with_empty_context_returns_zeros(device, num_splits):
+    k_cache = torch.randn(3, 16, 1, 32, device=device)
+    table = torch.tensor([[1], [2]], dtype=torch.int32, device=device)
+    q = torch.randn(2, 2, 32, device=device)
+    context_lens = torch.tensor([0, 5], dtype=torch.int32, device=device)
+    out = paged_decode_attention(q, k_cache, k_cache, table, context_lens, 1.0, num_splits=num_splits)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.isfinite(out).all()
+
+
+def test_choose_num_splits_fills_the_gpu_only_when_contexts_are_long(device):
+    # Few sequences over long contexts split; a full batch or short contexts do not.
+    assert choose_num_splits(1, 8, 32768, device) > 8
+    assert choose_num_splits(256, 8, 32768, device) == 1
+    assert choose_num_splits(1, 8, 200, device) == 1
+    assert 1 <= choose_num_splits(16, 8, 4096, device) <= 16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_matches_reference_over_a_large_batch(device, dtype):
+    torch.manual_seed(4)
+    lengths = torch.randint(1, 4097, (64,)).tolist()
+    _run_step(device, dtype, Shape(16, 8, 4, 128), decode_lens=lengths, prefill_chunks=[])
+
+
+# ------------------------------------------------------------------------------------------ prefill
+
+PREFILL_SHAPES = [Shape(16, 2, 4, 64), Shape(32, 1, 8, 128), Shape(64, 2, 1, 32), Shape(16, 1, 7, 80),
+                  Shape(16, 1, 2, 256)]
+PREFILL_CHUNKS = [(0, 1), (0, 17), (5, 1), (16, 40), (100, 3), (0, 70)]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("shape", PREFILL_SHAPES, ids=str)
+def test_prefill_matches_reference_over_cached_prefixes(device, dtype, shape):
+    torch.manual_seed(5)
+    _run_step(device, dtype, shape, decode_lens=[], prefill_chunks=PREFILL_CHUNKS)
+
+
+@pytest.mark.parametrize("sliding_window", [1, 16, 50])
+def test_prefill_sliding_window_hides_old_keys(device, sliding_window):
+    torch.manual_seed(6)
+    _run_step(device, torch.float32, Shape(16, 2, 2, 64), decode_lens=[],
+              prefill_chunks=[(0, 90), (30, 45), (200, 2)], sliding_window=sliding_window)
+
+
+def test_prefill_matches_reference_over_a_long_chunk_and_a_long_prefix(device):
+    torch.manual_seed(7)
+    _run_step(device, torch.float32, Shape(32, 1, 4, 64), decode_lens=[], prefill_chunks=[(0, 1000), (600, 700)])
+
+
+def test_decodes_and_prefills_of_one_step_match_the_reference_step(device):
+    torch.manual_seed(8)
+    _run_step(device, torch.float32, Shape(16, 2, 4, 64), decode_lens=[3, 33, 400],
+              prefill_chunks=[(0, 20), (48, 17)], sliding_window=64, num_splits=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prefill_matches_reference_over_thousands_of_tokens(device, dtype):
+    torch.manual_seed(9)
+    _run_step(device, dtype, Shape(16, 8, 4, 128), decode_lens=[],
+              prefill_chunks=[(0, 3000), (4000, 1), (1500, 2500), (0, 5)], sliding_window=None)

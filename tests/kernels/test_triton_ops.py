@@ -1,0 +1,128 @@
+"""The fused Triton ops against their torch references (kernels/norm.py, rotary.py, activation.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels import GPU_ONLY, MODULE_MARKS, kernel_device
+
+DEVICE = kernel_device()
+
+from raylm.kernels.activation import gated_activation  # noqa: E402
+from raylm.kernels.norm import RMSNorm  # noqa: E402
+from raylm.kernels.norm import rms_norm as reference_rms_norm  # noqa: E402
+from raylm.kernels.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq  # noqa: E402
+from raylm.kernels.triton_ops import fused_add_rms_norm, rms_norm, rotary_embedding, silu_and_mul  # noqa: E402
+
+pytestmark = MODULE_MARKS
+
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, marks=GPU_ONLY, id="bf16"),
+          pytest.param(torch.float16, marks=GPU_ONLY, id="fp16")]
+# Half precision: the kernels round once where the reference may round twice, or take a last-bit different
+# rsqrt or exp, so a result may sit one unit in the last place away.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return DEVICE
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    tolerance = TOLERANCE[expected.dtype]
+    torch.testing.assert_close(actual, expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (7, 1000), (3, 4, 32)], ids=str)
+def test_rms_norm_matches_reference(device, dtype, shape):
+    torch.manual_seed(0)
+    x = torch.randn(shape, dtype=dtype, device=device) * 3
+    weight = torch.randn(shape[-1], dtype=dtype, device=device)
+    _assert_close(rms_norm(x, weight, 1e-6), reference_rms_norm(x, weight, 1e-6))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rms_norm_with_float32_weight_promotes_like_reference(device):
+    torch.manual_seed(1)
+    x = torch.randn(5, 4096, dtype=torch.bfloat16, device=device)
+    weight = torch.randn(4096, device=device)
+    expected = reference_rms_norm(x, weight, 1e-5)
+    assert expected.dtype == torch.float32
+    torch.testing.assert_close(rms_norm(x, weight, 1e-5), expected, atol=1.6e-2, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (9, 1000), (2, 3, 128)], ids=str)
+def test_fused_add_rms_norm_matches_reference_and_keeps_inputs(device, dtype, shape):
+    torch.manual_seed(2)
+    x = torch.randn(shape, dtype=dtype, device=device)
+    residual = torch.randn(shape, dtype=dtype, device=device)
+    x_before, residual_before = x.clone(), residual.clone()
+    norm = RMSNorm(shape[-1], 1e-5).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1]))
+        expected, expected_residual = norm(x, residual)
+        normed, new_residual = fused_add_rms_norm(x, residual, norm.weight, 1e-5)
+    assert torch.equal(new_residual, expected_residual)
+    _assert_close(normed, expected)
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(4, 2), (3, 1), (8, 8)], ids=lambda heads: f"q{heads[0]}-k{heads[1]}")
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_rotary_embedding_matches_reference(device, dtype, heads, head_dim):
+    torch.manual_seed(3)
+    num_tokens, (num_q_heads, num_k_heads) = 11, heads
+    rotary = RotaryEmbedding(head_dim, 4096, rope_inv_freq(head_dim, 10000.0)).to(device)
+    positions = torch.randint(0, 4096, (num_tokens,), device=device)
+    cos, sin = rotary.cos_sin(positions, dtype)  # [T, 1, D]
+    q = torch.randn(num_tokens, num_q_heads, head_dim, dtype=dtype, device=device)
+    k = torch.randn(num_tokens, num_k_heads, head_dim, dtype=dtype, device=device)
+    expected_q, expected_k = apply_rotary(q, k, (cos, sin))
+    for cos_rows, sin_rows in [(cos, sin), (cos.squeeze(1), sin.squeeze(1))]:
+        actual_q, actual_k = rotary_embedding(q, k, cos_rows, sin_rows)
+        _assert_close(actual_q, expected_q)
+        _assert_close(actual_k, expected_k)
+
+
+def test_rotary_embedding_reads_strided_query_and_key_views(device):
+    # q and k as the attention layer has them: column slices of one fused qkv projection.
+    torch.manual_seed(4)
+    num_tokens, head_dim = 6, 64
+    qkv = torch.randn(num_tokens, (4 + 2 + 2) * head_dim, device=device)
+    q = qkv[:, : 4 * head_dim].view(num_tokens, 4, head_dim)
+    k = qkv[:, 4 * head_dim: 6 * head_dim].view(num_tokens, 2, head_dim)
+    rotary = RotaryEmbedding(head_dim, 128, rope_inv_freq(head_dim, 10000.0)).to(device)
+    cos, sin = rotary.cos_sin(torch.arange(num_tokens, device=device), torch.float32)
+    expected_q, expected_k = apply_rotary(q, k, (cos, sin))
+    actual_q, actual_k = rotary_embedding(q, k, cos, sin)
+    _assert_close(actual_q, expected_q)
+    _assert_close(actual_k, expected_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 2), (5, 200), (3, 3000), (2, 3, 128)], ids=str)
+def test_silu_and_mul_matches_reference(device, dtype, shape):
+    torch.manual_seed(5)
+    gate_up = torch.randn(shape, dtype=dtype, device=device) * 4
+    _assert_close(silu_and_mul(gate_up), gated_activation("silu")(gate_up))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_ops_match_reference_at_model_sizes(device, dtype):
+    torch.manual_seed(6)
+    x = torch.randn(4096, 4096, dtype=dtype, device=device)
+    residual = torch.randn_like(x)
+    weight = torch.randn(4096, dtype=dtype, device=device)
+    normed, new_residual = fused_add_rms_norm(x, residual, weight, 1e-5)
+    _assert_close(new_residual, x + residual)
+    _assert_close(normed, reference_rms_norm(x + residual, weight, 1e-5))
+    gate_up = torch.randn(4096, 2 * 14336, dtype=dtype, device=device)
+    _assert_close(silu_and_mul(gate_up), gated_activation("silu")(gate_up))
