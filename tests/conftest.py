@@ -91,16 +91,16 @@ def hf_model(path: Path):
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """HF transformers' greedy continuation of one prompt (no padding), EOS included if produced."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             num_beams=1, pad_token_id=2)
+        out = model.generate(torch.tensor([prompt_ids], device=model.device), max_new_tokens=max_new_tokens,
+                             do_sample=False, num_beams=1, pad_token_id=2)
     return out[0, len(prompt_ids):].tolist()
 
 
 def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     """log_softmax of HF's logits at every position of token_ids: row p scores token p + 1."""
     with torch.no_grad():
-        logits = model(torch.tensor([token_ids])).logits[0].float()
-    return torch.log_softmax(logits, dim=-1)
+        logits = model(torch.tensor([token_ids], device=model.device)).logits[0].float()
+    return torch.log_softmax(logits, dim=-1).cpu()
 
 
 @pytest.fixture(scope="module")
