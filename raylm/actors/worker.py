@@ -157,8 +157,14 @@ class Worker:
         per_block = self.runner.kv_bytes_per_block(kv_dtype)
         token_cap = -(-kv_config.max_tokens // block_size) if kv_config.max_tokens else None
         if self.device.type == "cuda":
+            args = self.spec.args
+            begin = time.perf_counter()
+            activations = self.runner.profile_activation_memory(min(args.max_num_tokens, self.spec.max_seq_len))
+            self.timings.setdefault("initial_model_engine", {})["general_warmup_seconds"] = (
+                time.perf_counter() - begin)
             free, _ = torch.cuda.mem_get_info(self.device)
-            memory_cap = int(free * (kv_config.free_gpu_memory_fraction or 0.9)) // per_block - 1  # null block
+            usable = max(0, free - activations) * (kv_config.free_gpu_memory_fraction or 0.9)
+            memory_cap = int(usable) // per_block - 1  # the null block
             num_blocks = min(memory_cap, token_cap) if token_cap is not None else memory_cap
         else:
             num_blocks = token_cap if token_cap is not None else DEFAULT_CPU_KV_BYTES // per_block - 1

@@ -164,6 +164,25 @@ class ModelRunner:
             v_cache[0].zero_()
             self.kv_caches.append((k_cache, v_cache))
 
+    def profile_activation_memory(self, num_tokens: int) -> int:
+        """Peak device memory (bytes) a prefill step of num_tokens tokens takes beyond weights and KV cache,
+        measured by running one with a temporary cache."""
+        num_blocks = -(-num_tokens // self.block_size)
+        self.allocate_kv_cache(num_blocks, self.dtype)
+        blocks = list(range(1, num_blocks + 1))
+        plan = StepPlan(input_ids=[0] * num_tokens, positions=list(range(num_tokens)),
+                        slot_mapping=[self.block_size + pos for pos in range(num_tokens)],
+                        prefill_chunks=[(blocks, 0, num_tokens)], sample_rows=[num_tokens - 1])
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.compute_outputs(plan, self.forward(plan))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        return max(0, peak)
+
     def capture_graphs(self, batch_sizes: list[int], max_seq_len: int, pp_size: int) -> None:
         """Captures decode CUDA graphs (when the device, the kernels and the model allow them)."""
         from raylm.engine.cuda_graphs import DecodeGraphs, graph_ladder_fits
