@@ -176,7 +176,13 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        self.compute_outputs(plan, self.forward(plan))
+        intermediate = None
+        if self.model.embed_tokens is None:  # a later pipeline stage: activations arrive from the one before
+            hidden = torch.zeros(num_tokens, self.arch.hidden_size, dtype=self.dtype, device=self.device)
+            intermediate = (hidden, hidden.clone())
+        result = self.forward(plan, intermediate)
+        if self.model.lm_head is not None:
+            self.compute_outputs(plan, result)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         self.kv_caches = []
