@@ -82,25 +82,50 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None, num_samples: i
 
 class Sampler:
     def __init__(self, seed: int = 0):
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
+        self._device_generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator_on(self, device: torch.device) -> torch.Generator:
+        """The engine's generator for unseeded rows, on the logits' device (the CPU one on the CPU)."""
+        if device.type == "cpu":
+            return self.generator
+        if device not in self._device_generators:
+            self._device_generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._device_generators[device]
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         """logits: [len(rows), vocab]. Returns one SampleResult per row."""
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         processed = self._process(logits, rows)
-        greedy_ids = processed.argmax(dim=-1).tolist()
-        tokens_per_row: list[list[int]] = []
+        tokens_per_row: list[list[int]] = [[] for _ in rows]
+        greedy = [i for i, row in enumerate(rows) if not row.beam_candidates and row.params.is_greedy]
+        if greedy:
+            greedy_logits = processed if len(greedy) == len(rows) else processed[greedy]
+            for i, token in zip(greedy, greedy_logits.argmax(dim=-1).tolist()):
+                tokens_per_row[i] = [token] * rows[i].num_samples
+        groups: dict[tuple, list[int]] = {}
         for i, row in enumerate(rows):
             params = row.params
-            if row.beam_candidates:
-                tokens_per_row.append([])
-            elif params.is_greedy:
-                tokens_per_row.append([greedy_ids[i]] * row.num_samples)
-            else:
-                scaled = filter_logits(processed[i] / params.effective_temperature, params.top_k, params.top_p,
-                                       params.min_p)
-                tokens_per_row.append(_draw(scaled.softmax(dim=-1), row.generator or self.generator, row.num_samples))
+            if not row.beam_candidates and not params.is_greedy:
+                key = (params.effective_temperature, params.top_k, params.top_p, params.min_p)
+                groups.setdefault(key, []).append(i)
+        for (temperature, top_k, top_p, min_p), indices in groups.items():
+            # Rows with the same sampling settings are filtered together.
+            probs = filter_logits(processed[indices] / temperature, top_k, top_p, min_p).softmax(dim=-1)
+            shared = []
+            for position, i in enumerate(indices):
+                row = rows[i]
+                if row.generator is not None or row.num_samples > 1:
+                    tokens_per_row[i] = _draw(probs[position], row.generator or self.generator, row.num_samples)
+                else:
+                    shared.append(position)
+            if shared:
+                chosen = probs[shared]
+                noise = torch.empty_like(chosen).exponential_(generator=self._generator_on(chosen.device))
+                for position, token in zip(shared, (chosen / noise).argmax(dim=-1).tolist()):
+                    tokens_per_row[indices[position]] = [token]
         return self._results(raw_logprobs, processed, rows, tokens_per_row)
 
     @staticmethod
