@@ -97,7 +97,6 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         """logits: [len(rows), vocab]. Returns one SampleResult per row."""
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
         processed = self._process(logits, rows)
         tokens_per_row: list[list[int]] = [[] for _ in rows]
         greedy = [i for i, row in enumerate(rows) if not row.beam_candidates and row.params.is_greedy]
@@ -126,7 +125,7 @@ class Sampler:
                 noise = torch.empty_like(chosen).exponential_(generator=self._generator_on(chosen.device))
                 for position, token in zip(shared, (chosen / noise).argmax(dim=-1).tolist()):
                     tokens_per_row[indices[position]] = [token]
-        return self._results(raw_logprobs, processed, rows, tokens_per_row)
+        return self._results(logits, processed, rows, tokens_per_row)
 
     @staticmethod
     def _process(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -146,12 +145,14 @@ class Sampler:
         return logits if processed is None else processed
 
     @staticmethod
-    def _results(raw_logprobs: torch.Tensor, processed: torch.Tensor, rows: list[SamplingRow],
+    def _results(logits: torch.Tensor, processed: torch.Tensor, rows: list[SamplingRow],
                  tokens_per_row: list[list[int]]) -> list[SampleResult]:
-        row_index = [i for i, tokens in enumerate(tokens_per_row) for _ in tokens]
-        flat_tokens = [token for tokens in tokens_per_row for token in tokens]
-        chosen = raw_logprobs[torch.tensor(row_index, dtype=torch.long), torch.tensor(flat_tokens, dtype=torch.long)]
-        chosen_list = chosen.tolist()
+        """Log-probabilities of the raw distribution: logit - logsumexp, without materialising log_softmax."""
+        log_normalizer = torch.logsumexp(logits, dim=-1)
+        row_index = torch.tensor([i for i, tokens in enumerate(tokens_per_row) for _ in tokens], dtype=torch.long)
+        flat_tokens = torch.tensor([token for tokens in tokens_per_row for token in tokens], dtype=torch.long)
+        chosen_logits = logits[row_index, flat_tokens]
+        chosen_list = (chosen_logits - log_normalizer[row_index]).tolist()
         results = []
         offset = 0
         for i, (row, tokens) in enumerate(zip(rows, tokens_per_row)):
@@ -159,15 +160,14 @@ class Sampler:
                 values, ids = torch.topk(torch.log_softmax(processed[i], dim=-1), row.beam_candidates)
                 results.append(SampleResult([], [], [], beam_ids=ids.tolist(), beam_logprobs=values.tolist()))
                 continue
-            logprobs = chosen_list[offset : offset + len(tokens)]
-            result = SampleResult(tokens, logprobs, [])
+            result = SampleResult(tokens, chosen_list[offset : offset + len(tokens)], [])
             if row.params.logprobs is not None:  # ranks and top-k only when asked for
-                row_chosen = chosen[offset : offset + len(tokens)]
-                result.ranks = ((raw_logprobs[i].unsqueeze(0) > row_chosen.unsqueeze(1)).sum(dim=-1) + 1).tolist()
+                row_chosen = chosen_logits[offset : offset + len(tokens)]
+                result.ranks = ((logits[i].unsqueeze(0) > row_chosen.unsqueeze(1)).sum(dim=-1) + 1).tolist()
                 if row.params.logprobs:
-                    values, ids = torch.topk(raw_logprobs[i], row.params.logprobs)
+                    values, ids = torch.topk(logits[i], row.params.logprobs)
                     result.top_ids = [ids.tolist()] * len(tokens)
-                    result.top_logprobs = [values.tolist()] * len(tokens)
+                    result.top_logprobs = [(values - log_normalizer[i]).tolist()] * len(tokens)
             offset += len(tokens)
             results.append(result)
         return results

@@ -12,6 +12,17 @@ from raylm.engine.kv_cache import KVCacheManager
 from raylm.engine.scheduler import Scheduler, SchedulerOutput
 
 _PROCESS = psutil.Process(os.getpid())
+_RSS_REFRESH_S = 1.0
+_rss_cache = [0.0, 0]  # (time read, bytes)
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory, read at most once a second (reading it costs more than a step of a
+    small model on a GPU)."""
+    now = time.monotonic()
+    if now - _rss_cache[0] > _RSS_REFRESH_S:
+        _rss_cache[:] = [now, _PROCESS.memory_info().rss]
+    return _rss_cache[1]
 
 
 def iteration_stats(
@@ -37,7 +48,7 @@ def iteration_stats(
         "numCompletedRequests": num_completed,
         "maxNumActiveRequests": scheduler.max_batch_size,
         "maxNumTokens": scheduler.max_num_tokens,
-        "cpuMemUsage": _PROCESS.memory_info().rss,
+        "cpuMemUsage": _resident_bytes(),
         "gpuMemUsage": gpu_memory,
         "pinnedMemUsage": 0,
         "kvCacheStats": kv_cache.stats(),
