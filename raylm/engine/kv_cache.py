@@ -75,7 +75,7 @@ class KVCacheManager:
         """Blocks that computing num_new_tokens more tokens of seq would take from the free pool."""
         total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
         needed = max(0, total - len(seq.block_ids))
-        if self._needs_copy(seq, num_new_tokens):
+        if seq.num_computed_tokens % self.block_size and self._needs_copy(seq, num_new_tokens):
             needed += 1
         return needed
 
@@ -203,7 +203,7 @@ class KVCacheManager:
             seq.last_block_hash = hits[-1].block_hash
             self.reused_blocks += len(hits)
             self.alloc_total_blocks += len(hits)
-        if self._needs_copy(seq, num_new_tokens):
+        if seq.num_computed_tokens % self.block_size and self._needs_copy(seq, num_new_tokens):
             last = seq.num_computed_tokens // self.block_size
             source = self.blocks[seq.block_ids[last]]
             copy = self._pop_free()

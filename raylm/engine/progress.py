@@ -69,35 +69,35 @@ class Progress:
     # ------------------------------------------------------------------ sampling and parallel samples
 
     def _append_samples(self, request: Request, seq: Sequence, result: SampleResult, delta: RequestDelta) -> None:
+        tokens = result.token_ids
         targets = [seq]
-        if len(result.token_ids) > 1:  # first token of a request with several sequences: fork the prompt
+        if len(tokens) > 1:  # first token of a request with several sequences: fork the prompt
             request.forked = True
-            for index in range(1, len(result.token_ids)):
+            for index in range(1, len(tokens)):
                 child = seq.fork(index, _child_generator(request, index))
                 self.kv_cache.fork(seq, child)
                 request.sequences.append(child)
                 targets.append(child)
         want_logprobs = request.sampling_params.logprobs is not None
         for position, target in enumerate(targets):
-            token = result.token_ids[position]
+            token = tokens[position]
             target.token_ids.append(token)
             target.cumulative_logprob += result.logprobs[position]
-            logprob: TokenLogprob = (
-                result.logprobs[position],
-                result.ranks[position] if result.ranks else None,
-                result.top_ids[position] if result.top_ids else None,
-                result.top_logprobs[position] if result.top_logprobs else None,
-            )
             _check_stop(request, target, self.max_seq_len)
-            if target.finished:
+            finish_reason = target.finish_reason
+            if finish_reason is not None:
                 self.kv_cache.free(target)
+            new_logprobs = None
+            if want_logprobs:
+                new_logprobs = [(
+                    result.logprobs[position],
+                    result.ranks[position] if result.ranks else None,
+                    result.top_ids[position] if result.top_ids else None,
+                    result.top_logprobs[position] if result.top_logprobs else None,
+                )]
             delta.sequences.append(SequenceDelta(
-                index=target.index,
-                new_token_ids=[token],
-                new_logprobs=[logprob] if want_logprobs else None,
-                cumulative_logprob=target.cumulative_logprob,
-                finish_reason=target.finish_reason.value if target.finish_reason else None,
-                stop_reason=target.stop_reason,
+                target.index, [token], new_logprobs, target.cumulative_logprob,
+                finish_reason.value if finish_reason is not None else None, target.stop_reason,
             ))
 
     # ------------------------------------------------------------------ beam search

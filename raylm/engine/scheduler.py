@@ -96,6 +96,14 @@ class Scheduler:
 
     def _plan(self, request: Request, budget: int) -> list[tuple[Sequence, int]] | None:
         """Tokens per live sequence this step, or None when the budget cannot serve every sequence."""
+        if len(request.sequences) == 1:  # the common case, kept cheap: one sequence
+            seq = request.sequences[0]
+            wanted = len(seq.token_ids) - seq.num_computed_tokens
+            if seq.finish_reason is not None or wanted <= 0:
+                return []
+            if wanted > budget and not (self.enable_chunked_prefill or request.num_preemptions > 0):
+                return None
+            return [(seq, min(wanted, budget))]
         live = [seq for seq in request.live_sequences if seq.num_uncomputed_tokens > 0]
         if not live:
             return []
@@ -122,6 +130,8 @@ class Scheduler:
         return plan
 
     def _allocate(self, request: Request, plan: list[tuple[Sequence, int]]) -> bool:
+        if len(plan) == 1:  # allocate() checks the capacity of a single sequence itself
+            return self.kv_cache.allocate(request, plan[0][0], plan[0][1])
         if self.kv_cache.blocks_needed_for(plan) > self.kv_cache.num_free_blocks:
             return False
         for seq, tokens in plan:
