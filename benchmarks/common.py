@@ -14,7 +14,7 @@ import torch
 RESULTS = Path(__file__).parent / "results"
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
+def add_model_args(parser: argparse.ArgumentParser, peer: bool = True) -> None:
     parser.add_argument("--model", default=None, help="HF dir, config-only dir (with --load_format dummy), "
                                                       ".gguf, hub id; default: embedded SmolLM2-135M-Instruct")
     parser.add_argument("--load_format", default="auto", choices=["auto", "dummy"])
@@ -24,8 +24,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max_num_tokens", type=int, default=8192)
     parser.add_argument("--kv_cache_max_tokens", type=int, default=None)
     parser.add_argument("--kv_cache_free_gpu_memory_fraction", type=float, default=0.9)
-    parser.add_argument("--peer", choices=["none", "hf"], default="none",
-                        help="also run HF transformers on the same prompts and print the ratio")
+    if peer:
+        parser.add_argument("--peer", choices=["none", "hf"], default="none",
+                            help="also run HF transformers on the same prompts and print the ratio")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output_json", default=None, help="result file (default: benchmarks/results/<name>.json)")
 

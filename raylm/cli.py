@@ -6,7 +6,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 _LOG_LEVELS = ["error", "warning", "info", "debug"]
@@ -123,6 +125,109 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# The dedicated flags of `raylm serve`: (flags, the config path each sets, argparse options, help).
+_SERVE_FLAGS: list[tuple[tuple[str, ...], str, dict, str]] = [
+    (("--host",), "host", {}, "address the HTTP server binds (default localhost)"),
+    (("--port",), "port", {"type": int}, "port of the HTTP server (default 8000)"),
+    (("--tp_size", "--tensor_parallel_size"), "tensor_parallel_size", {"type": int}, "tensor parallelism size"),
+    (("--pp_size", "--pipeline_parallel_size"), "pipeline_parallel_size", {"type": int}, "pipeline parallelism size"),
+    (("--ep_size", "--moe_expert_parallel_size"), "moe_expert_parallel_size", {"type": int},
+     "expert parallelism size (MoE models; at most tp_size)"),
+    (("--max_batch_size",), "max_batch_size", {"type": int}, "most requests the engine schedules at once"),
+    (("--max_num_tokens",), "max_num_tokens", {"type": int}, "most batched tokens in one engine iteration"),
+    (("--max_seq_len",), "max_seq_len", {"type": int},
+     "longest request, prompt plus output (default: the model's context length)"),
+    (("--kv_cache_free_gpu_memory_fraction", "--free_gpu_memory_fraction"), "kv_cache_config.free_gpu_memory_fraction",
+     {"type": float}, "fraction of the free GPU memory the KV cache takes after the model is loaded"),
+    (("--tokenizer",), "tokenizer", {}, "tokenizer directory or hub id (default: the model's)"),
+    (("--revision", "--hf_revision"), "revision", {}, "revision of a Hugging Face hub model"),
+    (("--trust_remote_code",), "trust_remote_code", {"action": "store_true", "default": None},
+     "let HF transformers run the model's own code"),
+    (("--served_model_name",), "served_model_name", {}, "the model name of the API (default: MODEL)"),
+    (("--chat_template",), "chat_template", {}, "a Jinja chat template, or a file holding one"),
+    (("--num_replicas",), "num_replicas", {"type": int}, "engine replicas, each with its HTTP front end (data "
+                                                          "parallelism; default 1)"),
+    (("--api_key",), "api_key", {}, "require 'Authorization: Bearer KEY' on every route but /health "
+                                    "(default: $RAYLM_API_KEY)"),
+    (("--log_level",), "log_level", {"choices": _LOG_LEVELS}, "log level (default warning)"),
+]
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "serve", help="serve MODEL over an OpenAI-compatible HTTP API with Ray Serve",
+        description="Serve MODEL over an OpenAI-compatible HTTP API with Ray Serve, in the foreground until Ctrl-C. "
+                    "Settings come from, lowest precedence first: the defaults, --config, the flags below, --set. "
+                    "It starts a local Ray cluster unless RAY_ADDRESS names one.",
+    )
+    parser.add_argument("model", nargs="?", default=None,
+                        help="HF directory, .gguf file, hub id or alias (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--config", "--extra_llm_api_options", dest="config_file", default=None, metavar="YAML",
+                        help="a YAML file of config fields (see --print_schema)")
+    parser.add_argument("--set", dest="assignments", action="append", default=[], metavar="PATH=VALUE",
+                        help="set one config field, as a dotted path and a YAML value; repeatable, applied last "
+                             "(e.g. --set kv_cache_config.max_tokens=4096)")
+    parser.add_argument("--print_schema", "--print-schema", action="store_true",
+                        help="print the JSON schema of the --config file and exit")
+    flags = parser.add_argument_group("server and engine")
+    for names, path, options, help_text in _SERVE_FLAGS:
+        if options.get("action") != "store_true":
+            options = {"metavar": path.rsplit(".", 1)[-1].upper(), **options}
+        flags.add_argument(*names, dest=path, help=help_text, **{"default": None, **options})
+    parser.set_defaults(handler=serve)
+
+
+def serve_flag_values(args: argparse.Namespace) -> dict:
+    """The config paths the command line sets, None for those it leaves to --config and the defaults."""
+    values = {"model": args.model}
+    values.update({path: getattr(args, path) for _, path, _, _ in _SERVE_FLAGS})
+    return values
+
+
+def _wait_for_interrupt() -> None:
+    """Blocks until Ctrl-C (SIGINT) or SIGTERM, whatever handlers the process inherited."""
+    stop = threading.Event()
+    handled = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in handled}
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Deploys the OpenAI-compatible server on Ray Serve and keeps it up until interrupted."""
+    from raylm.serving.config import serve_args_schema
+    from raylm.serving.config_sources import layer_serve_args
+
+    if args.print_schema:
+        print(json.dumps(serve_args_schema(), indent=2))
+        return 0
+    config = layer_serve_args(args.config_file, serve_flag_values(args), args.assignments)
+    logging.getLogger().setLevel(config.log_level.upper())
+    from raylm.models.source import resolve_model
+
+    resolve_model(config.model, config.revision)  # a bad MODEL fails here, before any cluster starts
+    from raylm.serving.ray_serve import start_server
+
+    try:
+        server = start_server(config)
+    except KeyboardInterrupt:
+        return 130
+    except RuntimeError as exc:
+        print(f"raylm serve: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"raylm serve: {config.model_name} is served at {server.url}/v1 (Ctrl-C to stop)", flush=True)
+    try:
+        _wait_for_interrupt()
+    finally:
+        print("raylm serve: shutting down", flush=True)
+        server.stop()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raylm", description="raylm: a Ray-native LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -135,13 +240,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(handler=generate)
+    _add_serve_parser(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
+    level = args.log_level or "warning"  # serve leaves it to its config layers
+    logging.basicConfig(level=getattr(logging, level.upper()), format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return args.handler(args)

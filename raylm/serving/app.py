@@ -2,8 +2,9 @@
 
 The app needs only this of the engine: generate_async(prompt, sampling_params, streaming=, priority=,
 cache_salt=) returning a GenerationResult, tokenizer, get_stats(timeout=), startup_metrics,
-get_kv_cache_capacity() and info.max_seq_len. raylm.LLM has them; a Ray Serve deployment can pass any
-object that does.
+get_kv_cache_capacity(), info.max_seq_len and, optionally, dead_reason. raylm.LLM has them; so does
+RemoteEngine, the Ray Serve engine deployment seen from the ingress (ray_serve.py), whose results also have an
+admitted() coroutine: it raises the input errors a remote engine finds after generate_async has returned.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ async def create_chat_completion(context: ServingContext, body: ChatCompletionRe
     except (ValueError, TypeError) as exc:
         raise from_engine_error(exc, _FIELDS) from exc
     prompt = TokensPrompt(prompt_token_ids=prompt_ids, prompt=prompt_text)
-    results = context.submit([prompt], params, body.priority, body.cache_salt, _FIELDS)
+    results = await context.submit([prompt], params, body.priority, body.cache_salt, _FIELDS)
     response_id, created = random_id("chatcmpl-"), unix_time()
     if body.stream:
         return StreamingResponse(_stream(context, body, results, response_id, created),

@@ -44,7 +44,7 @@ async def create_completion(context: ServingContext, body: CompletionRequest, re
                                       add_special_tokens=body.add_special_tokens)
     except (ValueError, TypeError) as exc:
         raise from_engine_error(exc, _FIELDS) from exc
-    results = context.submit(body.prompts(), params, body.priority, body.cache_salt, _FIELDS)
+    results = await context.submit(body.prompts(), params, body.priority, body.cache_salt, _FIELDS)
     formatter = _Formatter(context, body, prompt_only)
     if body.stream:
         return StreamingResponse(_stream(context, body, results, formatter),

@@ -1,29 +1,44 @@
-"""ServingConfig: what the OpenAI-compatible HTTP layer needs besides the engine."""
+"""The server's configuration.
+
+ServingConfig is what the OpenAI-compatible HTTP layer needs besides the engine. ServeArgs is everything
+`raylm serve` and the Ray Serve application take: the LlmArgs fields plus the server's own, flat, so that one
+YAML file (`raylm serve --config`, or the `args:` of a Ray Serve config) sets both. Its JSON schema ships as
+config_schema.json next to this file.
+"""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
-from raylm.config import StrictModel
+from raylm.config import LlmArgs, StrictModel
+
+SCHEMA_PATH = Path(__file__).with_name("config_schema.json")
+API_KEY_ENV = "RAYLM_API_KEY"
 
 
 def _default_profile_dir() -> str:
     return os.environ.get("RAYLM_TORCH_PROFILER_DIR", "/tmp")
 
 
-class ServingConfig(StrictModel):
-    """Settings of one HTTP front end over one engine."""
+def _default_api_key() -> str | None:
+    return os.environ.get(API_KEY_ENV) or None
 
-    served_model_name: str = Field(min_length=1, description="The model name clients send and /v1/models lists.")
+
+class ServerOptions(StrictModel):
+    """Settings of the HTTP front end shared by every way of running it."""
+
     api_key: str | None = Field(
-        default=None, min_length=1,
-        description="When set, every route but /health needs the header 'Authorization: Bearer <api_key>'.",
+        default_factory=_default_api_key, min_length=1,
+        description=f"When set, every route but /health needs the header 'Authorization: Bearer <api_key>'. "
+                    f"Default: the {API_KEY_ENV} environment variable.",
     )
     max_queue: int = Field(
         default=1024, ge=1,
-        description="Generation requests in flight (running or waiting) the server holds; more are answered 429.",
+        description="Generation requests in flight (running or waiting) a server holds; more are answered 429.",
     )
     chat_template: str | None = Field(
         default=None, description="A Jinja chat template that replaces the tokenizer's for chat and responses.",
@@ -32,3 +47,93 @@ class ServingConfig(StrictModel):
         default_factory=_default_profile_dir,
         description="Where /start_profile writes chrome traces when the request names no output_dir.",
     )
+
+
+class ServingConfig(ServerOptions):
+    """Settings of one HTTP front end over one engine."""
+
+    served_model_name: str = Field(min_length=1, description="The model name clients send and /v1/models lists.")
+
+
+class AutoscalingConfig(StrictModel):
+    """Replica autoscaling of the Ray Serve application (each replica is one engine and its HTTP front end)."""
+
+    min_replicas: int = Field(default=1, ge=0, description="Fewest replicas, 0 to scale to zero when idle.")
+    max_replicas: int = Field(default=1, ge=1, description="Most replicas.")
+    initial_replicas: int | None = Field(default=None, ge=0, description="Replicas at start (default min_replicas).")
+    target_ongoing_requests: float | None = Field(
+        default=None, gt=0, description="Requests per replica the autoscaler aims for (default max_batch_size).",
+    )
+    upscale_delay_s: float = Field(default=30.0, ge=0, description="Load must stay high this long to add replicas.")
+    downscale_delay_s: float = Field(default=600.0, ge=0,
+                                     description="Load must stay low this long to remove replicas.")
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas must be <= max_replicas ({self.max_replicas}), got {self.min_replicas}")
+        if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
+            raise ValueError(f"initial_replicas must be in [{self.min_replicas}, {self.max_replicas}], "
+                             f"got {self.initial_replicas}")
+        return self
+
+
+class ServeArgs(LlmArgs, ServerOptions):
+    """Arguments of `raylm serve` and of the Ray Serve app builder: LlmArgs plus the server's settings."""
+
+    served_model_name: str | None = Field(
+        default=None, min_length=1, description="The model name clients send and /v1/models lists (default: model).",
+    )
+    host: str = Field(default="localhost", min_length=1,
+                      description="Address the HTTP server binds (raylm serve; a Ray Serve config sets its own).")
+    port: int = Field(default=8000, ge=1, le=65535,
+                      description="Port of the HTTP server (raylm serve; a Ray Serve config sets its own).")
+    num_replicas: int | None = Field(
+        default=None, ge=1,
+        description="Data parallelism: engine replicas, each with tp x pp ranks and its own HTTP front end "
+                    "(default 1; leave unset with autoscaling_config).",
+    )
+    autoscaling_config: AutoscalingConfig | None = Field(
+        default=None, description="Scale the replicas with the load instead of running num_replicas.",
+    )
+    log_level: Literal["error", "warning", "info", "debug"] = Field(
+        default="warning", description="Log level of the server's processes.",
+    )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_from_file(cls, value: str | None) -> str | None:
+        """--chat_template takes a file path or the template itself."""
+        if value is None or "\n" in value:
+            return value
+        try:
+            return Path(value).read_text(encoding="utf-8") if Path(value).is_file() else value
+        except OSError:  # not a usable path (too long, say): the template itself
+            return value
+
+    @model_validator(mode="after")
+    def _check_replicas(self) -> ServeArgs:
+        if self.num_replicas is not None and self.autoscaling_config is not None:
+            raise ValueError(f"num_replicas ({self.num_replicas}) and autoscaling_config exclude each other: "
+                             "set one of them")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        """The LlmArgs fields, as keyword arguments of LLM(...) / AsyncLLM(...)."""
+        return {name: getattr(self, name) for name in LlmArgs.model_fields}
+
+    def serving_config(self) -> ServingConfig:
+        """The settings of the HTTP front end."""
+        options = {name: getattr(self, name) for name in ServerOptions.model_fields}
+        return ServingConfig(served_model_name=self.model_name, **options)
+
+
+def serve_args_schema() -> dict[str, Any]:
+    """The JSON schema of a `raylm serve --config` YAML file (and of a Ray Serve config's args)."""
+    schema = ServeArgs.model_json_schema()
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema,
+            "title": "raylm serve configuration"}

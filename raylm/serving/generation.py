@@ -96,11 +96,13 @@ class ServingContext:
         if reason is not None:
             raise OpenAIError(503, f"the engine is not running: {reason}", code="engine_unavailable")
 
-    def submit(self, prompts: Sequence[PromptInputs], params: SamplingParams, priority: float,
-               cache_salt: str | None, fields: Sequence[str]) -> list[GenerationResult]:
+    async def submit(self, prompts: Sequence[PromptInputs], params: SamplingParams, priority: float,
+                     cache_salt: str | None, fields: Sequence[str]) -> list[GenerationResult]:
         """Submits every prompt, or none: a rejected prompt aborts those already submitted.
 
         Errors the engine raises for bad input become 400s whose param is the field they name, if in fields.
+        A remote engine checks its input after generate_async returns: its results' admitted() raises what
+        generate_async would have, and every submission is awaited before any response starts.
         """
         self.check_engine()
         results: list[GenerationResult] = []
@@ -108,6 +110,8 @@ class ServingContext:
             for prompt in prompts:
                 results.append(self.engine.generate_async(prompt, params, streaming=True, priority=priority,
                                                           cache_salt=cache_salt))
+            for result in results:  # all are on their way: awaiting them in turn costs the slowest
+                await _admitted(result)
         except (ValueError, TypeError) as exc:
             _abort(results)
             raise from_engine_error(exc, fields) from exc
@@ -115,6 +119,9 @@ class ServingContext:
             _abort(results)
             if isinstance(exc, EngineDeadError) or self.dead_reason() is not None:
                 raise OpenAIError(503, str(exc), code="engine_unavailable") from exc
+            raise
+        except BaseException:
+            _abort(results)
             raise
         return results
 
@@ -160,6 +167,12 @@ class ServingContext:
         async for index, output in self.follow(results):
             finals[index] = output
         return [finals[index] for index in range(len(results))]
+
+
+async def _admitted(result: GenerationResult) -> None:
+    admitted = getattr(result, "admitted", None)  # only a remote engine's results have it
+    if admitted is not None:
+        await admitted()
 
 
 def _abort(results: Sequence[GenerationResult]) -> None:

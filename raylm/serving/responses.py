@@ -60,7 +60,7 @@ async def create_response(context: ServingContext, body: ResponsesRequest, reque
     except (ValueError, TypeError) as exc:
         raise from_engine_error(exc, _FIELDS) from exc
     prompt = TokensPrompt(prompt_token_ids=prompt_ids, prompt=prompt_text)
-    results = context.submit([prompt], params, body.priority, body.cache_salt, _FIELDS)
+    results = await context.submit([prompt], params, body.priority, body.cache_salt, _FIELDS)
     builder = _ResponseBuilder(context, body)
     if body.stream:
         return StreamingResponse(_stream(context, results, builder), media_type="text/event-stream",

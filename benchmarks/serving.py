@@ -1,0 +1,313 @@
+"""Online serving, like `vllm bench serve`: a streaming client sends random token-id prompts (fixed input and
+output lengths, EOS ignored, greedy) at a request rate or with a fixed number of clients, and reports TTFT,
+TPOT and ITL (mean, median, p99) and output tok/s.
+
+Backends: `serve` deploys the Ray Serve app (`raylm serve`) on a local Ray cluster and streams from its OpenAI
+endpoint over HTTP; `engine` runs the same client workload against the engine called directly
+(LLM.generate_async in this process, on a Ray worker like the Serve deployment's engine); `both` runs the two in
+turn and reports the difference, the cost of the Serve hop (HTTP, the ingress and the engine deployment).
+
+    python benchmarks/serving.py --backend both --max_concurrency 16 --num_prompts 32
+    python benchmarks/serving.py --backend both --max_concurrency 1 --num_prompts 8
+    python benchmarks/serving.py --base_url http://localhost:8000 --request_rate 4   # a running server
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import add_model_args, random_prompts, write_result  # noqa: E402
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it: when its tokens arrived, relative to when it was sent."""
+
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    output_tokens: int = 0
+    itl_s: list[float] = field(default_factory=list)  # gaps between successive chunks that carried tokens
+    error: str | None = None
+
+
+class ChunkClock:
+    """Times the chunks of one streamed request."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.last: float | None = None
+        self.record = RequestRecord()
+
+    def tokens(self, total: int) -> None:
+        """A chunk arrived; `total` tokens have been generated so far."""
+        if total <= self.record.output_tokens:
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.record.ttft_s = now - self.start
+        else:
+            self.record.itl_s.append(now - self.last)
+        self.last = now
+        self.record.output_tokens = total
+
+    def done(self) -> RequestRecord:
+        self.record.latency_s = time.perf_counter() - self.start
+        return self.record
+
+
+Send = Callable[[list[int]], Awaitable[RequestRecord]]
+
+
+# ---------------------------------------------------------------------------------------------- backends
+
+
+def openai_sender(session, base_url: str, model: str, api_key: str | None, output_len: int) -> Send:
+    """Streams /v1/completions; continuous usage stats give the tokens generated so far in every chunk."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    async def send(prompt: list[int]) -> RequestRecord:
+        body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        clock = ChunkClock()
+        async with session.post(f"{base_url}/v1/completions", json=body, headers=headers) as response:
+            if response.status != 200:
+                clock.record.error = f"HTTP {response.status}: {(await response.text())[:200]}"
+                return clock.done()
+            async for line in response.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    clock.record.error = chunk["error"]["message"]
+                elif chunk.get("usage"):
+                    clock.tokens(chunk["usage"]["completion_tokens"])
+        return clock.done()
+
+    return send
+
+
+def engine_sender(llm, output_len: int) -> Send:
+    from raylm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+
+    async def send(prompt: list[int]) -> RequestRecord:
+        clock = ChunkClock()
+        async for output in llm.generate_async(TokensPrompt(prompt_token_ids=prompt), params, streaming=True):
+            clock.tokens(len(output.outputs[0].token_ids))
+        return clock.done()
+
+    return send
+
+
+# ---------------------------------------------------------------------------------------------- workload
+
+
+async def run_workload(send: Send, prompts: list[list[int]], request_rate: float, max_concurrency: int | None,
+                       seed: int) -> tuple[list[RequestRecord], float]:
+    """Sends every prompt, at Poisson arrivals of request_rate per second (inf: all at once), at most
+    max_concurrency at a time; returns the records and the wall time."""
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    rng = random.Random(seed)
+
+    async def one(prompt: list[int]) -> RequestRecord:
+        if limit is None:
+            return await send(prompt)
+        async with limit:
+            return await send(prompt)
+
+    start = time.perf_counter()
+    tasks = []
+    for prompt in prompts:
+        tasks.append(asyncio.create_task(one(prompt)))
+        if math.isfinite(request_rate):
+            await asyncio.sleep(rng.expovariate(request_rate))
+    records = await asyncio.gather(*tasks)
+    return records, time.perf_counter() - start
+
+
+def _stats_ms(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": math.nan, "median": math.nan, "p99": math.nan}
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+    return {"mean": 1000 * statistics.mean(values), "median": 1000 * statistics.median(values), "p99": 1000 * p99}
+
+
+def summarize(records: list[RequestRecord], duration: float) -> dict:
+    ok = [record for record in records if record.error is None]
+    output_tokens = sum(record.output_tokens for record in ok)
+    tpots = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "completed": len(ok), "failed": len(records) - len(ok),
+        "errors": sorted({record.error for record in records if record.error})[:5],
+        "duration_s": duration, "output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration, "output_tokens_per_s": output_tokens / duration,
+        "ttft_ms": _stats_ms([r.ttft_s for r in ok]), "tpot_ms": _stats_ms(tpots),
+        "itl_ms": _stats_ms([gap for r in ok for gap in r.itl_s]),
+        "e2e_latency_ms": _stats_ms([r.latency_s for r in ok]),
+    }
+
+
+@dataclass
+class Workload:
+    warmup: list[list[int]]  # sent one by one before measuring
+    prompts: list[list[int]]
+
+
+async def measure(send: Send, args: argparse.Namespace, workload: Workload) -> dict:
+    for prompt in workload.warmup:
+        await send(prompt)
+    records, duration = await run_workload(send, workload.prompts, args.request_rate, args.max_concurrency,
+                                           args.seed)
+    return summarize(records, duration)
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+
+def serve_args(args: argparse.Namespace):
+    from raylm import KvCacheConfig
+    from raylm.serving.config import ServeArgs
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return ServeArgs(
+        model=args.model or "smollm2-135m-instruct", load_format=args.load_format, dtype=args.dtype,
+        device=args.device, max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
+        max_seq_len=args.input_len + args.output_len + 16, skip_tokenizer_init=args.load_format == "dummy",
+        seed=args.seed, kv_cache_config=KvCacheConfig(max_tokens=args.kv_cache_max_tokens, enable_block_reuse=False,
+                                                      free_gpu_memory_fraction=args.kv_cache_free_gpu_memory_fraction),
+        served_model_name="bench", host="127.0.0.1", port=port, max_queue=max(1024, args.num_prompts), api_key=None,
+    )
+
+
+async def _over_http(base_url: str, model: str, api_key: str | None, args, workload: Workload) -> dict:
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        return await measure(openai_sender(session, base_url, model, api_key, args.output_len), args, workload)
+
+
+def run_serve(args: argparse.Namespace, config, workload: Workload) -> dict:
+    from raylm.serving.ray_serve import start_server
+
+    server = start_server(config, app_name="raylm-bench")
+    try:
+        return asyncio.run(_over_http(server.url, config.model_name, None, args, workload))
+    finally:
+        server.stop()
+
+
+def run_engine(args: argparse.Namespace, config, workload: Workload) -> dict:
+    from raylm import LLM
+
+    llm = LLM(**{**config.llm_kwargs(), "executor": args.engine_executor})
+    try:
+        return asyncio.run(measure(engine_sender(llm, args.output_len), args, workload))
+    finally:
+        llm.shutdown()
+
+
+def run_base_url(args: argparse.Namespace, workload: Workload) -> dict:
+    import httpx2
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = httpx2.get(f"{args.base_url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    return asyncio.run(_over_http(args.base_url.rstrip("/"), model, args.api_key, args, workload))
+
+
+def vocab_size(args: argparse.Namespace) -> int:
+    from raylm.models.loader import load_hf_config
+    from raylm.models.source import resolve_model
+
+    return load_hf_config(resolve_model(args.model), False).vocab_size
+
+
+def _row(label: str, result: dict) -> str:
+    def triple(key: str) -> str:
+        stats = result[key]
+        return f"{stats['mean']:>8.1f}{stats['median']:>8.1f}{stats['p99']:>8.1f}"
+
+    return (f"{label:<14}{result['completed']:>5}{result['output_tokens_per_s']:>10.1f}"
+            f"{triple('ttft_ms')}{triple('tpot_ms')}{triple('itl_ms')}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser, peer=False)
+    parser.add_argument("--backend", choices=["serve", "engine", "both"], default="both")
+    parser.add_argument("--base_url", default=None,
+                        help="benchmark a running server instead (e.g. http://localhost:8000); no engine starts")
+    parser.add_argument("--api_key", default=os.environ.get("RAYLM_API_KEY"), help="for --base_url")
+    parser.add_argument("--engine_executor", choices=["ray", "local"], default="ray",
+                        help="executor of the direct engine (ray: a worker actor, as the Serve deployment has)")
+    parser.add_argument("--num_prompts", type=int, default=32)
+    parser.add_argument("--input_len", type=int, default=32)
+    parser.add_argument("--output_len", type=int, default=64)
+    parser.add_argument("--request_rate", type=float, default=math.inf,
+                        help="requests per second, Poisson arrivals (default inf: all at once)")
+    parser.add_argument("--max_concurrency", type=int, default=None, help="most requests in flight (clients)")
+    parser.add_argument("--num_warmup", type=int, default=2, help="requests sent one by one before measuring")
+    args = parser.parse_args()
+
+    prompts = random_prompts(args.num_prompts + args.num_warmup, args.input_len, vocab_size(args), args.seed)
+    workload = Workload(warmup=prompts[args.num_prompts:], prompts=prompts[: args.num_prompts])
+    results: dict[str, dict] = {}
+    if args.base_url:
+        results["server"] = run_base_url(args, workload)
+    else:
+        config = serve_args(args)
+        if args.backend in ("engine", "both"):
+            results["engine"] = run_engine(args, config, workload)
+        if args.backend in ("serve", "both"):
+            results["serve"] = run_serve(args, config, workload)
+    if {"engine", "serve"} <= set(results):
+        results["serve_hop_ms"] = {metric: {stat: results["serve"][metric][stat] - results["engine"][metric][stat]
+                                            for stat in ("mean", "median", "p99")}
+                                   for metric in ("ttft_ms", "tpot_ms", "itl_ms")}
+
+    load = f"c{args.max_concurrency}" if args.max_concurrency else f"r{args.request_rate:g}"
+    name = f"serving-{Path(args.model or 'smollm2').name}-{load}-i{args.input_len}-o{args.output_len}-" \
+           f"{args.device if args.device != 'auto' else _device()}"
+    path = write_result(name, args, {"results": results})
+    print(f"\n{args.num_prompts} prompts x ({args.input_len} in, {args.output_len} out), "
+          f"concurrency {args.max_concurrency or 'unbounded'}, request rate {args.request_rate:g}/s")
+    print(f"{'':<14}{'':>5}{'':>10}{'TTFT (ms)':>24}{'TPOT (ms)':>24}{'ITL (ms)':>24}")
+    print(f"{'backend':<14}{'done':>5}{'out tok/s':>10}" + f"{'mean':>8}{'median':>8}{'p99':>8}" * 3)
+    for label, result in results.items():
+        if label != "serve_hop_ms":
+            print(_row(label, result))
+            for error in result["errors"]:
+                print(f"  error: {error}")
+    if "serve_hop_ms" in results:
+        hop = results["serve_hop_ms"]
+        print(f"Serve hop (serve - engine): TTFT mean {hop['ttft_ms']['mean']:+.1f} ms, median "
+              f"{hop['ttft_ms']['median']:+.1f} ms; ITL mean {hop['itl_ms']['mean']:+.1f} ms, median "
+              f"{hop['itl_ms']['median']:+.1f} ms")
+    print(f"wrote {path}")
+
+
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+if __name__ == "__main__":
+    main()

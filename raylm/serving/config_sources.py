@@ -1,0 +1,190 @@
+"""ServeArgs from its sources, in a fixed order of precedence whatever the command line's order:
+
+    defaults < a --config YAML file < dedicated CLI flags < --set PATH=VALUE
+
+A path names a field with dots for nesting (`kv_cache_config.max_tokens`); a value is YAML (null, booleans,
+finite numbers, strings, lists, string-keyed mappings). An assignment replaces exactly the addressed value, a
+mapping or list entirely. Of duplicate --set paths the last wins; a --set path and one of its descendants
+conflict. An unknown path is rejected with the valid paths at that level.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from raylm.serving.config import ServeArgs
+
+# Fields --set may not address, and what to use instead.
+SET_EXCLUDED = {"model": "give the model as the MODEL argument"}
+
+
+class ConfigError(ValueError):
+    """A configuration source is malformed; the message names the source, the path and what is allowed."""
+
+
+def _nested_model(model: type[BaseModel], name: str) -> type[BaseModel] | None:
+    """The model class of field `name` when it holds a model (or an optional one), else None."""
+    annotation = model.model_fields[name].annotation
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
+        else (annotation,)
+    for option in options:
+        if isinstance(option, type) and issubclass(option, BaseModel):
+            return option
+    return None
+
+
+def config_paths(model: type[BaseModel] = ServeArgs, prefix: str = "") -> list[str]:
+    """Every path a source may set, sorted: each field, and the fields of nested models."""
+    paths = []
+    for name in model.model_fields:
+        paths.append(prefix + name)
+        nested = _nested_model(model, name)
+        if nested is not None:
+            paths.extend(config_paths(nested, f"{prefix}{name}."))
+    return sorted(paths)
+
+
+def check_path(path: str, source: str, model: type[BaseModel] = ServeArgs) -> None:
+    """Raises ConfigError unless `path` names a field, listing the valid paths where it went wrong."""
+    parts = path.split(".")
+    for depth, part in enumerate(parts):
+        parent = ".".join(parts[:depth])
+        if part not in model.model_fields:
+            where = f"under {parent!r}" if parent else "at the top level"
+            valid = ", ".join(config_paths(model, f"{parent}." if parent else ""))
+            raise ConfigError(f"{source}: unknown config path {path!r}; valid paths {where}: {valid}")
+        nested = _nested_model(model, part)
+        if nested is None and depth < len(parts) - 1:
+            raise ConfigError(f"{source}: {'.'.join(parts[:depth + 1])!r} is a value, not a mapping; "
+                              f"{path!r} cannot address inside it")
+        model = nested
+
+
+def _check_values(value: Any, where: str) -> None:
+    if value is None or isinstance(value, (bool, int, str)):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}: numbers must be finite, got {value}")
+        return
+    if isinstance(value, list):
+        for item in value:
+            _check_values(item, where)
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"{where}: mapping keys must be strings, got {key!r}")
+            _check_values(item, where)
+        return
+    raise ConfigError(f"{where}: values must be null, booleans, numbers, strings, lists or mappings, got a "
+                      f"{type(value).__name__} ({value!r}); quote it to pass a string")
+
+
+def _model_at(path: str) -> type[BaseModel] | None:
+    """The model class a (checked) path holds, or None when it holds a plain value."""
+    model: type[BaseModel] | None = ServeArgs
+    for part in path.split("."):
+        model = _nested_model(model, part)
+    return model
+
+
+def _check_tree(values: Mapping[str, Any], source: str, prefix: str = "") -> None:
+    for key, value in values.items():
+        path = prefix + str(key)
+        check_path(path, source)
+        if isinstance(value, dict) and _model_at(path) is not None:
+            _check_tree(value, source, path + ".")
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """The mapping in a --config YAML file, its paths checked (an empty file is an empty mapping)."""
+    source = f"--config {path}"
+    try:
+        with open(path, encoding="utf-8") as handle:
+            values = yaml.safe_load(handle)
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read the file: {exc.strerror or exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: the file must hold a mapping of config fields, got a {type(values).__name__}")
+    _check_values(values, source)
+    _check_tree(values, source)
+    return values
+
+
+def parse_assignment(text: str) -> tuple[str, Any]:
+    """PATH=VALUE of one --set, the path checked and the value parsed as YAML."""
+    path, sep, raw = text.partition("=")
+    path = path.strip()
+    source = f"--set {text}"
+    if not sep or not path:
+        raise ConfigError(f"{source}: expected PATH=VALUE, such as kv_cache_config.max_tokens=4096")
+    check_path(path, source)
+    top = path.split(".", 1)[0]
+    if top in SET_EXCLUDED:
+        raise ConfigError(f"{source}: {top!r} cannot be set with --set; {SET_EXCLUDED[top]}")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: the value is not valid YAML: {exc}") from exc
+    _check_values(value, source)
+    if isinstance(value, dict) and _model_at(path) is not None:
+        _check_tree(value, source, path + ".")
+    return path, value
+
+
+def _without_conflicts(assignments: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """The assignments by path (the last of duplicates wins); a path and one of its descendants conflict."""
+    latest = dict(assignments)
+    for path in latest:
+        for other in latest:
+            if other.startswith(path + "."):
+                raise ConfigError(f"--set {path} and --set {other} conflict: set the mapping or its field, "
+                                  "not both")
+    return latest
+
+
+def _assign(tree: dict[str, Any], path: str, value: Any) -> None:
+    *parents, leaf = path.split(".")
+    for part in parents:
+        if not isinstance(tree.get(part), dict):
+            tree[part] = {}
+        tree = tree[part]
+    tree[leaf] = value
+
+
+def _describe(error: Mapping[str, Any]) -> str:
+    path = ".".join(str(part) for part in error.get("loc", ()))
+    message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+    value = error.get("input")
+    shown = "" if error.get("type") == "missing" or isinstance(value, dict) else f" (got {value!r})"
+    return f"{path}: {message}{shown}" if path else message
+
+
+def layer_serve_args(config_file: str | Path | None = None, flags: Mapping[str, Any] | None = None,
+                     assignments: Iterable[str] = ()) -> ServeArgs:
+    """ServeArgs from the defaults, then a --config file, then CLI flags (path -> value, None meaning not
+    given), then --set assignments. Raises ConfigError naming the source and path of any bad value."""
+    tree = load_config_file(config_file) if config_file else {}
+    for path, value in (flags or {}).items():
+        if value is not None:
+            check_path(path, "command line")
+            _assign(tree, path, value)
+    for path, value in _without_conflicts([parse_assignment(text) for text in assignments]).items():
+        _assign(tree, path, value)
+    try:
+        return ServeArgs.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError("invalid configuration: " + "; ".join(_describe(error) for error in exc.errors())) from exc

@@ -1,0 +1,196 @@
+"""RemoteEngine: the engine deployment seen from the HTTP ingress through its DeploymentHandle, with the
+interface build_app needs (what raylm.LLM offers an app in its own process).
+
+Each request is one streaming call to the engine deployment (engine_stream); aborting it cancels the call,
+which aborts the request in the engine and frees its blocks. The engine's health is polled in the background,
+so that dead_reason answers at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Generator
+from dataclasses import dataclass
+from typing import Any
+
+from raylm.actors.worker import EngineInfo
+from raylm.config import LlmArgs
+from raylm.engine_client import EngineDeadError
+from raylm.inputs import PromptInputs
+from raylm.outputs import RequestOutput
+from raylm.results import RequestError
+from raylm.sampling_params import SamplingParams
+from raylm.serving.engine_stream import Admitted, ChunkDecoder, Failed, OutputChunk, Rejected
+
+logger = logging.getLogger(__name__)
+
+HEALTH_POLL_S = 1.0
+HEALTH_TIMEOUT_S = 3.0
+STATS_TIMEOUT_S = 30.0
+
+
+@dataclass
+class EngineDescription:
+    """What the ingress learns about the engine once, at start-up."""
+
+    info: EngineInfo
+    kv_cache_capacity: dict
+    startup_metrics: dict
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+class RemoteGeneration:
+    """A request running in the engine deployment, used as a GenerationResult is: `await` it for the final
+    output, `async for` over it for incremental ones, abort() to stop it."""
+
+    def __init__(self, stream: Any, on_transport_error: Any):
+        self.request_id: str | None = None
+        self._stream = stream
+        self._on_transport_error = on_transport_error
+        self._decoder = ChunkDecoder()
+        self._latest: RequestOutput | None = None
+        self._done = False
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    async def admitted(self) -> None:
+        """Returns once the engine accepted the request; raises what the engine's generate_async raised for it
+        (ValueError or TypeError for bad input, EngineDeadError when it cannot serve)."""
+        if self.request_id is not None:
+            return
+        try:
+            message = await self._receive()
+        except RequestError as exc:
+            raise EngineDeadError(str(exc)) from exc
+        if isinstance(message, Rejected):
+            self._done = True
+            raise message.error()
+        if not isinstance(message, Admitted):
+            raise RequestError(f"the engine deployment sent {type(message).__name__} before admitting the request")
+        self.request_id = message.request_id
+
+    async def _receive(self) -> Admitted | Rejected | OutputChunk | Failed:
+        try:
+            return await self._stream.__anext__()
+        except StopAsyncIteration:
+            self._done = True
+            raise RequestError("the engine deployment ended the request's stream before its last output") from None
+        except asyncio.CancelledError:
+            self.abort()
+            raise
+        except Exception as exc:  # the call failed: the replica died, or Serve could not reach it
+            if self._done:  # aborted while waiting: the cancellation surfaced here
+                raise RequestError("the request was aborted") from exc
+            self._done = True
+            reason = f"the engine deployment failed: {_first_line(exc)}"
+            self._on_transport_error(reason)
+            raise RequestError(reason) from exc
+
+    def abort(self) -> None:
+        """Stops the request in the engine (which frees its KV blocks) by cancelling its call."""
+        if not self._done:
+            self._done = True
+            self._stream.cancel()
+
+    async def _outputs(self) -> AsyncIterator[RequestOutput]:
+        try:
+            await self.admitted()
+            while True:
+                message = await self._receive()
+                if isinstance(message, Failed):
+                    self._done = True
+                    raise RequestError(message.message)
+                output = self._decoder.decode(message)
+                self._latest = output
+                self._done = output.finished
+                yield output
+                if output.finished:
+                    return
+        finally:
+            self.abort()
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._outputs()
+
+    async def aresult(self) -> RequestOutput:
+        async for _ in self:
+            pass
+        return self._latest
+
+    def __await__(self) -> Generator[Any, None, RequestOutput]:
+        return self.aresult().__await__()
+
+
+class RemoteEngine:
+    """The engine interface build_app needs, over a DeploymentHandle to EngineDeployment."""
+
+    def __init__(self, handle: Any, tokenizer: Any, description: EngineDescription):
+        self._handle = handle
+        self._stream_handle = handle.options(stream=True)
+        self.tokenizer = tokenizer
+        self.info = description.info
+        self.startup_metrics = description.startup_metrics
+        self._kv_cache_capacity = description.kv_cache_capacity
+        self.dead_reason: str | None = None
+        self._health_watch: asyncio.Task | None = None
+
+    @classmethod
+    async def connect(cls, handle: Any, args: LlmArgs) -> RemoteEngine:
+        """Waits for the engine deployment, loads the tokenizer of `args` here, and starts watching health."""
+        from raylm.llm import _load_tokenizer
+        from raylm.models.source import resolve_model
+
+        description = await handle.describe.remote()
+        source = await asyncio.to_thread(resolve_model, args.model, args.revision)
+        tokenizer = await asyncio.to_thread(_load_tokenizer, args, source)
+        engine = cls(handle, tokenizer, description)
+        engine._health_watch = asyncio.create_task(engine._watch_health())
+        return engine
+
+    # ------------------------------------------------------------------ requests
+
+    def generate_async(self, inputs: PromptInputs, sampling_params: SamplingParams | None = None,
+                       streaming: bool = False, priority: float = 0.5,
+                       cache_salt: str | None = None) -> RemoteGeneration:
+        """Submits one prompt; errors the engine finds in it surface from the result's admitted()."""
+        stream = self._stream_handle.generate.remote(inputs, sampling_params, streaming, priority, cache_salt)
+        return RemoteGeneration(stream, self._mark_unreachable)
+
+    # ------------------------------------------------------------------ state
+
+    def get_kv_cache_capacity(self) -> dict:
+        return dict(self._kv_cache_capacity)
+
+    def get_stats(self, timeout: float | None = 2) -> list[dict]:
+        """The engine's iteration statistics since the last call. Blocks: call it from a thread, not the loop."""
+        return self._handle.get_stats.remote(timeout).result(timeout_s=(timeout or 0) + STATS_TIMEOUT_S)
+
+    async def check_health(self) -> str | None:
+        """Asks the engine deployment whether its engine runs; the answer (None while it does) is dead_reason."""
+        try:
+            self.dead_reason = await asyncio.wait_for(self._handle.engine_dead_reason.remote(), HEALTH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            self.dead_reason = f"the engine deployment did not answer within {HEALTH_TIMEOUT_S:g} s"
+        except Exception as exc:
+            self.dead_reason = f"the engine deployment is unavailable: {_first_line(exc)}"
+        return self.dead_reason
+
+    def _mark_unreachable(self, reason: str) -> None:
+        # Until the next poll says otherwise: requests failing now answer 503, not 500.
+        self.dead_reason = reason
+
+    async def _watch_health(self) -> None:
+        while True:
+            await self.check_health()
+            await asyncio.sleep(HEALTH_POLL_S)
+
+    def shutdown(self) -> None:
+        if self._health_watch is not None:
+            self._health_watch.cancel()

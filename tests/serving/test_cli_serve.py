@@ -1,0 +1,114 @@
+"""`raylm serve`: flags, --config and --set in their order of precedence, errors before anything starts,
+--print_schema, and one real server in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx2
+import openai
+
+from raylm.cli import build_parser, main, serve_flag_values
+from raylm.serving.config import SCHEMA_PATH
+from raylm.serving.config_sources import layer_serve_args
+
+
+def _layered(argv: list[str]):
+    args = build_parser().parse_args(["serve", *argv])
+    return layer_serve_args(args.config_file, serve_flag_values(args), args.assignments)
+
+
+def test_defaults_then_config_then_flags_then_set_whatever_the_order(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text("max_batch_size: 8\nmax_seq_len: 512\nport: 9001\n"
+                      "kv_cache_config:\n  max_tokens: 2048\n  tokens_per_block: 16\n")
+    args = _layered(["--set", "max_seq_len=640", "--max_seq_len", "768", "--config", str(config),
+                     "--kv_cache_free_gpu_memory_fraction", "0.5", "--tp_size", "2", "--trust_remote_code"])
+    assert args.max_batch_size == 8 and args.port == 9001  # from the file only
+    assert args.max_seq_len == 640  # file < flag < --set
+    assert (args.kv_cache_config.max_tokens, args.kv_cache_config.tokens_per_block) == (2048, 16)
+    assert args.kv_cache_config.free_gpu_memory_fraction == 0.5  # a flag sets one field of a file's mapping
+    assert args.tensor_parallel_size == 2 and args.trust_remote_code is True
+    assert args.max_num_tokens == 8192 and args.host == "localhost"  # untouched defaults
+    assert _layered(["my-model"]).model_name == "my-model"
+
+
+def test_the_extra_llm_api_options_alias_and_api_key_from_the_environment(tmp_path, monkeypatch):
+    config = tmp_path / "config.yaml"
+    config.write_text("served_model_name: from-file\n")
+    monkeypatch.setenv("RAYLM_API_KEY", "from-env")
+    args = _layered(["--extra_llm_api_options", str(config)])
+    assert args.served_model_name == "from-file" and args.api_key == "from-env"
+    assert _layered(["--api_key", "from-flag"]).api_key == "from-flag"
+
+
+def test_bad_configuration_exits_2_before_starting_anything(tmp_path, capsys):
+    assert main(["serve", "--set", "kv_cache_config.max_token=4096"]) == 2
+    error = capsys.readouterr().err
+    assert "unknown config path 'kv_cache_config.max_token'" in error and "kv_cache_config.max_tokens" in error
+    assert main(["serve", "--set", "model=other"]) == 2
+    assert "MODEL argument" in capsys.readouterr().err
+    config = tmp_path / "config.yaml"
+    config.write_text("max_batch_size: 0\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    assert "max_batch_size: Input should be greater than or equal to 1 (got 0)" in capsys.readouterr().err
+    assert main(["serve", "/no/such/model/dir"]) == 2
+    assert "not an existing directory" in capsys.readouterr().err
+
+
+def test_print_schema_prints_the_shipped_schema(capsys):
+    assert main(["serve", "--print_schema"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(SCHEMA_PATH.read_text())
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_raylm_serve_runs_a_server_until_terminated(tmp_path):
+    port = _free_port()
+    config = tmp_path / "config.yaml"
+    config.write_text(f"served_model_name: from-file\nmax_seq_len: 512\nhost: 127.0.0.1\nport: {port}\n"
+                      "kv_cache_config:\n  max_tokens: 4096\n")
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env["RAYLM_API_KEY"] = "cli-key"
+    log = tmp_path / "serve.log"
+    command = [sys.executable, "-m", "raylm.cli", "serve", "--config", str(config), "--max_seq_len", "768",
+               "--served_model_name", "from-flag", "--set", "served_model_name=from-set"]
+    with open(log, "w") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        while True:
+            assert process.poll() is None, f"raylm serve exited early:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"raylm serve did not come up:\n{log.read_text()[-3000:]}"
+            try:
+                if httpx2.get(f"{base_url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx2.TransportError:
+                pass
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="cli-key", max_retries=0, timeout=120)
+        models = client.models.list().data
+        assert [model.id for model in models] == ["from-set"] and models[0].model_extra["max_model_len"] == 768
+        completion = client.completions.create(model="from-set", prompt="The capital of France is", max_tokens=3,
+                                               temperature=0)
+        assert completion.choices[0].text.startswith(" Paris")
+        assert f"is served at http://127.0.0.1:{port}/v1" in log.read_text()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    assert process.returncode == 0, log.read_text()[-3000:]

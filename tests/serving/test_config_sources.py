@@ -1,0 +1,79 @@
+"""Layering ServeArgs: defaults < --config file < CLI flags < --set, paths checked, values parsed as YAML."""
+
+from __future__ import annotations
+
+import pytest
+
+from raylm.serving.config_sources import ConfigError, config_paths, layer_serve_args, parse_assignment
+
+
+def _file(tmp_path, text: str) -> str:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_each_source_overrides_the_one_before_it(tmp_path):
+    config = _file(tmp_path, "max_batch_size: 8\nmax_num_tokens: 1024\nmax_seq_len: 512\n")
+    args = layer_serve_args(config, {"max_num_tokens": 2048, "max_seq_len": 768, "port": None},
+                            ["max_seq_len=640"])
+    assert (args.max_batch_size, args.max_num_tokens, args.max_seq_len) == (8, 2048, 640)
+    assert args.port == 8000  # a flag given as None is not given
+
+
+def test_an_assignment_replaces_exactly_the_value_it_addresses(tmp_path):
+    config = _file(tmp_path, "kv_cache_config:\n  max_tokens: 2048\n  tokens_per_block: 16\n")
+    leaf = layer_serve_args(config, {}, ["kv_cache_config.max_tokens=4096"])
+    assert (leaf.kv_cache_config.max_tokens, leaf.kv_cache_config.tokens_per_block) == (4096, 16)
+    whole = layer_serve_args(config, {}, ["kv_cache_config={max_tokens: 1024}"])
+    assert (whole.kv_cache_config.max_tokens, whole.kv_cache_config.tokens_per_block) == (1024, 32)
+    assert layer_serve_args(None, {}, ["autoscaling_config.max_replicas=3"]).autoscaling_config.max_replicas == 3
+
+
+def test_values_are_yaml_and_the_last_duplicate_wins():
+    assert parse_assignment("max_seq_len=null") == ("max_seq_len", None)
+    assert parse_assignment("trust_remote_code=true") == ("trust_remote_code", True)
+    assert parse_assignment("cuda_graph_config.batch_sizes=[1, 2, 4]") == ("cuda_graph_config.batch_sizes",
+                                                                           [1, 2, 4])
+    assert parse_assignment("chat_template='{{ x }}'") == ("chat_template", "{{ x }}")
+    assert layer_serve_args(None, {}, ["max_batch_size=2", "max_batch_size=3"]).max_batch_size == 3
+
+
+@pytest.mark.parametrize(("assignments", "message"), [
+    (["kv_cache_config.max_token=1"], "valid paths under 'kv_cache_config': kv_cache_config.dtype"),
+    (["frobnicate=1"], "valid paths at the top level: api_key"),
+    (["max_batch_size.x=1"], "'max_batch_size' is a value, not a mapping"),
+    (["kv_cache_config={max_tokenz: 5}"], "unknown config path 'kv_cache_config.max_tokenz'"),
+    (["model=x"], "give the model as the MODEL argument"),
+    (["max_batch_size=.inf"], "numbers must be finite"),
+    (["served_model_name=2024-01-01"], "quote it to pass a string"),
+    (["max_batch_size"], "expected PATH=VALUE"),
+    (["kv_cache_config={max_tokens: 5}", "kv_cache_config.dtype=auto"], "conflict"),
+    (["max_batch_size=0"], "max_batch_size: Input should be greater than or equal to 1 (got 0)"),
+])
+def test_bad_assignments_are_rejected_with_what_is_allowed(assignments, message):
+    with pytest.raises(ConfigError) as info:
+        layer_serve_args(None, {}, assignments)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("max_batch_sizes: 3\n", "unknown config path 'max_batch_sizes'"),
+    ("kv_cache_config:\n  max_token: 3\n", "unknown config path 'kv_cache_config.max_token'"),
+    ("- 1\n- 2\n", "must hold a mapping"),
+    ("max_batch_size: [1\n", "not valid YAML"),
+])
+def test_bad_config_files_are_rejected_naming_the_file(tmp_path, text, message):
+    with pytest.raises(ConfigError) as info:
+        layer_serve_args(_file(tmp_path, text))
+    assert message in str(info.value) and "--config" in str(info.value)
+    with pytest.raises(ConfigError, match="cannot read"):
+        layer_serve_args(tmp_path / "missing.yaml")
+
+
+def test_an_empty_file_sets_nothing_and_every_path_is_listed(tmp_path):
+    assert layer_serve_args(_file(tmp_path, "")).max_batch_size == 256
+    paths = config_paths()
+    assert {"max_batch_size", "kv_cache_config.max_tokens", "autoscaling_config.max_replicas",
+            "scheduler_config.capacity_scheduler_policy"} <= set(paths)
+    assert paths == sorted(paths)

@@ -1,0 +1,170 @@
+"""RemoteEngine and RemoteGeneration over stand-ins for Serve's handle and streaming call: admission errors,
+rebuilt outputs, aborts that cancel the call, and the health the ingress reports."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import raylm.serving.remote_engine as remote_engine
+from raylm import CompletionOutput, RequestOutput
+from raylm.actors.worker import EngineInfo
+from raylm.engine_client import EngineDeadError
+from raylm.results import RequestError
+from raylm.serving.engine_stream import Admitted, ChunkEncoder, Failed, Rejected
+from raylm.serving.remote_engine import EngineDescription, RemoteEngine, RemoteGeneration
+
+
+class FakeStream:
+    """A streaming call's response: yields its messages (raising those that are exceptions), records cancel()."""
+
+    def __init__(self, messages: list, hang: bool = False):
+        self.messages = list(messages)
+        self.hang = hang
+        self.cancelled = False
+
+    async def __anext__(self):
+        if not self.messages:
+            if self.hang:
+                await asyncio.Event().wait()
+            raise StopAsyncIteration
+        message = self.messages.pop(0)
+        if isinstance(message, BaseException):
+            raise message
+        return message
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def _chunks(*texts: str, finished_last: bool = True) -> list:
+    encoder, tokens, outputs = ChunkEncoder(incremental=True), [], []
+    for position, text in enumerate(texts):
+        tokens.append(100 + position)
+        done = finished_last and position == len(texts) - 1
+        completion = CompletionOutput(0, text="".join(texts[:position + 1]), token_ids=list(tokens), text_diff=text,
+                                      token_ids_diff=[tokens[-1]], finish_reason="length" if done else None)
+        outputs.append(encoder.encode(RequestOutput("7", "Hi", [1, 2], [completion], finished=done)))
+    return outputs
+
+
+def _run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_a_generation_is_admitted_then_rebuilds_outputs_and_awaits_to_the_last():
+    async def run():
+        result = RemoteGeneration(FakeStream([Admitted("7"), *_chunks("He", "llo", "!")]), on_transport_error=None)
+        await result.admitted()
+        texts = [output.outputs[0].text async for output in result]
+        return result, texts
+
+    result, texts = _run(run())
+    assert result.request_id == "7" and texts == ["He", "Hello", "Hello!"] and result.finished
+    async def awaited(result: RemoteGeneration) -> RequestOutput:
+        return await result
+
+    final = _run(awaited(RemoteGeneration(FakeStream([Admitted("8"), *_chunks("a", "b")]), None)))
+    assert final.outputs[0].token_ids == [100, 101] and final.prompt_token_ids == [1, 2]
+
+
+@pytest.mark.parametrize(("rejected", "error"), [(Rejected("ValueError", "prompt is too long"), ValueError),
+                                                 (Rejected("TypeError", "bad prompt"), TypeError),
+                                                 (Rejected("EngineDeadError", "shut down"), EngineDeadError)])
+def test_a_rejection_raises_what_the_engine_raised(rejected, error):
+    with pytest.raises(error, match=rejected.message):
+        _run(RemoteGeneration(FakeStream([rejected]), None).admitted())
+
+
+def test_a_failed_call_is_an_unavailable_engine_at_admission_and_a_request_error_later():
+    reported = []
+    with pytest.raises(EngineDeadError, match="the engine deployment failed: ConnectionError: replica gone"):
+        _run(RemoteGeneration(FakeStream([ConnectionError("replica gone")]), reported.append).admitted())
+    assert reported == ["the engine deployment failed: ConnectionError: replica gone"]
+
+    async def consume(messages):
+        return [output async for output in RemoteGeneration(FakeStream(messages), reported.append)]
+
+    with pytest.raises(RequestError, match="boom"):
+        _run(consume([Admitted("1"), *_chunks("a", finished_last=False), Failed("engine step failed: boom")]))
+    with pytest.raises(RequestError, match="ended the request's stream"):
+        _run(consume([Admitted("1"), *_chunks("a", finished_last=False)]))
+
+
+def test_abort_and_leaving_early_cancel_the_call_once():
+    stream = FakeStream([Admitted("1"), *_chunks("a", "b", "c")])
+
+    async def leave_after_one():
+        async for _ in RemoteGeneration(stream, None):
+            break
+
+    _run(leave_after_one())
+    assert stream.cancelled
+    finished = FakeStream([Admitted("1"), *_chunks("a")])
+    _run(RemoteGeneration(finished, None).aresult())
+    assert not finished.cancelled  # nothing to abort once the last output arrived
+
+
+def test_cancelling_a_waiting_consumer_aborts_without_reporting_the_engine_down():
+    reported = []
+    stream = FakeStream([Admitted("1")], hang=True)
+
+    async def run():
+        result = RemoteGeneration(stream, reported.append)
+        task = asyncio.ensure_future(result.aresult())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    _run(run())
+    assert stream.cancelled and reported == []
+
+
+class FakeCall:
+    def __init__(self, answer):
+        self.answer = answer
+
+    def __await__(self):
+        async def resolve():
+            if self.answer == "hang":
+                await asyncio.Event().wait()
+            if isinstance(self.answer, BaseException):
+                raise self.answer
+            return self.answer
+
+        return resolve().__await__()
+
+
+class FakeMethod:
+    def __init__(self, answer):
+        self.answer = answer
+
+    def remote(self, *args):
+        return FakeCall(self.answer)
+
+
+class FakeHandle:
+    def __init__(self, dead_reason):
+        self.engine_dead_reason = FakeMethod(dead_reason)
+
+    def options(self, **kwargs):
+        return self
+
+
+def _engine(dead_reason) -> RemoteEngine:
+    info = EngineInfo(num_blocks=4, block_size=16, max_seq_len=128, vocab_size=10, device="cpu", dtype="float32")
+    return RemoteEngine(FakeHandle(dead_reason), tokenizer=None,
+                        description=EngineDescription(info, {"maxNumBlocks": 4}, {"total": 1.0}))
+
+
+def test_health_is_what_the_engine_deployment_reports_or_why_it_cannot(monkeypatch):
+    monkeypatch.setattr(remote_engine, "HEALTH_TIMEOUT_S", 0.1)
+    assert _run(_engine(None).check_health()) is None
+    assert _run(_engine("engine worker 0 died").check_health()) == "engine worker 0 died"
+    down = _engine(ConnectionError("no replica"))
+    assert _run(down.check_health()) == "the engine deployment is unavailable: ConnectionError: no replica"
+    assert down.dead_reason == "the engine deployment is unavailable: ConnectionError: no replica"
+    assert "did not answer within 0.1 s" in _run(_engine("hang").check_health())
+    engine = _engine(None)
+    assert engine.info.max_seq_len == 128 and engine.get_kv_cache_capacity() == {"maxNumBlocks": 4}
