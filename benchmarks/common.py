@@ -51,20 +51,32 @@ def build_llm(args: argparse.Namespace, max_seq_len: int, executor: str = "auto"
     )
 
 
-def hf_peer(args: argparse.Namespace, llm):
+def release_device_memory(device: str) -> None:
+    """Returns what a shut-down engine held to the device, so that a peer run after it has the memory."""
+    import gc
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        print(f"device memory still allocated after the engine's shutdown: {torch.cuda.memory_allocated() / 2**30:.2f} "
+              "GiB")
+
+
+def hf_peer(args: argparse.Namespace, info):
     """The same model in HF transformers, on the same device and dtype (random weights for dummy runs)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from raylm.models.source import resolve_model
 
     source = resolve_model(args.model)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[llm.info.dtype]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[info.dtype]
     if args.load_format == "dummy":
         config = AutoConfig.from_pretrained(source.config_dir)
-        with torch.device(llm.info.device):
+        with torch.device(info.device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(source.config_dir, dtype=dtype).to(llm.info.device)
+        model = AutoModelForCausalLM.from_pretrained(source.config_dir, dtype=dtype).to(info.device)
     model.eval()
     return model
 

@@ -86,7 +86,7 @@ def main() -> None:
 
     runners = {"raylm": raylm_runner(llm, prompts, args.output_len)}
     if args.peer == "hf":
-        runners["hf"] = hf_runner(hf_peer(args, llm), prompts, args.output_len, llm.info.device)
+        runners["hf"] = hf_runner(hf_peer(args, llm.info), prompts, args.output_len, llm.info.device)
     times = measure(runners, args.num_iters, args.num_iters_warmup)
     llm.shutdown()
     tokens = args.batch_size * args.output_len

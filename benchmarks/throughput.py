@@ -14,7 +14,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import add_model_args, build_llm, hf_peer, random_prompts, synchronize, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_model_args,
+    build_llm,
+    hf_peer,
+    random_prompts,
+    release_device_memory,
+    synchronize,
+    write_result,
+)
 
 
 def run_raylm(llm, prompts, output_len: int) -> float:
@@ -37,7 +45,7 @@ def run_hf(model, prompts, output_len: int, device: str) -> float:
 
     config = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
                               eos_token_id=-1, pad_token_id=0)
-    with torch.inference_mode():
+    with torch.no_grad():  # not inference_mode: generate_batch updates its cache from a thread of its own
         model.generate_batch(inputs=prompts[:2], generation_config=config, progress_bar=False)
         synchronize(device)
         start = time.perf_counter()
@@ -45,7 +53,10 @@ def run_hf(model, prompts, output_len: int, device: str) -> float:
         synchronize(device)
         elapsed = time.perf_counter() - start
     lengths = [len(out.generated_tokens) for out in outputs.values()]
-    assert len(lengths) == len(prompts) and min(lengths) == output_len, lengths[:4]
+    if len(lengths) != len(prompts) or min(lengths) != output_len:
+        first = next(iter(outputs.values()), None)
+        raise RuntimeError(f"generate_batch returned {len(lengths)} outputs, lengths {lengths[:4]}...; first: "
+                           f"{getattr(first, 'status', None)} {getattr(first, 'error', None)}")
     return elapsed
 
 
@@ -57,7 +68,9 @@ def main() -> None:
     parser.add_argument("--output_len", type=int, default=128)
     args = parser.parse_args()
 
+    begin = time.perf_counter()
     llm = build_llm(args, max_seq_len=args.input_len + args.output_len + 16)
+    print(f"engine started in {time.perf_counter() - begin:.1f} s", flush=True)
     prompts = random_prompts(args.num_prompts, args.input_len, llm.info.vocab_size, args.seed)
     elapsed = run_raylm(llm, prompts, args.output_len)
     output_tokens = args.num_prompts * args.output_len
@@ -65,20 +78,23 @@ def main() -> None:
     result = {"raylm": {"elapsed_s": elapsed, "output_tokens_per_s": output_tokens / elapsed,
                         "total_tokens_per_s": total_tokens / elapsed, "requests_per_s": args.num_prompts / elapsed}}
     rows = [("raylm", elapsed)]
+    info = llm.info
+    llm.shutdown()  # the peer gets the device's memory to itself
+    del llm
+    release_device_memory(info.device)
     if args.peer == "hf":
-        model = hf_peer(args, llm)
-        peer = run_hf(model, prompts, args.output_len, llm.info.device)
+        model = hf_peer(args, info)
+        peer = run_hf(model, prompts, args.output_len, info.device)
         result["hf"] = {"elapsed_s": peer, "output_tokens_per_s": output_tokens / peer,
                         "total_tokens_per_s": total_tokens / peer, "requests_per_s": args.num_prompts / peer}
         result["speedup_vs_hf"] = peer / elapsed
         rows.append(("hf transformers", peer))
-    llm.shutdown()
 
     name = f"throughput-{Path(args.model or 'smollm2').name}-n{args.num_prompts}-i{args.input_len}-" \
-           f"o{args.output_len}-{llm.info.device}"
+           f"o{args.output_len}-{info.device}"
     path = write_result(name, args, result)
-    print(f"\n{args.num_prompts} prompts x ({args.input_len} in, {args.output_len} out) on {llm.info.device} "
-          f"({llm.info.dtype})")
+    print(f"\n{args.num_prompts} prompts x ({args.input_len} in, {args.output_len} out) on {info.device} "
+          f"({info.dtype})")
     print(f"{'engine':<18}{'elapsed (s)':>12}{'output tok/s':>14}{'total tok/s':>13}{'req/s':>9}")
     for label, seconds in rows:
         print(f"{label:<18}{seconds:>12.2f}{output_tokens / seconds:>14.1f}{total_tokens / seconds:>13.1f}"

@@ -84,6 +84,9 @@ class LlmArgs(StrictModel):
     scheduler_config: SchedulerConfig = Field(default_factory=SchedulerConfig)
     cuda_graph_config: CudaGraphConfig | None = Field(default_factory=CudaGraphConfig,
                                                       description="None disables CUDA graphs.")
+    disable_overlap_scheduler: bool = Field(
+        default=False, description="Schedule and queue each iteration only after the previous one's tokens reach "
+                                   "the host, instead of while the device computes it.")
 
     worker_extension_cls: Any = Field(
         default=None, description="A class (or 'module.Class') whose methods are mixed into every worker, "

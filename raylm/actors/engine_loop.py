@@ -75,6 +75,9 @@ class EngineLoop:
                     deltas.append(delta)
         elif kind == "call":
             _, fn, future = command
+            drained = self.engine.drain()  # no step in flight while fn acts on the engine
+            if drained is not None and (drained.deltas or drained.stats or drained.kv_events):
+                self.outbox(drained)
             try:
                 future.set_result(fn(self.engine))
             except Exception as exc:

@@ -140,6 +140,7 @@ class Worker:
             enable_chunked_prefill=args.enable_chunked_prefill,
             event_buffer_max_size=kv_config.event_buffer_max_size,
             iter_stats_max_iterations=args.iter_stats_max_iterations,
+            overlap_scheduling=not args.disable_overlap_scheduler,
         ))
         self.timings["py_executor"]["total_py_executor_creation_seconds"] = time.perf_counter() - self._begin
         return self.engine

@@ -46,10 +46,12 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((size,), -1, dtype=torch.long, device=device)
         self.block_tables = torch.zeros(size, max_blocks, dtype=torch.int32, device=device)
         self.context_lens = torch.ones(size, dtype=torch.int32, device=device)
-        # Host staging, pinned on CUDA so the copies are asynchronous.
+        # Host staging, pinned on CUDA so the copies are asynchronous. Two sets, used in turn: a step's copies
+        # may still be queued when the next step is prepared (overlapped scheduling), never two steps later.
         pin = device.type == "cuda"
-        self.host_table = torch.zeros(size, max_blocks, dtype=torch.int32, pin_memory=pin)
-        self.host_vectors = torch.zeros(4, size, dtype=torch.long, pin_memory=pin)
+        self.staging = [(torch.zeros(4, size, dtype=torch.long, pin_memory=pin),
+                         torch.zeros(size, max_blocks, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
+        self.turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.hidden_size = hidden_size
@@ -86,28 +88,36 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
-            contexts: list[tuple[list[int], int]]) -> torch.Tensor:
-        """Replays the graph for these decodes; returns their final hidden states [n, hidden]."""
+            contexts: list[tuple[list[int], int]], feed: tuple[torch.Tensor, torch.Tensor] | None = None
+            ) -> torch.Tensor:
+        """Replays the graph for these decodes; returns their final hidden states [n, hidden] (a view of the
+        graph's output, valid until the next replay is queued). feed = (rows, token ids on the device)
+        overwrites input rows whose token an earlier step, still in flight, samples."""
         count = len(input_ids)
         batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
-        vectors = self.host_vectors.numpy()
+        host_vectors, host_table = self.staging[self.turn]
+        self.turn = 1 - self.turn
+        vectors = host_vectors.numpy()
         vectors[0, :count] = input_ids
+        vectors[0, count:batch] = 0  # padding rows: any valid id (stale rows may hold placeholders)
         vectors[1, :count] = positions
         vectors[2, :count] = slot_mapping
         vectors[2, count:batch] = -1
         vectors[3, :count] = [length for _, length in contexts]
         vectors[3, count:batch] = 1
-        table = self.host_table.numpy()
+        table = host_table.numpy()
         width = 0
         for row, (blocks, _) in enumerate(contexts):
             table[row, : len(blocks)] = blocks
             width = max(width, len(blocks))
         table[count:batch, 0] = 0  # padding rows read the null block
-        self.input_ids[:batch].copy_(self.host_vectors[0, :batch], non_blocking=True)
-        self.positions[:batch].copy_(self.host_vectors[1, :batch], non_blocking=True)
-        self.slot_mapping[:batch].copy_(self.host_vectors[2, :batch], non_blocking=True)
-        self.context_lens[:batch].copy_(self.host_vectors[3, :batch], non_blocking=True)
-        self.block_tables[:batch, :width].copy_(self.host_table[:batch, :width], non_blocking=True)
+        self.input_ids[:batch].copy_(host_vectors[0, :batch], non_blocking=True)
+        self.positions[:batch].copy_(host_vectors[1, :batch], non_blocking=True)
+        self.slot_mapping[:batch].copy_(host_vectors[2, :batch], non_blocking=True)
+        self.context_lens[:batch].copy_(host_vectors[3, :batch], non_blocking=True)
+        self.block_tables[:batch, :width].copy_(host_table[:batch, :width], non_blocking=True)
+        if feed is not None:
+            self.input_ids.index_copy_(0, *feed)
         if batch in self.graphs:
             self.graphs[batch].replay()
             return self.outputs[batch][:count]

@@ -1,4 +1,12 @@
-"""The engine core: one iteration = schedule, run the model, sample, update requests, report."""
+"""The engine core: one iteration = schedule, run the model, sample, update requests, report.
+
+With overlapped scheduling (a runner that can launch steps without waiting for them), iteration N+1 is
+scheduled and queued on the device before iteration N's draws are applied: each sequence drawing in N holds
+a placeholder token that N+1 reads from the device, so the host's work for N+1 and for N's results runs
+while the device computes. A sequence that stops at N has computed one token too many in N+1, which is
+dropped. Requests whose next step needs their drawn tokens on the host (penalties, forking into several
+sequences, beam search) make the step after theirs wait for their results first.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +16,10 @@ from dataclasses import dataclass
 
 from raylm.engine.kv_cache import KVCacheManager
 from raylm.engine.messages import EngineRequest, RequestDelta, StepOutput
-from raylm.engine.model_runner import ModelRunner
+from raylm.engine.model_runner import LaunchedStep, ModelOutput, ModelRunner
 from raylm.engine.progress import Progress
 from raylm.engine.request import FinishReason, Request
-from raylm.engine.scheduler import Scheduler
+from raylm.engine.scheduler import Scheduler, SchedulerOutput
 from raylm.engine.stats import iteration_stats
 
 logger = logging.getLogger(__name__)
@@ -30,6 +38,16 @@ class EngineLimits:
     enable_chunked_prefill: bool
     event_buffer_max_size: int
     iter_stats_max_iterations: int
+    overlap_scheduling: bool = True
+
+
+@dataclass
+class InFlight:
+    """A launched step whose results are not applied yet."""
+
+    launched: LaunchedStep
+    overlappable: bool  # every sequence drawing in it holds a placeholder
+    start: float
 
 
 class EngineCore:
@@ -43,10 +61,12 @@ class EngineCore:
         self.progress = Progress(self.scheduler, limits.max_seq_len)
         self.requests: dict[str, Request] = {}
         self.iteration = 0
+        self.overlap = limits.overlap_scheduling and hasattr(runner, "launch")
+        self.in_flight: InFlight | None = None
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self.in_flight is not None
 
     def add_request(self, engine_request: EngineRequest) -> None:
         if engine_request.request_id in self.requests:
@@ -88,24 +108,72 @@ class EngineCore:
 
     def step(self) -> StepOutput:
         start = time.perf_counter()
+        previous, self.in_flight = self.in_flight, None
+        deltas: list[RequestDelta] = []
+        stats = None
+        if previous is not None and not previous.overlappable:
+            deltas, stats = self._finish(previous)
+            previous = None
         out = self.scheduler.schedule()
-        if out.is_empty:
+        if not out.is_empty:
+            try:
+                if self.overlap:
+                    launched = self.runner.launch(out, previous.launched if previous is not None else None)
+                    self.in_flight = InFlight(launched, self.progress.launched(out, placeholders=True), start)
+                else:
+                    model_output = self.runner.execute(out)
+                    self.progress.launched(out, placeholders=False)
+            except Exception as exc:  # a failed step fails its requests, never the engine
+                deltas.extend(self._fail(out, exc))
+            else:
+                if not self.overlap:
+                    deltas.extend(self._apply(out, model_output, start))
+                    stats = self._stats(out, deltas, start)
+        if previous is not None:
+            finished, stats = self._finish(previous)
+            deltas.extend(finished)
+        if not deltas and stats is None and out.is_empty:
             return StepOutput()
+        return StepOutput(deltas, stats, self.kv_cache.take_events())
+
+    def drain(self) -> StepOutput | None:
+        """Applies the step in flight, if any (before weights or the cache change under it)."""
+        if self.in_flight is None:
+            return None
+        previous, self.in_flight = self.in_flight, None
+        deltas, stats = self._finish(previous)
+        return StepOutput(deltas, stats, self.kv_cache.take_events())
+
+    def _finish(self, in_flight: InFlight) -> tuple[list[RequestDelta], dict | None]:
+        out = in_flight.launched.out
         try:
-            model_output = self.runner.execute(out)
+            model_output = self.runner.collect(in_flight.launched)
+        except Exception as exc:
+            deltas = self._fail(out, exc)
+        else:
+            deltas = self._apply(out, model_output, in_flight.start)
+        return deltas, self._stats(out, deltas, in_flight.start)
+
+    def _apply(self, out: SchedulerOutput, model_output: ModelOutput, start: float) -> list[RequestDelta]:
+        try:
             deltas = self.progress.apply(out, model_output.samples, model_output.prompt_logprobs)
-        except Exception as exc:  # a failed step fails its requests, never the engine
-            logger.exception("engine step failed")
-            failed = {item.request.request_id for item in out.scheduled}
-            message = f"engine step failed: {type(exc).__name__}: {exc}"
-            deltas = [delta for rid in failed if (delta := self.abort_request(rid, message)) is not None]
+        except Exception as exc:
+            return self._fail(out, exc)
         for delta in deltas:
             if delta.finished:
                 self.requests.pop(delta.request_id, None)
+        return deltas
+
+    def _fail(self, out: SchedulerOutput, exc: Exception) -> list[RequestDelta]:
+        logger.exception("engine step failed")
+        failed = {item.request.request_id for item in out.scheduled}
+        message = f"engine step failed: {type(exc).__name__}: {exc}"
+        return [delta for rid in failed if (delta := self.abort_request(rid, message)) is not None]
+
+    def _stats(self, out: SchedulerOutput, deltas: list[RequestDelta], start: float) -> dict | None:
         self.iteration += 1
-        stats = None
-        if self.limits.iter_stats_max_iterations:
-            num_completed = sum(1 for delta in deltas if delta.finished)
-            stats = iteration_stats(self.iteration, time.perf_counter() - start, self.scheduler, self.kv_cache,
-                                    out, num_completed, self.runner.device)
-        return StepOutput(deltas, stats, self.kv_cache.take_events())
+        if not self.limits.iter_stats_max_iterations:
+            return None
+        num_completed = sum(1 for delta in deltas if delta.finished)
+        return iteration_stats(self.iteration, time.perf_counter() - start, self.scheduler, self.kv_cache,
+                               out, num_completed, self.runner.device)

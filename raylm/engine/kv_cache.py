@@ -151,7 +151,7 @@ class KVCacheManager:
         if not self.enable_block_reuse:
             return
         size = self.block_size
-        num_full = min(seq.num_computed_tokens // size, len(seq.block_ids))
+        num_full = min(min(seq.num_computed_tokens, seq.num_known_tokens) // size, len(seq.block_ids))
         if num_full <= seq.num_hashed_blocks:
             return
         stored: list[dict] = []

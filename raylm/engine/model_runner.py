@@ -15,7 +15,8 @@ from torch import nn
 
 from raylm.engine.beam_search import candidates_per_beam
 from raylm.engine.messages import TokenLogprob
-from raylm.engine.sampler import Sampler, SampleResult, SamplingRow
+from raylm.engine.request import PLACEHOLDER
+from raylm.engine.sampler import PendingSamples, Sampler, SampleResult, SamplingRow
 from raylm.engine.scheduler import ScheduledSequence, SchedulerOutput
 from raylm.kernels.attention import build_metadata
 from raylm.kernels.dispatch import use_triton
@@ -57,6 +58,30 @@ class StepPlan:
 class ModelOutput:
     samples: list[SampleResult | None]  # aligned with SchedulerOutput.scheduled
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: its draws are on their way to the host."""
+
+    out: SchedulerOutput
+    positions: list[int]  # the scheduled items sampled, in the order of the sampler's rows
+    samples: PendingSamples | None
+    prompt_logprobs: dict[str, list[TokenLogprob]]
+
+    def sample_slots(self) -> dict[int, int]:
+        """id(sequence) -> the entry of its (single) draw in samples.tokens."""
+        if self.samples is None:
+            return {}
+        scheduled = self.out.scheduled
+        return {id(scheduled[position].seq): entries[0]
+                for position, entries in zip(self.positions, self.samples.entries) if len(entries) == 1}
+
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A long tensor on `device`, copied without waiting for the device's queued work."""
+    tensor = torch.tensor(values, dtype=torch.long)
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
 
 
 def _sampling_row(item: ScheduledSequence) -> SamplingRow:
@@ -213,12 +238,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ the parts of a step
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan, intermediate=None):
-        """This rank's share of the step: final hidden states on the last stage, (hidden, residual) before."""
+    def forward(self, plan: StepPlan, intermediate=None, feed: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """This rank's share of the step: final hidden states on the last stage, (hidden, residual) before.
+        feed = (rows, token ids on the device) fills input rows whose token a step in flight is sampling."""
         self._copy_blocks(plan.block_copies)
         if (self.graphs is not None and intermediate is None and not plan.prefill_chunks
                 and self.graphs.fits(len(plan.decode_contexts), max(len(b) for b, _ in plan.decode_contexts))):
-            return self.graphs.run(plan.input_ids, plan.positions, plan.slot_mapping, plan.decode_contexts)
+            return self.graphs.run(plan.input_ids, plan.positions, plan.slot_mapping, plan.decode_contexts, feed)
         meta = self.build_metadata(
             decode_contexts=plan.decode_contexts,
             prefill_chunks=plan.prefill_chunks,
@@ -227,9 +253,12 @@ class ModelRunner:
             sliding_window=self.arch.sliding_window,
             device=self.device,
         )
+        input_ids = to_device(plan.input_ids, self.device)
+        if feed is not None:
+            input_ids.index_copy_(0, *feed)
         return self.model(
-            torch.tensor(plan.input_ids, dtype=torch.long, device=self.device),
-            torch.tensor(plan.positions, dtype=torch.long, device=self.device),
+            input_ids,
+            to_device(plan.positions, self.device),
             self.kv_caches,
             meta,
             intermediate,
@@ -241,13 +270,16 @@ class ModelRunner:
         """On the last stage: the sampling logits [len(sample_rows), vocab] and the prompt log-probabilities."""
         logits = None
         if plan.sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(plan.sample_rows, device=self.device)])
+            rows = hidden
+            if plan.sample_rows != list(range(hidden.shape[0])):
+                rows = hidden[to_device(plan.sample_rows, self.device)]
+            logits = self.model.compute_logits(rows)
         prompt_logprobs: dict[str, list[TokenLogprob]] = {}
         for spec in plan.prompt_logprobs:
             entries: list[TokenLogprob] = []
             for start in range(0, len(spec.rows), _PROMPT_LOGPROB_ROWS):
-                rows = torch.tensor(spec.rows[start : start + _PROMPT_LOGPROB_ROWS], device=self.device)
-                targets = torch.tensor(spec.targets[start : start + _PROMPT_LOGPROB_ROWS], device=self.device)
+                rows = to_device(spec.rows[start : start + _PROMPT_LOGPROB_ROWS], self.device)
+                targets = to_device(spec.targets[start : start + _PROMPT_LOGPROB_ROWS], self.device)
                 logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
                 entries.extend(logprob_entries(logprobs, targets, spec.num_top))
             prompt_logprobs[spec.request_id] = entries
@@ -255,17 +287,45 @@ class ModelRunner:
 
     def sample(self, out: SchedulerOutput, logits: torch.Tensor | None) -> list[SampleResult | None]:
         """On rank 0: one SampleResult per scheduled sequence that completes this step."""
-        samples: list[SampleResult | None] = [None] * len(out.scheduled)
+        positions, pending = self._draw(out, logits)
+        return self._align(out, positions, pending)
+
+    def _draw(self, out: SchedulerOutput, logits: torch.Tensor | None) -> tuple[list[int], PendingSamples | None]:
         positions = [i for i, item in enumerate(out.scheduled) if item.completes]
-        if positions:
-            results = self.sampler(logits, [_sampling_row(out.scheduled[i]) for i in positions])
-            for position, result in zip(positions, results):
+        if not positions:
+            return positions, None
+        return positions, self.sampler.sample(logits, [_sampling_row(out.scheduled[i]) for i in positions])
+
+    @staticmethod
+    def _align(out: SchedulerOutput, positions: list[int], pending: PendingSamples | None
+               ) -> list[SampleResult | None]:
+        samples: list[SampleResult | None] = [None] * len(out.scheduled)
+        if pending is not None:
+            for position, result in zip(positions, pending.results()):
                 samples[position] = result
         return samples
 
-    def execute(self, out: SchedulerOutput) -> ModelOutput:
-        """A whole step in this process (one rank holds the whole model)."""
+    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queues a whole step (one rank holds the whole model) without waiting for the device. Input tokens
+        that are placeholders come from `previous`, the step still in flight that samples them."""
         plan = plan_step(out, self.block_size)
-        hidden = self.forward(plan)
+        feed = None
+        waiting = [row for row in range(len(out.decodes)) if plan.input_ids[row] == PLACEHOLDER]
+        if waiting:
+            if previous is None or previous.samples is None:
+                raise RuntimeError("a step's input token is a placeholder, but no step in flight samples it")
+            slots = previous.sample_slots()
+            sources = [slots[id(out.decodes[row].seq)] for row in waiting]
+            feed = (to_device(waiting, self.device), previous.samples.tokens[to_device(sources, self.device)])
+        hidden = self.forward(plan, feed=feed)
         logits, prompt_logprobs = self.compute_outputs(plan, hidden)
-        return ModelOutput(self.sample(out, logits), prompt_logprobs)
+        positions, pending = self._draw(out, logits)
+        return LaunchedStep(out, positions, pending, prompt_logprobs)
+
+    def collect(self, launched: LaunchedStep) -> ModelOutput:
+        """Waits for a launched step's draws."""
+        return ModelOutput(self._align(launched.out, launched.positions, launched.samples), launched.prompt_logprobs)
+
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        """A whole step in this process, waited for."""
+        return self.collect(self.launch(out))

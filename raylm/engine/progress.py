@@ -9,7 +9,7 @@ import torch
 
 from raylm.engine.beam_search import BeamState
 from raylm.engine.messages import RequestDelta, SequenceDelta, TokenLogprob
-from raylm.engine.request import FinishReason, Request, Sequence
+from raylm.engine.request import PLACEHOLDER, FinishReason, Request, Sequence
 from raylm.engine.sampler import SampleResult
 from raylm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 
@@ -19,14 +19,26 @@ def _child_generator(request: Request, index: int) -> torch.Generator | None:
     return None if seed is None else torch.Generator().manual_seed(seed * 1_000_003 + index)
 
 
-def _check_stop(request: Request, seq: Sequence, max_seq_len: int) -> None:
+def _check_stop(request: Request, seq: Sequence, max_seq_len: int, position: int) -> None:
+    """Whether the token just placed at `position` ends seq; a placeholder after it is then dropped."""
     params = request.sampling_params
-    token = seq.token_ids[-1]
+    token = seq.token_ids[position]
+    length = position + 1
     if token in request.stop_ids:
         seq.finish_reason = FinishReason.STOP
         seq.stop_reason = token if token in params.stop_token_ids else None
-    elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_seq_len:
+    elif length - seq.num_prompt_tokens >= params.max_tokens or length >= max_seq_len:
         seq.finish_reason = FinishReason.LENGTH
+    if seq.finish_reason is not None:
+        del seq.token_ids[length:]
+
+
+def overlap_safe(request: Request) -> bool:
+    """Whether the request's next step can be scheduled before its current draw reaches the host: its
+    sampling needs no output token ids (penalties), its draw does not fork it (several sequences) and no
+    beam search reorders its sequences."""
+    params = request.sampling_params
+    return not (request.is_beam_search or params.has_penalties or (params.num_sequences > 1 and not request.forked))
 
 
 class Progress:
@@ -37,21 +49,43 @@ class Progress:
         self.kv_cache = scheduler.kv_cache
         self.max_seq_len = max_seq_len
 
+    def launched(self, out: SchedulerOutput, placeholders: bool) -> bool:
+        """A step was queued: its tokens count as computed, so the next schedule moves past them. With
+        `placeholders`, each sequence that draws a token and is overlap_safe gets a placeholder for it, so that
+        its next step can be scheduled before the draw arrives. Returns whether every drawing sequence got one
+        (then the next step may be scheduled before this one's results are applied)."""
+        every = True
+        for item in out.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_tokens
+            if item.completes:
+                if placeholders and overlap_safe(item.request):
+                    seq.token_ids.append(PLACEHOLDER)
+                    item.placeholder = True
+                else:
+                    every = False
+        return every
+
     def apply(
         self,
         out: SchedulerOutput,
         samples: list[SampleResult | None],
         prompt_logprobs: dict[str, list[TokenLogprob]],
     ) -> list[RequestDelta]:
-        """samples is aligned with out.scheduled (None where a sequence was not sampled)."""
+        """A launched step's results; samples is aligned with out.scheduled (None where a sequence was not
+        sampled). Sequences that ended while the step was in flight (a stop, an abort) are passed over."""
         deltas: dict[str, RequestDelta] = {}
         sampled: dict[str, tuple[Request, list[tuple[ScheduledSequence, SampleResult]]]] = {}
         for item, result in zip(out.scheduled, samples):
-            item.seq.num_computed_tokens += item.num_tokens
+            if item.seq.finished or item.request.is_finished:
+                continue
             self.kv_cache.register_full_blocks(item.request, item.seq)
             if result is not None:
                 sampled.setdefault(item.request.request_id, (item.request, []))[1].append((item, result))
+        live = {item.request.request_id for item in out.scheduled if not item.request.is_finished}
         for request_id, entries in prompt_logprobs.items():
+            if request_id not in live:
+                continue
             deltas.setdefault(request_id, RequestDelta(request_id)).prompt_logprobs = entries
         for request_id, (request, items) in sampled.items():
             delta = deltas.setdefault(request_id, RequestDelta(request_id))
@@ -60,7 +94,7 @@ class Progress:
                 self._beam_step(request, items, delta)
             else:
                 for item, result in items:
-                    self._append_samples(request, item.seq, result, delta)
+                    self._append_samples(request, item, result, delta)
             if not request.live_sequences:
                 self.scheduler.finish_request(request)
                 delta.finished = True
@@ -68,8 +102,15 @@ class Progress:
 
     # ------------------------------------------------------------------ sampling and parallel samples
 
-    def _append_samples(self, request: Request, seq: Sequence, result: SampleResult, delta: RequestDelta) -> None:
-        tokens = result.token_ids
+    def _append_samples(self, request: Request, item: ScheduledSequence, result: SampleResult,
+                        delta: RequestDelta) -> None:
+        seq, tokens = item.seq, result.token_ids
+        if item.placeholder:  # one draw, in place of the placeholder put there at launch
+            position = item.start + item.num_tokens
+            seq.token_ids[position] = tokens[0]
+            self.kv_cache.register_full_blocks(request, seq)
+            self._report(request, seq, result, 0, position, delta)
+            return
         targets = [seq]
         if len(tokens) > 1:  # first token of a request with several sequences: fork the prompt
             request.forked = True
@@ -78,27 +119,30 @@ class Progress:
                 self.kv_cache.fork(seq, child)
                 request.sequences.append(child)
                 targets.append(child)
-        want_logprobs = request.sampling_params.logprobs is not None
-        for position, target in enumerate(targets):
-            token = tokens[position]
-            target.token_ids.append(token)
-            target.cumulative_logprob += result.logprobs[position]
-            _check_stop(request, target, self.max_seq_len)
-            finish_reason = target.finish_reason
-            if finish_reason is not None:
-                self.kv_cache.free(target)
-            new_logprobs = None
-            if want_logprobs:
-                new_logprobs = [(
-                    result.logprobs[position],
-                    result.ranks[position] if result.ranks else None,
-                    result.top_ids[position] if result.top_ids else None,
-                    result.top_logprobs[position] if result.top_logprobs else None,
-                )]
-            delta.sequences.append(SequenceDelta(
-                target.index, [token], new_logprobs, target.cumulative_logprob,
-                finish_reason.value if finish_reason is not None else None, target.stop_reason,
-            ))
+        for draw, target in enumerate(targets):
+            target.token_ids.append(tokens[draw])
+            self._report(request, target, result, draw, target.num_tokens - 1, delta)
+
+    def _report(self, request: Request, seq: Sequence, result: SampleResult, draw: int, position: int,
+                delta: RequestDelta) -> None:
+        """Accounts draw number `draw` of result, placed at seq.token_ids[position]: stop, free, delta."""
+        seq.cumulative_logprob += result.logprobs[draw]
+        _check_stop(request, seq, self.max_seq_len, position)
+        finish_reason = seq.finish_reason
+        if finish_reason is not None:
+            self.kv_cache.free(seq)
+        new_logprobs = None
+        if request.sampling_params.logprobs is not None:
+            new_logprobs = [(
+                result.logprobs[draw],
+                result.ranks[draw] if result.ranks else None,
+                result.top_ids[draw] if result.top_ids else None,
+                result.top_logprobs[draw] if result.top_logprobs else None,
+            )]
+        delta.sequences.append(SequenceDelta(
+            seq.index, [seq.token_ids[position]], new_logprobs, seq.cumulative_logprob,
+            finish_reason.value if finish_reason is not None else None, seq.stop_reason,
+        ))
 
     # ------------------------------------------------------------------ beam search
 

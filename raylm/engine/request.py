@@ -14,6 +14,9 @@ import torch
 
 from raylm.sampling_params import SamplingParams
 
+# The token id at a position whose token a step still in flight is sampling (overlapped scheduling).
+PLACEHOLDER = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -49,6 +52,15 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are known: all but the trailing placeholders (two at most: the draws of the step
+        in flight and of the one queued after it)."""
+        known = len(self.token_ids)
+        while known and self.token_ids[known - 1] == PLACEHOLDER:
+            known -= 1
+        return known
 
     @property
     def num_output_tokens(self) -> int:

@@ -74,10 +74,66 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None, 
     return logits
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None, num_samples: int) -> list[int]:
+def _draw(probs: torch.Tensor, generator: torch.Generator | None, num_samples: int) -> torch.Tensor:
     # Noise comes from the request's CPU generator, so seeded draws are the same on every device.
-    noise = torch.empty((num_samples, probs.shape[-1])).exponential_(generator=generator).to(probs.device)
-    return (probs.unsqueeze(0) / noise).argmax(dim=-1).tolist()
+    noise = torch.empty((num_samples, probs.shape[-1])).exponential_(generator=generator)
+    return (probs.unsqueeze(0) / _to_device(noise, probs.device)).argmax(dim=-1)
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device's queued work (the copy is queued too)."""
+    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    return _to_device(torch.tensor(values, dtype=torch.long), device)
+
+
+class PendingSamples:
+    """A batch of draws still on the device: their copy to the host is queued behind the step that produced
+    them. `tokens` (in draw order, one entry per sample) can feed the next step before the copy completes;
+    results() waits for the copy and returns one SampleResult per row."""
+
+    def __init__(self, rows: list[SamplingRow], entries: list[list[int]], tokens: torch.Tensor,
+                 device_parts: dict[str, torch.Tensor]):
+        self.rows = rows
+        self.entries = entries  # per row: positions of its samples in `tokens`
+        self.tokens = tokens
+        self._host: dict[str, torch.Tensor] = {}
+        self._event = None
+        pin = tokens.device.type == "cuda"
+        for name, tensor in {"tokens": tokens, **device_parts}.items():
+            if pin:
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                host.copy_(tensor, non_blocking=True)
+            else:
+                host = tensor
+            self._host[name] = host
+        if pin:
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def results(self) -> list[SampleResult]:
+        if self._event is not None:
+            self._event.synchronize()
+        host = {name: tensor.tolist() for name, tensor in self._host.items()}
+        tokens, chosen = host["tokens"], host.get("chosen", [])
+        ranks = host.get("ranks")
+        results = []
+        for i, (row, entries) in enumerate(zip(self.rows, self.entries)):
+            if row.beam_candidates:
+                results.append(SampleResult([], [], [], beam_ids=host[f"beam_ids{i}"],
+                                            beam_logprobs=host[f"beam_logprobs{i}"]))
+                continue
+            result = SampleResult([tokens[e] for e in entries], [chosen[e] for e in entries], [])
+            if row.params.logprobs is not None:
+                result.ranks = [ranks[e] for e in entries]
+                if row.params.logprobs:
+                    k = row.params.logprobs
+                    result.top_ids = [host["top_ids"][i][:k]] * len(entries)
+                    result.top_logprobs = [host["top_logprobs"][i][:k]] * len(entries)
+            results.append(result)
+        return results
 
 
 class Sampler:
@@ -96,14 +152,26 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         """logits: [len(rows), vocab]. Returns one SampleResult per row."""
+        return self.sample(logits, rows).results()
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSamples:
+        """Draws on the logits' device without waiting for it; the results come from the returned batch."""
         logits = logits.float()
+        device = logits.device
         processed = self._process(logits, rows)
-        tokens_per_row: list[list[int]] = [[] for _ in rows]
+        parts: list[torch.Tensor] = []  # token tensors, concatenated in this order
+        owners: list[int] = []  # the row of each entry of the concatenation
         greedy = [i for i, row in enumerate(rows) if not row.beam_candidates and row.params.is_greedy]
         if greedy:
-            greedy_logits = processed if len(greedy) == len(rows) else processed[greedy]
-            for i, token in zip(greedy, greedy_logits.argmax(dim=-1).tolist()):
-                tokens_per_row[i] = [token] * rows[i].num_samples
+            greedy_logits = processed if len(greedy) == len(rows) else processed[_index(greedy, device)]
+            argmax = greedy_logits.argmax(dim=-1)
+            if all(rows[i].num_samples == 1 for i in greedy):
+                parts.append(argmax)
+            else:
+                parts.extend(argmax[position : position + 1].expand(rows[i].num_samples)
+                             for position, i in enumerate(greedy))
+            for i in greedy:
+                owners.extend([i] * rows[i].num_samples)
         groups: dict[tuple, list[int]] = {}
         for i, row in enumerate(rows):
             params = row.params
@@ -112,20 +180,59 @@ class Sampler:
                 groups.setdefault(key, []).append(i)
         for (temperature, top_k, top_p, min_p), indices in groups.items():
             # Rows with the same sampling settings are filtered together.
-            probs = filter_logits(processed[indices] / temperature, top_k, top_p, min_p).softmax(dim=-1)
+            selected = processed if len(indices) == len(rows) else processed[_index(indices, device)]
+            probs = filter_logits(selected / temperature, top_k, top_p, min_p).softmax(dim=-1)
             shared = []
             for position, i in enumerate(indices):
                 row = rows[i]
                 if row.generator is not None or row.num_samples > 1:
-                    tokens_per_row[i] = _draw(probs[position], row.generator or self.generator, row.num_samples)
+                    parts.append(_draw(probs[position], row.generator or self.generator, row.num_samples))
+                    owners.extend([i] * row.num_samples)
                 else:
                     shared.append(position)
             if shared:
-                chosen = probs[shared]
-                noise = torch.empty_like(chosen).exponential_(generator=self._generator_on(chosen.device))
-                for position, token in zip(shared, (chosen / noise).argmax(dim=-1).tolist()):
-                    tokens_per_row[indices[position]] = [token]
-        return self._results(logits, processed, rows, tokens_per_row)
+                chosen = probs if len(shared) == len(indices) else probs[_index(shared, device)]
+                noise = torch.empty_like(chosen).exponential_(generator=self._generator_on(device))
+                parts.append((chosen / noise).argmax(dim=-1))
+                owners.extend(indices[position] for position in shared)
+        entries: list[list[int]] = [[] for _ in rows]
+        for entry, i in enumerate(owners):
+            entries[i].append(entry)
+        if not parts:
+            tokens = torch.empty(0, dtype=torch.long, device=device)
+        else:
+            tokens = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return PendingSamples(rows, entries, tokens, self._report(logits, processed, rows, owners, tokens))
+
+    @staticmethod
+    def _report(logits: torch.Tensor, processed: torch.Tensor, rows: list[SamplingRow], owners: list[int],
+                tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Device tensors of what the results report. Log-probabilities are those of the raw distribution:
+        logit - logsumexp, without materialising log_softmax."""
+        report: dict[str, torch.Tensor] = {}
+        device = logits.device
+        if owners:
+            log_normalizer = torch.logsumexp(logits, dim=-1)
+            if owners == list(range(len(rows))):
+                row_logits, row_normalizer = logits, log_normalizer
+            else:
+                owner_index = _index(owners, device)
+                row_logits, row_normalizer = logits[owner_index], log_normalizer[owner_index]
+            chosen_logits = row_logits.gather(1, tokens[:, None]).squeeze(1)
+            report["chosen"] = chosen_logits - row_normalizer
+            if any(rows[i].params.logprobs is not None for i in owners):
+                report["ranks"] = (row_logits > chosen_logits[:, None]).sum(dim=-1) + 1
+            num_top = max((row.params.logprobs or 0 for row in rows if not row.beam_candidates), default=0)
+            if num_top:
+                values, ids = torch.topk(logits, num_top, dim=-1)
+                report["top_ids"] = ids
+                report["top_logprobs"] = values - log_normalizer[:, None]
+        for i, row in enumerate(rows):
+            if row.beam_candidates:
+                values, ids = torch.topk(torch.log_softmax(processed[i], dim=-1), row.beam_candidates)
+                report[f"beam_ids{i}"] = ids
+                report[f"beam_logprobs{i}"] = values
+        return report
 
     @staticmethod
     def _process(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -141,33 +248,5 @@ class Sampler:
             if params.has_penalties:
                 apply_penalties(processed[i], params, row.prompt_token_ids, row.output_token_ids)
             if masks_stops and params.all_stop_token_ids:
-                processed[i, torch.tensor(sorted(params.all_stop_token_ids), dtype=torch.long)] = float("-inf")
+                processed[i, _index(sorted(params.all_stop_token_ids), logits.device)] = float("-inf")
         return logits if processed is None else processed
-
-    @staticmethod
-    def _results(logits: torch.Tensor, processed: torch.Tensor, rows: list[SamplingRow],
-                 tokens_per_row: list[list[int]]) -> list[SampleResult]:
-        """Log-probabilities of the raw distribution: logit - logsumexp, without materialising log_softmax."""
-        log_normalizer = torch.logsumexp(logits, dim=-1)
-        row_index = torch.tensor([i for i, tokens in enumerate(tokens_per_row) for _ in tokens], dtype=torch.long)
-        flat_tokens = torch.tensor([token for tokens in tokens_per_row for token in tokens], dtype=torch.long)
-        chosen_logits = logits[row_index, flat_tokens]
-        chosen_list = (chosen_logits - log_normalizer[row_index]).tolist()
-        results = []
-        offset = 0
-        for i, (row, tokens) in enumerate(zip(rows, tokens_per_row)):
-            if row.beam_candidates:
-                values, ids = torch.topk(torch.log_softmax(processed[i], dim=-1), row.beam_candidates)
-                results.append(SampleResult([], [], [], beam_ids=ids.tolist(), beam_logprobs=values.tolist()))
-                continue
-            result = SampleResult(tokens, chosen_list[offset : offset + len(tokens)], [])
-            if row.params.logprobs is not None:  # ranks and top-k only when asked for
-                row_chosen = chosen_logits[offset : offset + len(tokens)]
-                result.ranks = ((logits[i].unsqueeze(0) > row_chosen.unsqueeze(1)).sum(dim=-1) + 1).tolist()
-                if row.params.logprobs:
-                    values, ids = torch.topk(logits[i], row.params.logprobs)
-                    result.top_ids = [ids.tolist()] * len(tokens)
-                    result.top_logprobs = [(values - log_normalizer[i]).tolist()] * len(tokens)
-            offset += len(tokens)
-            results.append(result)
-        return results

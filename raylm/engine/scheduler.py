@@ -23,6 +23,7 @@ class ScheduledSequence:
     seq: Sequence
     start: int  # position of the first token computed this step
     num_tokens: int
+    placeholder: bool = False  # its draw went into the sequence as a placeholder at launch (overlap)
 
     @property
     def completes(self) -> bool:
@@ -101,6 +102,8 @@ class Scheduler:
             wanted = len(seq.token_ids) - seq.num_computed_tokens
             if seq.finish_reason is not None or wanted <= 0:
                 return []
+            if seq.num_output_tokens >= request.sampling_params.max_tokens:
+                return []  # a placeholder still in flight is its last token
             if wanted > budget and not (self.enable_chunked_prefill or request.num_preemptions > 0):
                 return None
             return [(seq, min(wanted, budget))]

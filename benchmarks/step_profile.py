@@ -1,0 +1,128 @@
+"""Where a decode step's time goes: host time per engine phase (schedule, plan, forward launch, logits,
+sampling, progress) measured on the engine thread, the GPU time of the decode forward alone (CUDA events
+around graph replays), and the GPU busy fraction over a whole generate call.
+
+    python benchmarks/step_profile.py --model benchmarks/configs/smollm2-135m --load_format dummy --batch_size 1
+    python benchmarks/step_profile.py --model benchmarks/configs/llama-3.1-8b --load_format dummy --batch_size 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import add_model_args, build_llm, random_prompts, write_result  # noqa: E402
+
+
+class PhaseTimer:
+    """Wraps methods so that each call's host time is added to its phase."""
+
+    def __init__(self):
+        self.totals: dict[str, list[float]] = collections.defaultdict(list)
+
+    def wrap(self, owner, name: str, phase: str) -> None:
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.totals[phase].append(time.perf_counter() - start)
+
+        setattr(owner, name, timed)
+
+    def summary(self, steps: int) -> dict[str, float]:
+        return {phase: 1000 * sum(values) / steps for phase, values in self.totals.items()}
+
+
+def decode_gpu_ms(runner, batch: int, context: int, iters: int = 50) -> float | None:
+    """GPU time of one graphed decode forward of `batch` sequences at `context` tokens."""
+    graphs = runner.graphs
+    if graphs is None or not runner.device.type == "cuda":
+        return None
+    blocks_per_seq = -(-context // runner.block_size)
+    contexts = [(list(range(1, blocks_per_seq + 1)), context)] * batch
+    args = ([1] * batch, [context - 1] * batch, [-1] * batch, contexts)
+    graphs.run(*args)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graphs.run(*args)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser, peer=False)
+    parser.add_argument("--batch_size", type=int, default=1)
+    parser.add_argument("--input_len", type=int, default=32)
+    parser.add_argument("--output_len", type=int, default=128)
+    args = parser.parse_args()
+
+    from raylm import SamplingParams, TokensPrompt
+    from raylm.engine import model_runner
+
+    llm = build_llm(args, max_seq_len=args.input_len + args.output_len + 16, executor="local")
+    worker = llm._executor.worker
+    engine, runner = worker.engine, worker.runner
+    prompts = [TokensPrompt(prompt_token_ids=p)
+               for p in random_prompts(args.batch_size, args.input_len, llm.info.vocab_size, args.seed)]
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+
+    timer = PhaseTimer()
+    timer.wrap(engine, "step", "step (all)")
+    timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(model_runner, "plan_step", "plan")
+    timer.wrap(runner, "forward", "forward launch")
+    timer.wrap(runner, "compute_outputs", "logits")
+    timer.wrap(runner, "sample", "sample (waits for the GPU)")
+    timer.wrap(engine.progress, "apply", "progress")
+    cuda = runner.device.type == "cuda"
+    profiler = None
+    if cuda:
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        profiler.__enter__()
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    gpu_busy = None
+    if profiler is not None:
+        torch.cuda.synchronize()
+        profiler.__exit__(None, None, None)
+        kernel_us = sum(e.self_device_time_total for e in profiler.key_averages())
+        gpu_busy = kernel_us / 1e6 / wall
+    steps = len(timer.totals["step (all)"])
+    phases = timer.summary(steps)
+    result = {
+        "steps": steps, "wall_s": wall, "ms_per_step": 1000 * wall / steps, "host_ms_per_step": phases,
+        "gpu_busy_fraction": gpu_busy,
+        "decode_forward_gpu_ms": decode_gpu_ms(runner, args.batch_size, args.input_len + args.output_len // 2),
+        "engine_step_median_ms": 1000 * statistics.median(timer.totals["step (all)"]),
+    }
+    llm.shutdown()
+    name = f"step-profile-{Path(args.model or 'smollm2').name}-b{args.batch_size}-{llm.info.device}"
+    path = write_result(name, args, result)
+    print(f"{steps} steps, {result['ms_per_step']:.3f} ms per step (wall), GPU busy "
+          f"{gpu_busy if gpu_busy is None else f'{100 * gpu_busy:.0f}%'}, decode forward on the GPU "
+          f"{result['decode_forward_gpu_ms']} ms")
+    for phase, ms in phases.items():
+        print(f"  {phase:<28}{ms:8.3f} ms/step")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
