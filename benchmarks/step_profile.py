@@ -89,7 +89,8 @@ def main() -> None:
     timer.wrap(model_runner, "plan_step", "plan")
     timer.wrap(runner, "forward", "forward launch")
     timer.wrap(runner, "compute_outputs", "logits")
-    timer.wrap(runner, "sample", "sample (waits for the GPU)")
+    timer.wrap(runner, "_draw", "sample (queued)")
+    timer.wrap(runner, "collect", "collect (waits for the device)")
     timer.wrap(engine.progress, "apply", "progress")
     cuda = runner.device.type == "cuda"
     profiler = None

@@ -87,17 +87,19 @@ class RequestState:
         if delta.replace:
             self.sequences = {}
         stopped = []
+        ended = False  # some sequence ended with this delta
         for seq_delta in delta.sequences:
             seq = self._sequence(seq_delta.index)
             if seq.finish_reason is not None:
                 continue  # ended by a stop string; the engine's later tokens are dropped
             if self._apply_sequence(seq, seq_delta):
                 stopped.append((self.request_id, seq.index))
+            ended = ended or seq.finish_reason is not None
         if delta.error:
             self.error = delta.error
         if self.first_token_time is None and any(s.token_ids for s in self.sequences.values()):
             self.first_token_time = time.time()
-        if delta.finished or (self.sequences and all(s.finish_reason for s in self.sequences.values())
+        if delta.finished or (ended and all(s.finish_reason for s in self.sequences.values())
                               and len(self.sequences) >= self.params.num_sequences):
             self.finished = True
             self.finished_time = time.time()

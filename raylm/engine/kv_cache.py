@@ -73,9 +73,10 @@ class KVCacheManager:
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks that computing num_new_tokens more tokens of seq would take from the free pool."""
-        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        computed = seq.num_computed_tokens
+        total = -(-(computed + num_new_tokens) // self.block_size)
         needed = max(0, total - len(seq.block_ids))
-        if seq.num_computed_tokens % self.block_size and self._needs_copy(seq, num_new_tokens):
+        if computed % self.block_size and self._needs_copy(seq, num_new_tokens):
             needed += 1
         return needed
 
@@ -151,6 +152,8 @@ class KVCacheManager:
         if not self.enable_block_reuse:
             return
         size = self.block_size
+        if seq.num_computed_tokens // size <= seq.num_hashed_blocks:
+            return
         num_full = min(min(seq.num_computed_tokens, seq.num_known_tokens) // size, len(seq.block_ids))
         if num_full <= seq.num_hashed_blocks:
             return
@@ -185,6 +188,11 @@ class KVCacheManager:
         On success with prefix hits, the hit blocks start seq's table and seq.num_computed_tokens moves
         past them. Nothing changes on failure.
         """
+        if not prefix_hits:  # the common decode case: the new tokens fit in the sequence's own partial block
+            computed, size, blocks = seq.num_computed_tokens, self.block_size, seq.block_ids
+            if (computed % size and computed + num_new_tokens <= len(blocks) * size
+                    and self.blocks[blocks[computed // size]].ref_count == 1):
+                return True
         hits = prefix_hits or []
         evictable_hits = sum(1 for block in hits if block.ref_count == 0)
         if hits:

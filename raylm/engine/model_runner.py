@@ -87,7 +87,9 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
 def _sampling_row(item: ScheduledSequence) -> SamplingRow:
     request, seq = item.request, item.seq
     params = request.sampling_params
-    row = SamplingRow(params, request.prompt_token_ids, seq.output_token_ids, seq.generator)
+    # The sampler reads output tokens for penalties and min_tokens only; min_tokens only counts them.
+    output = seq.output_token_ids if params.min_tokens or not request.plain_draws else ()
+    row = SamplingRow(params, request.prompt_token_ids, output, seq.generator)
     if request.is_beam_search:
         row.beam_candidates = candidates_per_beam(params)
     elif not request.forked and params.num_sequences > 1:
@@ -112,21 +114,34 @@ def plan_step(out: SchedulerOutput, block_size: int) -> StepPlan:
     """Flattens a schedule (decodes first, then prefill chunks) into a StepPlan. Runs on rank 0, where the
     requests live; records which prompt log-probabilities this step reports."""
     plan = StepPlan(block_copies=list(out.block_copies))
+    input_ids, positions, slots = plan.input_ids, plan.positions, plan.slot_mapping
+    sample_rows, decode_contexts = plan.sample_rows, plan.decode_contexts
     offset = 0
-    for item in out.scheduled:
+    for item in out.decodes:  # one token each: the common case, kept cheap
+        seq, position = item.seq, item.start
+        blocks = seq.block_ids
+        input_ids.append(seq.token_ids[position])
+        positions.append(position)
+        slots.append(blocks[position // block_size] * block_size + position % block_size)
+        decode_contexts.append((blocks, position + 1))
+        if item.completes:
+            sample_rows.append(offset)
+        if item.request.wants_prompt_logprobs:
+            spec = _prompt_logprob_spec(item, offset)
+            if spec is not None:
+                plan.prompt_logprobs.append(spec)
+        offset += 1
+    for item in out.prefills:
         first_row = offset
         span = range(item.start, item.start + item.num_tokens)
         blocks = item.seq.block_ids
-        plan.input_ids.extend(item.token_ids)
-        plan.positions.extend(span)
-        plan.slot_mapping.extend(blocks[pos // block_size] * block_size + pos % block_size for pos in span)
+        input_ids.extend(item.token_ids)
+        positions.extend(span)
+        slots.extend(blocks[pos // block_size] * block_size + pos % block_size for pos in span)
         offset += item.num_tokens
-        if item.num_tokens == 1:
-            plan.decode_contexts.append((blocks, item.start + 1))
-        else:
-            plan.prefill_chunks.append((blocks, item.start, item.num_tokens))
+        plan.prefill_chunks.append((blocks, item.start, item.num_tokens))
         if item.completes:
-            plan.sample_rows.append(offset - 1)
+            sample_rows.append(offset - 1)
         spec = _prompt_logprob_spec(item, first_row)
         if spec is not None:
             plan.prompt_logprobs.append(spec)

@@ -9,7 +9,7 @@ import torch
 
 from raylm.engine.beam_search import BeamState
 from raylm.engine.messages import RequestDelta, SequenceDelta, TokenLogprob
-from raylm.engine.request import PLACEHOLDER, FinishReason, Request, Sequence
+from raylm.engine.request import PLACEHOLDER, FinishReason, Request, RequestStatus, Sequence
 from raylm.engine.sampler import SampleResult
 from raylm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 
@@ -37,8 +37,7 @@ def overlap_safe(request: Request) -> bool:
     """Whether the request's next step can be scheduled before its current draw reaches the host: its
     sampling needs no output token ids (penalties), its draw does not fork it (several sequences) and no
     beam search reorders its sequences."""
-    params = request.sampling_params
-    return not (request.is_beam_search or params.has_penalties or (params.num_sequences > 1 and not request.forked))
+    return request.plain_draws and (request.forked or request.sampling_params.num_sequences == 1)
 
 
 class Progress:
@@ -75,18 +74,33 @@ class Progress:
         """A launched step's results; samples is aligned with out.scheduled (None where a sequence was not
         sampled). Sequences that ended while the step was in flight (a stop, an abort) are passed over."""
         deltas: dict[str, RequestDelta] = {}
+        if prompt_logprobs:
+            live = {item.request.request_id for item in out.scheduled if not item.request.is_finished}
+            for request_id, entries in prompt_logprobs.items():
+                if request_id in live:
+                    deltas[request_id] = RequestDelta(request_id, prompt_logprobs=entries)
         sampled: dict[str, tuple[Request, list[tuple[ScheduledSequence, SampleResult]]]] = {}
+        register = self.kv_cache.register_full_blocks
         for item, result in zip(out.scheduled, samples):
-            if item.seq.finished or item.request.is_finished:
+            seq, request = item.seq, item.request
+            if seq.finish_reason is not None or request.status is RequestStatus.FINISHED:
                 continue
-            self.kv_cache.register_full_blocks(item.request, item.seq)
-            if result is not None:
-                sampled.setdefault(item.request.request_id, (item.request, []))[1].append((item, result))
-        live = {item.request.request_id for item in out.scheduled if not item.request.is_finished}
-        for request_id, entries in prompt_logprobs.items():
-            if request_id not in live:
-                continue
-            deltas.setdefault(request_id, RequestDelta(request_id)).prompt_logprobs = entries
+            if result is None:
+                register(request, seq)
+            elif len(request.sequences) == 1 and not request.is_beam_search:  # the common case, kept cheap
+                request_id = request.request_id
+                delta = deltas.get(request_id)
+                if delta is None:
+                    delta = deltas[request_id] = RequestDelta(request_id)
+                delta.num_cached_tokens = request.num_cached_tokens
+                self._append_samples(request, item, result, delta)  # may fork the request (n > 1)
+                ended = seq.finish_reason is not None if len(request.sequences) == 1 else not request.live_sequences
+                if ended:
+                    self.scheduler.finish_request(request)
+                    delta.finished = True
+            else:
+                register(request, seq)
+                sampled.setdefault(request.request_id, (request, []))[1].append((item, result))
         for request_id, (request, items) in sampled.items():
             delta = deltas.setdefault(request_id, RequestDelta(request_id))
             delta.num_cached_tokens = request.num_cached_tokens
@@ -111,6 +125,7 @@ class Progress:
             self.kv_cache.register_full_blocks(request, seq)
             self._report(request, seq, result, 0, position, delta)
             return
+        self.kv_cache.register_full_blocks(request, seq)
         targets = [seq]
         if len(tokens) > 1:  # first token of a request with several sequences: fork the prompt
             request.forked = True

@@ -119,9 +119,14 @@ class Request:
     first_scheduled_time: float | None = None
     prompt_logprobs_next: int = 1  # next prompt position whose log-probability is still to be reported
     stop_ids: frozenset[int] = frozenset()
+    # Whether a step of this request may be queued before its previous draw reaches the host, once it has
+    # forked (see Progress.launched): no penalties (they read output tokens) and no beam search.
+    plain_draws: bool = True
 
     def __post_init__(self) -> None:
-        self.stop_ids = self.sampling_params.all_stop_token_ids
+        params = self.sampling_params
+        self.stop_ids = params.all_stop_token_ids
+        self.plain_draws = not (params.use_beam_search or params.has_penalties)
         if not self.sequences:
             generator = None
             if self.sampling_params.seed is not None:

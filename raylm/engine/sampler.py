@@ -8,11 +8,13 @@ request draw from its own generator, independent of what else is in the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from raylm.sampling_params import SamplingParams
+
+_EMPTY: list = []  # shared by every SampleResult for what it does not report; never mutated
 
 
 @dataclass
@@ -27,15 +29,26 @@ class SamplingRow:
     beam_candidates: int = 0  # > 0: return this many top (token, logprob) pairs for beam search instead
 
 
-@dataclass
 class SampleResult:
-    token_ids: list[int]
-    logprobs: list[float]
-    ranks: list[int]
-    top_ids: list[list[int]] = field(default_factory=list)
-    top_logprobs: list[list[float]] = field(default_factory=list)
-    beam_ids: list[int] = field(default_factory=list)
-    beam_logprobs: list[float] = field(default_factory=list)
+    """One row's draws: token ids and their log-probabilities, with ranks and top-k alternatives when asked
+    for, or the beam candidates. Read-only: the absent parts share one empty list (one result is made per
+    sequence per step, so it is kept cheap)."""
+
+    __slots__ = ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs", "beam_ids", "beam_logprobs")
+
+    def __init__(self, token_ids: list[int], logprobs: list[float], ranks: list[int],
+                 top_ids: list[list[int]] = _EMPTY, top_logprobs: list[list[float]] = _EMPTY,
+                 beam_ids: list[int] = _EMPTY, beam_logprobs: list[float] = _EMPTY):
+        self.token_ids = token_ids
+        self.logprobs = logprobs
+        self.ranks = ranks
+        self.top_ids = top_ids
+        self.top_logprobs = top_logprobs
+        self.beam_ids = beam_ids
+        self.beam_logprobs = beam_logprobs
+
+    def __repr__(self) -> str:
+        return "SampleResult(" + ", ".join(f"{name}={getattr(self, name)!r}" for name in self.__slots__) + ")"
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
@@ -95,9 +108,10 @@ class PendingSamples:
     results() waits for the copy and returns one SampleResult per row."""
 
     def __init__(self, rows: list[SamplingRow], entries: list[list[int]], tokens: torch.Tensor,
-                 device_parts: dict[str, torch.Tensor]):
+                 device_parts: dict[str, torch.Tensor], plain: bool):
         self.rows = rows
         self.entries = entries  # per row: positions of its samples in `tokens`
+        self.plain = plain  # one draw per row and nothing reported but its log-probability
         self.tokens = tokens
         self._host: dict[str, torch.Tensor] = {}
         self._event = None
@@ -118,6 +132,8 @@ class PendingSamples:
             self._event.synchronize()
         host = {name: tensor.tolist() for name, tensor in self._host.items()}
         tokens, chosen = host["tokens"], host.get("chosen", [])
+        if self.plain:
+            return [SampleResult([tokens[entry]], [chosen[entry]], _EMPTY) for [entry] in self.entries]
         ranks = host.get("ranks")
         results = []
         for i, (row, entries) in enumerate(zip(self.rows, self.entries)):
@@ -202,7 +218,8 @@ class Sampler:
             tokens = torch.empty(0, dtype=torch.long, device=device)
         else:
             tokens = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return PendingSamples(rows, entries, tokens, self._report(logits, processed, rows, owners, tokens))
+        plain = all(row.num_samples == 1 and not row.beam_candidates and row.params.logprobs is None for row in rows)
+        return PendingSamples(rows, entries, tokens, self._report(logits, processed, rows, owners, tokens), plain)
 
     @staticmethod
     def _report(logits: torch.Tensor, processed: torch.Tensor, rows: list[SamplingRow], owners: list[int],

@@ -17,18 +17,15 @@ from raylm.engine.kv_cache import KVCacheManager
 from raylm.engine.request import Request, RequestStatus, Sequence
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSequence:
     request: Request
     seq: Sequence
     start: int  # position of the first token computed this step
     num_tokens: int
+    # True when this step computes the sequence's last token (as scheduled), so a new token is drawn.
+    completes: bool = False
     placeholder: bool = False  # its draw went into the sequence as a placeholder at launch (overlap)
-
-    @property
-    def completes(self) -> bool:
-        """True when this step computes the sequence's last known token, so a new token is sampled."""
-        return self.start + self.num_tokens == self.seq.num_tokens
 
     @property
     def token_ids(self) -> list[int]:
@@ -143,10 +140,13 @@ class Scheduler:
         return True
 
     def _emit(self, out: SchedulerOutput, request: Request, plan: list[tuple[Sequence, int]]) -> int:
+        total = 0
         for seq, tokens in plan:
-            item = ScheduledSequence(request, seq, seq.num_computed_tokens, tokens)
+            start = seq.num_computed_tokens
+            item = ScheduledSequence(request, seq, start, tokens, start + tokens == len(seq.token_ids))
             (out.decodes if tokens == 1 else out.prefills).append(item)
-        return sum(tokens for _, tokens in plan)
+            total += tokens
+        return total
 
     # ------------------------------------------------------------------ one step
 

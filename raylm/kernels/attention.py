@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -44,8 +45,10 @@ def context_slots(block_table: torch.Tensor, context_len: int, block_size: int) 
 
 def _padded_table(block_lists: list[list[int]], device: torch.device) -> torch.Tensor:
     width = max(len(blocks) for blocks in block_lists)
-    return torch.tensor([blocks + [0] * (width - len(blocks)) for blocks in block_lists], dtype=torch.long,
-                        device=device)
+    table = np.zeros((len(block_lists), width), dtype=np.int64)
+    for row, blocks in enumerate(block_lists):
+        table[row, : len(blocks)] = blocks
+    return torch.from_numpy(table).to(device)
 
 
 def build_metadata(
