@@ -140,6 +140,7 @@ class RemoteEngine:
         self._kv_cache_capacity = description.kv_cache_capacity
         self.dead_reason: str | None = None
         self._health_watch: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # where the handle's calls run (connect's)
 
     @classmethod
     async def connect(cls, handle: Any, args: LlmArgs) -> RemoteEngine:
@@ -151,6 +152,7 @@ class RemoteEngine:
         source = await asyncio.to_thread(resolve_model, args.model, args.revision)
         tokenizer = await asyncio.to_thread(_load_tokenizer, args, source)
         engine = cls(handle, tokenizer, description)
+        engine._loop = asyncio.get_running_loop()
         engine._health_watch = asyncio.create_task(engine._watch_health())
         return engine
 
@@ -169,8 +171,15 @@ class RemoteEngine:
         return dict(self._kv_cache_capacity)
 
     def get_stats(self, timeout: float | None = 2) -> list[dict]:
-        """The engine's iteration statistics since the last call. Blocks: call it from a thread, not the loop."""
-        return self._handle.get_stats.remote(timeout).result(timeout_s=(timeout or 0) + STATS_TIMEOUT_S)
+        """The engine's iteration statistics since the last call. Blocks: call it from a thread, not the loop.
+
+        The call itself runs on the loop: the replicas route handle calls on their own loop (ray_serve.py), where
+        a handle's result can only be awaited."""
+        call = asyncio.run_coroutine_threadsafe(self._get_stats(timeout), self._loop)
+        return call.result(timeout=(timeout or 0) + STATS_TIMEOUT_S)
+
+    async def _get_stats(self, timeout: float | None) -> list[dict]:
+        return await self._handle.get_stats.remote(timeout)
 
     async def check_health(self) -> str | None:
         """Asks the engine deployment whether its engine runs; the answer (None while it does) is dead_reason."""
