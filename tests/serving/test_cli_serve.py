@@ -103,7 +103,12 @@ def test_raylm_serve_runs_a_server_until_terminated(tmp_path):
         completion = client.completions.create(model="from-set", prompt="The capital of France is", max_tokens=3,
                                                temperature=0)
         assert completion.choices[0].text.startswith(" Paris")
-        assert f"is served at http://127.0.0.1:{port}/v1" in log.read_text()
+        # The app answers as soon as it runs; serve.run returns (and the CLI says where) once the controller saw it.
+        served = f"is served at http://127.0.0.1:{port}/v1"
+        deadline = time.monotonic() + 30
+        while served not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert served in log.read_text()
     finally:
         process.send_signal(signal.SIGTERM)
         try:
