@@ -126,3 +126,20 @@ def test_abort_while_a_step_is_in_flight_frees_everything(tiny_model_dirs):
         engine = llm._executor.worker.engine
         llm.generate(TokensPrompt(prompt_token_ids=[1, 2]), SamplingParams(max_tokens=1))
         assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_starting_an_engine_raises_the_collector_threshold_and_never_lowers_it(tiny_model_dirs):
+    import gc
+
+    from raylm.actors.engine_loop import GC_GEN0_THRESHOLD
+
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, before[1], before[2])
+        with _llm(tiny_model_dirs["llama"], overlap=True):
+            assert gc.get_threshold() == (GC_GEN0_THRESHOLD, before[1], before[2])
+        gc.set_threshold(10 * GC_GEN0_THRESHOLD, before[1], before[2])
+        with _llm(tiny_model_dirs["llama"], overlap=True):
+            assert gc.get_threshold()[0] == 10 * GC_GEN0_THRESHOLD
+    finally:
+        gc.set_threshold(*before)
