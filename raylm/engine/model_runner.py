@@ -306,10 +306,11 @@ class ModelRunner:
         return self._align(out, positions, pending)
 
     def _draw(self, out: SchedulerOutput, logits: torch.Tensor | None) -> tuple[list[int], PendingSamples | None]:
-        positions = [i for i, item in enumerate(out.scheduled) if item.completes]
+        scheduled = out.scheduled
+        positions = [i for i, item in enumerate(scheduled) if item.completes]
         if not positions:
             return positions, None
-        return positions, self.sampler.sample(logits, [_sampling_row(out.scheduled[i]) for i in positions])
+        return positions, self.sampler.sample(logits, [_sampling_row(scheduled[i]) for i in positions])
 
     @staticmethod
     def _align(out: SchedulerOutput, positions: list[int], pending: PendingSamples | None
