@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU issue's workloads on one H200, split so that each part fits one 10-minute device command:
+#   bash benchmarks/h200.sh check        # GPU tests, the latency workloads, step profiles        (~4 min)
+#   bash benchmarks/h200.sh throughput   # 8B 1000 x (1024, 1024) and 8B 256 x (512, 128) vs HF   (~6 min)
+#   bash benchmarks/h200.sh smollm2      # SmolLM2 1024 x (256, 256) vs HF                        (~4 min)
+# Results go to benchmarks/results/ under the scripts' own names, or to $OUT/results/NAME.json when OUT is set (as
+# on the device machine, whose $OUT comes back).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+[ -n "${OUT:-}" ] && mkdir -p "$OUT/results"
+
+output_json() {  # name
+  [ -n "${OUT:-}" ] && echo "--output_json $OUT/results/$1.json"
+}
+dummy=(--load_format dummy)
+llama=benchmarks/configs/llama-3.1-8b
+smol=benchmarks/configs/smollm2-135m
+
+latency() {  # name model batch [extra...]
+  local name=$1 model=$2 batch=$3; shift 3
+  timeout 150 python benchmarks/latency.py --model "$model" "${dummy[@]}" --max_batch_size "$batch" \
+    --batch_size "$batch" --input_len 32 --output_len 128 --num_iters 3 $(output_json "$name") "$@" \
+    2>&1 | tail -4
+}
+
+throughput() {  # name model prompts input output max_batch seconds [extra...]
+  local name=$1 model=$2 prompts=$3 input=$4 output=$5 batch=$6 seconds=$7; shift 7
+  timeout "$seconds" python benchmarks/throughput.py --model "$model" "${dummy[@]}" --num_prompts "$prompts" \
+    --input_len "$input" --output_len "$output" --max_batch_size "$batch" $(output_json "$name") "$@" \
+    2>&1 | tail -5
+}
+
+case "${1:-}" in
+  check)
+    timeout 200 python -m pytest tests/engine/test_gpu.py tests/engine/test_overlap.py -q -p no:cacheprovider 2>&1 | tail -3
+    latency latency-smollm2-b1 "$smol" 1 --peer hf
+    latency latency-8b-b8 "$llama" 8
+    latency latency-8b-b1 "$llama" 1
+    for spec in "$smol 1" "$llama 1" "$llama 8"; do
+      set -- $spec
+      timeout 100 python benchmarks/step_profile.py --model "$1" "${dummy[@]}" --max_batch_size "$2" --batch_size "$2" \
+        $(output_json "step-$(basename "$1")-b$2") 2>&1 | tail -9
+    done
+    ;;
+  throughput)
+    throughput throughput-8b-n1000 "$llama" 1000 1024 1024 256 240
+    throughput throughput-8b-n256 "$llama" 256 512 128 256 200 --peer hf
+    ;;
+  smollm2)
+    throughput throughput-smollm2-n1024 "$smol" 1024 256 256 512 400 --peer hf
+    ;;
+  *)
+    echo "usage: bash benchmarks/h200.sh check|throughput|smollm2" >&2
+    exit 2
+    ;;
+esac
