@@ -104,6 +104,11 @@ class EngineClient:
         with self._lock:
             self._requests.pop(request_id, None)
 
+    def mark_dead(self, reason: str) -> None:
+        """The engine cannot serve (found by a health check): pending requests fail, new ones are refused."""
+        if self.dead_reason is None:
+            self._fail_all(reason)
+
     def _fail_all(self, reason: str) -> None:
         self.dead_reason = reason
         with self._lock:

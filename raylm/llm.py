@@ -295,7 +295,11 @@ class LLM:
             return "the engine is shut down"
         if self._client.dead_reason is not None:
             return self._client.dead_reason
-        return None if self._executor.is_healthy() else "an engine worker died"
+        if self._executor.is_healthy():
+            return None
+        # Seen here before the output channel noticed: from now on submissions fail at once, as they will then.
+        self._client.mark_dead("an engine worker died")
+        return self._client.dead_reason
 
     def check_health(self) -> None:
         """Raises RuntimeError when the engine cannot serve requests."""
