@@ -33,11 +33,16 @@ _DEFAULT_SM_COUNT = 132
 
 
 @triton.jit
-def _cache_row_offsets(block_table_row_ptr, key_pos, key_mask, kv_head, stride_block, stride_slot, stride_head,
-                       PAGE_SIZE: tl.constexpr):
-    """Element offsets (int64) of the cache rows holding keys at `key_pos` for one KV head."""
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, key_pos, key_mask, kv_head, dims, dim_mask,
+                  stride_block, stride_slot, stride_head, PAGE_SIZE: tl.constexpr):
+    """The keys and values at `key_pos` of one KV head, read through a sequence's block table (zeros where
+    key_mask is false)."""
     block_id = tl.load(block_table_row_ptr + key_pos // PAGE_SIZE, mask=key_mask, other=0).to(tl.int64)
-    return block_id * stride_block + (key_pos % PAGE_SIZE) * stride_slot + kv_head * stride_head
+    rows = block_id * stride_block + (key_pos % PAGE_SIZE) * stride_slot + kv_head * stride_head
+    kv_mask = key_mask[:, None] & dim_mask[None, :]
+    k = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    return k, v
 
 
 @triton.jit
@@ -165,11 +170,8 @@ def _decode_split_kernel(
     for tile_start in range(split_start, split_end, BLOCK_N):
         key_pos = tile_start + tl.arange(0, BLOCK_N)
         key_mask = key_pos < split_end
-        rows = _cache_row_offsets(table_row, key_pos, key_mask, kv_head, stride_block, stride_slot, stride_head,
-                                  PAGE_SIZE)
-        kv_mask = key_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, key_pos, key_mask, kv_head, dims, dim_mask,
+                             stride_block, stride_slot, stride_head, PAGE_SIZE)
         m_i, l_i, acc = _attend_tile(q, k, v, key_mask[None, :], m_i, l_i, acc, qk_scale, True, DOT_PRECISION)
 
     if DIRECT_OUTPUT:
@@ -343,11 +345,8 @@ def _prefill_tile(q, k_cache_ptr, v_cache_ptr, table_row, tile_start, key_end, q
     """Attends a prefill tile's rows to the keys tile_start.. (causally and within the window if MASKED)."""
     key_pos = tile_start + tl.arange(0, BLOCK_N)
     key_mask = key_pos < key_end
-    cache_rows = _cache_row_offsets(table_row, key_pos, key_mask, kv_head, stride_block, stride_slot, stride_head,
-                                    PAGE_SIZE)
-    kv_mask = key_mask[:, None] & dim_mask[None, :]
-    k = tl.load(k_cache_ptr + cache_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + cache_rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, key_pos, key_mask, kv_head, dims, dim_mask,
+                         stride_block, stride_slot, stride_head, PAGE_SIZE)
     visible = ((key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] > query_pos[:, None] - window)
                & key_mask[None, :])
     return _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, MASKED, DOT_PRECISION)
