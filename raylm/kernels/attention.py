@@ -43,12 +43,13 @@ def context_slots(block_table: torch.Tensor, context_len: int, block_size: int) 
     return block_table[..., positions // block_size] * block_size + positions % block_size
 
 
-def _padded_table(block_lists: list[list[int]], device: torch.device) -> torch.Tensor:
+def padded_block_table(block_lists: list[list[int]], dtype: type = np.int64) -> np.ndarray:
+    """Block tables as one [sequences, longest] array, short rows padded with the null block 0."""
     width = max(len(blocks) for blocks in block_lists)
-    table = np.zeros((len(block_lists), width), dtype=np.int64)
+    table = np.zeros((len(block_lists), width), dtype=dtype)
     for row, blocks in enumerate(block_lists):
         table[row, : len(blocks)] = blocks
-    return torch.from_numpy(table).to(device)
+    return table
 
 
 def build_metadata(
@@ -67,7 +68,7 @@ def build_metadata(
     meta = AttentionMetadata(slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device))
     if decode_contexts:
         max_context = max(length for _, length in decode_contexts)
-        table = _padded_table([blocks for blocks, _ in decode_contexts], device)
+        table = torch.from_numpy(padded_block_table([blocks for blocks, _ in decode_contexts])).to(device)
         lengths = torch.tensor([length for _, length in decode_contexts], device=device)
         key_pos = torch.arange(max_context, device=device)
         mask = key_pos[None, :] < lengths[:, None]

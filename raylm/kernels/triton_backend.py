@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from raylm.kernels.attention import padded_block_table
+
 
 @dataclass
 class TritonAttentionMetadata:
@@ -42,14 +44,6 @@ class TritonAttentionMetadata:
         return out
 
 
-def _table(block_lists: list[list[int]]) -> np.ndarray:
-    width = max(len(blocks) for blocks in block_lists)
-    table = np.zeros((len(block_lists), width), dtype=np.int32)
-    for row, blocks in enumerate(block_lists):
-        table[row, : len(blocks)] = blocks
-    return table
-
-
 def build_triton_metadata(
     decode_contexts: list[tuple[list[int], int]],
     prefill_chunks: list[tuple[list[int], int, int]],
@@ -67,12 +61,12 @@ def build_triton_metadata(
                                    sliding_window=sliding_window)
     if decode_contexts:
         meta.num_decodes = len(decode_contexts)
-        meta.decode_block_tables = to_device(_table([blocks for blocks, _ in decode_contexts]))
+        meta.decode_block_tables = to_device(padded_block_table([blocks for blocks, _ in decode_contexts], np.int32))
         meta.decode_context_lens = to_device(np.asarray([length for _, length in decode_contexts], dtype=np.int32))
     if prefill_chunks:
         starts = np.asarray([start for _, start, _ in prefill_chunks], dtype=np.int32)
         lengths = np.asarray([length for _, _, length in prefill_chunks], dtype=np.int32)
-        meta.prefill_block_tables = to_device(_table([blocks for blocks, _, _ in prefill_chunks]))
+        meta.prefill_block_tables = to_device(padded_block_table([blocks for blocks, _, _ in prefill_chunks], np.int32))
         meta.query_start_loc = to_device(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
         meta.seq_starts = to_device(starts)
         meta.prefill_context_lens = to_device(starts + lengths)
