@@ -85,9 +85,11 @@ class Progress:
             seq, request = item.seq, item.request
             if seq.finish_reason is not None or request.status is RequestStatus.FINISHED:
                 continue
-            if result is None:
+            if not item.placeholder:  # a placeholder's block is keyed once its token is in place
                 register(request, seq)
-            elif len(request.sequences) == 1 and not request.is_beam_search:  # the common case, kept cheap
+            if result is None:
+                continue
+            if len(request.sequences) == 1 and not request.is_beam_search:  # the common case, kept cheap
                 request_id = request.request_id
                 delta = deltas.get(request_id)
                 if delta is None:
@@ -99,7 +101,6 @@ class Progress:
                     self.scheduler.finish_request(request)
                     delta.finished = True
             else:
-                register(request, seq)
                 sampled.setdefault(request.request_id, (request, []))[1].append((item, result))
         for request_id, (request, items) in sampled.items():
             delta = deltas.setdefault(request_id, RequestDelta(request_id))
@@ -125,7 +126,6 @@ class Progress:
             self.kv_cache.register_full_blocks(request, seq)
             self._report(request, seq, result, 0, position, delta)
             return
-        self.kv_cache.register_full_blocks(request, seq)
         targets = [seq]
         if len(tokens) > 1:  # first token of a request with several sequences: fork the prompt
             request.forked = True
