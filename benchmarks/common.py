@@ -27,6 +27,8 @@ def add_model_args(parser: argparse.ArgumentParser, peer: bool = True) -> None:
     if peer:
         parser.add_argument("--peer", choices=["none", "hf"], default="none",
                             help="also run HF transformers on the same prompts and print the ratio")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per pipeline stage)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output_json", default=None, help="result file (default: benchmarks/results/<name>.json)")
 
@@ -44,11 +46,17 @@ def build_llm(args: argparse.Namespace, max_seq_len: int, executor: str = "auto"
     return LLM(
         executor=executor,
         model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+        tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, max_seq_len=max_seq_len,
         skip_tokenizer_init=args.load_format == "dummy", seed=args.seed,
         kv_cache_config=KvCacheConfig(max_tokens=args.kv_cache_max_tokens, enable_block_reuse=False,
                                       free_gpu_memory_fraction=args.kv_cache_free_gpu_memory_fraction),
     )
+
+
+def parallel_suffix(args: argparse.Namespace) -> str:
+    """'-tp2', '-pp2', '-tp2-pp2' for multi-GPU runs (part of result names), '' for one device."""
+    return "".join(f"-{name}{size}" for name, size in (("tp", args.tp), ("pp", args.pp)) if size > 1)
 
 
 def release_device_memory(device: str) -> None:

@@ -3,6 +3,9 @@
 #   bash benchmarks/h200.sh check        # GPU tests, the latency workloads, step profiles        (~4 min)
 #   bash benchmarks/h200.sh throughput   # 8B 1000 x (1024, 1024) and 8B 256 x (512, 128) vs HF   (~6 min)
 #   bash benchmarks/h200.sh smollm2      # SmolLM2 1024 x (256, 256) vs HF                        (~4 min)
+# and the multi-GPU issue's, on two H200s (nvidia-h200-x2):
+#   bash benchmarks/h200.sh x2-check       # 2-GPU tests, 8B TP=2 vs TP=1 parity, 8B latency at TP=2 (~7 min)
+#   bash benchmarks/h200.sh x2-throughput  # 8B 1000 x (1024, 1024) at TP=2 and at PP=2              (~8 min)
 # Results go to benchmarks/results/ under the scripts' own names, or to $OUT/results/NAME.json when OUT is set (as
 # on the device machine, whose $OUT comes back).
 set -uo pipefail
@@ -49,8 +52,19 @@ case "${1:-}" in
   smollm2)
     throughput throughput-smollm2-n1024 "$smol" 1024 256 256 512 400 --peer hf
     ;;
+  x2-check)
+    timeout 330 python -m pytest tests/actors/test_multi_gpu.py -q -p no:cacheprovider 2>&1 | tail -5
+    timeout 240 python benchmarks/parallel_parity.py --model "$llama" "${dummy[@]}" --tp 2 \
+      $(output_json parity-8b-tp2) 2>&1 | tail -6
+    latency latency-8b-b1-tp2 "$llama" 1 --tp 2
+    latency latency-8b-b8-tp2 "$llama" 8 --tp 2
+    ;;
+  x2-throughput)
+    throughput throughput-8b-n1000-tp2 "$llama" 1000 1024 1024 256 240 --tp 2
+    throughput throughput-8b-n1000-pp2 "$llama" 1000 1024 1024 256 300 --pp 2
+    ;;
   *)
-    echo "usage: bash benchmarks/h200.sh check|throughput|smollm2" >&2
+    echo "usage: bash benchmarks/h200.sh check|throughput|smollm2|x2-check|x2-throughput" >&2
     exit 2
     ;;
 esac

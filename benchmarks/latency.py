@@ -16,7 +16,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import add_model_args, build_llm, hf_peer, random_prompts, synchronize, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_model_args,
+    build_llm,
+    hf_peer,
+    parallel_suffix,
+    random_prompts,
+    synchronize,
+    write_result,
+)
 
 
 def raylm_runner(llm, prompts, output_len: int):
@@ -101,7 +109,7 @@ def main() -> None:
     rows = [(name if name == "raylm" else "hf transformers", result[name]["mean_latency_s"]) for name in times]
 
     name = f"latency-{Path(args.model or 'smollm2').name}-b{args.batch_size}-i{args.input_len}-o{args.output_len}-" \
-           f"{llm.info.device}"
+           f"{llm.info.device}{parallel_suffix(args)}"
     path = write_result(name, args, result)
     print(f"\nbatch {args.batch_size}, input {args.input_len}, output {args.output_len} on {llm.info.device} "
           f"({llm.info.dtype}); start-up {startup:.2f} s, first token at {first_token:.2f} s")

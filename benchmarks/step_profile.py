@@ -71,6 +71,8 @@ def main() -> None:
     parser.add_argument("--input_len", type=int, default=32)
     parser.add_argument("--output_len", type=int, default=128)
     args = parser.parse_args()
+    if args.tp * args.pp > 1:
+        parser.error("the step profile reads one in-process engine: --tp and --pp must be 1")
 
     from raylm import SamplingParams, TokensPrompt
     from raylm.engine import model_runner

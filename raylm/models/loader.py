@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,20 +80,70 @@ def _iter_checkpoint(source: ModelSource, arch: ArchConfig) -> Iterator[tuple[st
     raise ValueError(f"model {source.name!r} has no weight files (*.safetensors or *.bin)")
 
 
-def _init_dummy(model: nn.Module, seed: int) -> None:
-    """Random weights of the right shapes, drawn on the weights' device: normal(0, 0.02) matrices, unit norms,
-    zero biases."""
+class DummyTensor:
+    """A checkpoint tensor of random values: normal(0, 0.02) drawn whole on `device` from a seed of its own (the
+    run's seed and the tensor's name), unit norms, zero biases. Every rank of every parallel layout draws the
+    same tensor and narrows it to its shard, so dummy weights are one model whatever the TP / PP sizes."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int):
+        self.name = name
+        self.shape = shape
+        self._dtype = dtype
+        self._device = device
+        self._seed = seed
+
+    def _full(self) -> torch.Tensor:
+        tensor = torch.empty(self.shape, dtype=self._dtype, device=self._device)
+        if self.name.endswith("norm.weight"):
+            return tensor.fill_(1.0)
+        if self.name.endswith("bias"):
+            return tensor.zero_()
+        generator = torch.Generator(device=self._device).manual_seed(self._seed * 1_000_003 + zlib.crc32(
+            self.name.encode()))
+        return tensor.normal_(0.0, 0.02, generator=generator)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self._full().narrow(dim, start, length)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._full()[index]
+
+
+def _dummy_checkpoint(hf_config: Any, dtype: torch.dtype, device: torch.device,
+                      seed: int) -> Iterator[tuple[str, DummyTensor]]:
+    """Random tensors under the checkpoint names and shapes of `hf_config` (read off transformers' model built on
+    the meta device, which allocates nothing)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(hf_config)
+    for name, param in reference.named_parameters():
+        yield name, DummyTensor(name, tuple(param.shape), dtype, device, seed)
+
+
+def _init_dummy(model: nn.Module, hf_config: Any, arch: ArchConfig, dtype: torch.dtype, device: torch.device,
+                seed: int) -> None:
+    """Dummy weights through the checkpoint path (see DummyTensor). Where transformers' module layout is not the
+    checkpoint layout (fused mixture-of-experts weights), the weights it cannot place are drawn per parameter
+    on each rank instead: still random, but then not the same model across parallel layouts."""
+    try:
+        loaded = model.load_weights(_dummy_checkpoint(hf_config, dtype, device, seed))
+    except ValueError:
+        loaded = set()
+    if arch.tie_word_embeddings:
+        loaded.add("lm_head.weight")
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
+        if name in loaded:
+            continue
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
         elif name.endswith("bias"):
             param.data.zero_()
         else:
-            device = param.device
-            if device not in generators:
-                generators[device] = torch.Generator(device=device).manual_seed(seed)
-            param.data.normal_(0.0, 0.02, generator=generators[device])
+            if param.device not in generators:
+                generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+            param.data.normal_(0.0, 0.02, generator=generators[param.device])
 
 
 def load_model(
@@ -112,7 +163,7 @@ def load_model(
         model = entry.model_class(arch, max_positions, ctx)
     prepared = time.perf_counter()
     if load_format == "dummy":
-        _init_dummy(model, seed)
+        _init_dummy(model, hf_config, arch, dtype, device, seed)
     else:
         loaded = model.load_weights(_iter_checkpoint(source, arch))
         expected = {name for name, _ in model.named_parameters()}

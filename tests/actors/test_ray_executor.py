@@ -132,3 +132,14 @@ def test_killing_a_worker_fails_requests_quickly_and_health_reports_it(ray_clust
     while (_alive_workers(ray_cluster) or _live_groups()) and time.time() < deadline:
         time.sleep(0.2)
     assert _alive_workers(ray_cluster) == [] and _live_groups() == []
+
+
+def test_dummy_weights_are_one_model_across_parallel_layouts(ray_cluster, tiny_model_dirs):
+    """--load_format dummy draws each checkpoint tensor whole and narrows it, so TP=2 and PP=2 run the same
+    random model as one rank (what the multi-GPU parity runs on the 8B shape rely on)."""
+    path = str(tiny_model_dirs["llama"])
+    outputs = []
+    for layout in ({"executor": "local"}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
+        with LLM(path, load_format="dummy", skip_tokenizer_init=True, kv_cache_config=KV, **layout) as llm:
+            outputs.append(_generate(llm))
+    assert outputs[1] == outputs[0] and outputs[2] == outputs[0]
