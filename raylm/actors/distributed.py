@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from raylm.engine.model_runner import ModelOutput, ModelRunner, StepPlan, plan_step
+from raylm.engine.model_runner import LaunchedStep, ModelOutput, ModelRunner, StepPlan, plan_step, to_device
 from raylm.engine.scheduler import SchedulerOutput
 from raylm.models.parallel import ParallelContext
 
@@ -90,6 +90,17 @@ class Communicator:
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
+    def broadcast_feed(self, tokens: torch.Tensor | None, count: int) -> torch.Tensor:
+        """The feed rows' tokens from the stage leader to its tensor-parallel peers, queued on the device (the
+        leader's come from its draws still in flight; nothing waits for them on the host)."""
+        if tokens is None:
+            tokens = torch.empty(count, dtype=torch.long, device=self.device)
+        else:
+            tokens = tokens.to(torch.long)
+        if self.layout.tp > 1:
+            dist.broadcast(tokens, src=self.layout.rank_of(self.pp_rank, 0), group=self.ctx.tp_group)
+        return tokens
+
     def send_tensor(self, tensor: torch.Tensor, dst: int) -> None:
         dist.send(tensor.contiguous(), dst)
 
@@ -149,12 +160,14 @@ def run_stage(runner: ModelRunner, comm: Communicator, plans: list[StepPlan]):
     pending = []
     outputs = []
     for plan in plans:
-        intermediate = None
+        intermediate = feed = None
+        if plan.feed_rows:  # an overlapped step (one stage): rank 0 sends the tokens its draws are producing
+            feed = (to_device(plan.feed_rows, runner.device), comm.broadcast_feed(None, len(plan.feed_rows)))
         if comm.pp_rank > 0:
             shape = (plan.num_tokens, hidden_size)
             src = comm.neighbour(-1)
             intermediate = (comm.recv_tensor(shape, runner.dtype, src), comm.recv_tensor(shape, runner.dtype, src))
-        result = runner.forward(plan, intermediate)
+        result = runner.forward(plan, intermediate, feed)
         if comm.pp_rank < layout.pp - 1:
             dst = comm.neighbour(1)
             pending.extend(dist.isend(t.contiguous(), dst) for t in result)  # the next micro-batch starts now
@@ -166,12 +179,27 @@ def run_stage(runner: ModelRunner, comm: Communicator, plans: list[StepPlan]):
 
 
 class DistributedRunner:
-    """Rank 0's view of a multi-rank model: the engine calls execute() as it would on a single runner."""
+    """Rank 0's view of a multi-rank model: the engine calls it as it would a single runner. With one pipeline
+    stage, steps overlap as on one rank (launch / collect): the plan goes to the other ranks over gloo while
+    the device is busy, and the tokens of placeholder inputs follow on the device (a broadcast from rank 0's
+    draws), so no rank waits for its device between steps. Pipelines run each step to the end (execute)."""
 
     def __init__(self, runner: ModelRunner, comm: Communicator):
         self.runner = runner
         self.comm = comm
         self.device = runner.device
+        self.can_overlap = comm.layout.pp == 1
+
+    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
+        plan = plan_step(out, self.runner.block_size)
+        fed = self.runner.feed_tokens(out, plan, previous)
+        self.comm.broadcast_plans([plan])
+        if plan.feed_rows:
+            fed = self.comm.broadcast_feed(fed, len(plan.feed_rows))
+        return self.runner.launch_planned(out, plan, fed)
+
+    def collect(self, launched: LaunchedStep) -> ModelOutput:
+        return self.runner.collect(launched)
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         layout = self.comm.layout

@@ -61,7 +61,7 @@ class EngineCore:
         self.progress = Progress(self.scheduler, limits.max_seq_len)
         self.requests: dict[str, Request] = {}
         self.iteration = 0
-        self.overlap = limits.overlap_scheduling and hasattr(runner, "launch")
+        self.overlap = limits.overlap_scheduling and getattr(runner, "can_overlap", False)
         self.in_flight: InFlight | None = None
 
     @property

@@ -48,6 +48,8 @@ class StepPlan:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobSpec] = field(default_factory=list)
+    # Rows whose input token is a placeholder: the step still in flight samples it, on the device.
+    feed_rows: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -321,22 +323,33 @@ class ModelRunner:
                 samples[position] = result
         return samples
 
-    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
-        """Queues a whole step (one rank holds the whole model) without waiting for the device. Input tokens
-        that are placeholders come from `previous`, the step still in flight that samples them."""
-        plan = plan_step(out, self.block_size)
-        feed = None
-        waiting = [row for row in range(len(out.decodes)) if plan.input_ids[row] == PLACEHOLDER]
-        if waiting:
-            if previous is None or previous.samples is None:
-                raise RuntimeError("a step's input token is a placeholder, but no step in flight samples it")
-            slots = previous.sample_slots()
-            sources = [slots[id(out.decodes[row].seq)] for row in waiting]
-            feed = (to_device(waiting, self.device), previous.samples.tokens[to_device(sources, self.device)])
+    can_overlap = True  # launch() queues a step without waiting for the device
+
+    def feed_tokens(self, out: SchedulerOutput, plan: StepPlan, previous: LaunchedStep | None) -> torch.Tensor | None:
+        """Fills plan.feed_rows with the rows whose input is a placeholder and returns their tokens: the entries
+        of `previous` (the step in flight that samples them) on the device, nothing waited for."""
+        plan.feed_rows = [row for row in range(len(out.decodes)) if plan.input_ids[row] == PLACEHOLDER]
+        if not plan.feed_rows:
+            return None
+        if previous is None or previous.samples is None:
+            raise RuntimeError("a step's input token is a placeholder, but no step in flight samples it")
+        slots = previous.sample_slots()
+        sources = [slots[id(out.decodes[row].seq)] for row in plan.feed_rows]
+        return previous.samples.tokens[to_device(sources, self.device)]
+
+    def launch_planned(self, out: SchedulerOutput, plan: StepPlan, fed: torch.Tensor | None) -> LaunchedStep:
+        """Queues the forward, the logits and the draws of a planned step (`fed`: the tokens of its feed rows)."""
+        feed = (to_device(plan.feed_rows, self.device), fed) if plan.feed_rows else None
         hidden = self.forward(plan, feed=feed)
         logits, prompt_logprobs = self.compute_outputs(plan, hidden)
         positions, pending = self._draw(out, logits)
         return LaunchedStep(out, positions, pending, prompt_logprobs)
+
+    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Queues a whole step (one rank holds the whole model) without waiting for the device. Input tokens
+        that are placeholders come from `previous`, the step still in flight that samples them."""
+        plan = plan_step(out, self.block_size)
+        return self.launch_planned(out, plan, self.feed_tokens(out, plan, previous))
 
     def collect(self, launched: LaunchedStep) -> ModelOutput:
         """Waits for a launched step's draws."""

@@ -58,6 +58,16 @@ def test_two_gpu_greedy_tokens_equal_one_gpu_and_hf(ray_cluster, tiny_model_dirs
     assert _greedy(path, **layout) == _one_gpu[arch]
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster with the machine's GPUs (no dashboard: these tests do not read Ray's state API)."""
+    import ray
+
+    ray.init(num_cpus=8, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _ship_this_module_by_value(ray_cluster):
     import ray.cloudpickle

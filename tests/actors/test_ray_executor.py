@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -12,6 +13,22 @@ from tests.conftest import hf_greedy, hf_model
 PROMPTS = [[504, 3575, 282, 4649, 314], [19556, 28, 957, 1462, 314, 1133, 2040], [2, 9, 77, 1203, 11, 8, 3, 40] * 3]
 NEW_TOKENS = 16
 KV = KvCacheConfig(max_tokens=2048, tokens_per_block=16)
+
+
+class OverlapProbe:
+    """A worker extension reading rank 0's engine."""
+
+    def engine_overlaps(self) -> bool:
+        return self.engine.overlap
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ship_this_module_by_value(ray_cluster):
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
 
 
 def _generate(llm: LLM) -> list[list[int]]:
@@ -143,3 +160,22 @@ def test_dummy_weights_are_one_model_across_parallel_layouts(ray_cluster, tiny_m
         with LLM(path, load_format="dummy", skip_tokenizer_init=True, kv_cache_config=KV, **layout) as llm:
             outputs.append(_generate(llm))
     assert outputs[1] == outputs[0] and outputs[2] == outputs[0]
+
+
+def test_tensor_parallel_steps_overlap_and_match_one_rank(ray_cluster, tiny_model_dirs):
+    """With one pipeline stage, rank 0 launches step N+1 before step N's draws reach the host; the other rank
+    gets the placeholder tokens from rank 0's device. Seeded sampling and greedy match one rank, overlap off."""
+    path = str(tiny_model_dirs["llama"])
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
+    params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0.9, seed=3, logprobs=1),
+              SamplingParams(max_tokens=NEW_TOKENS), SamplingParams(max_tokens=5, top_k=4, seed=1)]
+    with LLM(path, executor="local", kv_cache_config=KV, disable_overlap_scheduler=True) as single:
+        expected = single.generate(prompts, params, use_tqdm=False)
+    with LLM(path, tensor_parallel_size=2, kv_cache_config=KV, worker_extension_cls=OverlapProbe) as llm:
+        assert llm.collective_rpc("engine_overlaps", target_ranks=0) == [True]
+        got = llm.generate(prompts, params, use_tqdm=False)
+    for ours, reference in zip(got, expected):
+        assert ours.outputs[0].token_ids == reference.outputs[0].token_ids
+        for mine, theirs in zip(ours.outputs[0].logprobs or [], reference.outputs[0].logprobs or []):
+            assert mine.keys() == theirs.keys()
+            assert all(abs(mine[t].logprob - theirs[t].logprob) < 1e-4 for t in mine)
