@@ -207,13 +207,21 @@ class DistributedRunner:
         self.comm.broadcast_plans(plans)
         outputs = run_stage(self.runner, self.comm, plans)
         if layout.pp > 1:
-            outputs = [self.comm.recv_object(self.comm.last_stage_leader) for _ in plans]
+            outputs = [self._receive_outputs() for _ in plans]
         logits = [logit for logit, _ in outputs if logit is not None]
         prompt_logprobs = {}
         for _, entries in outputs:
             prompt_logprobs.update(entries)
         sample_logits = torch.cat(logits) if logits else None
         return ModelOutput(self.runner.sample(out, sample_logits), prompt_logprobs)
+
+    def _receive_outputs(self):
+        """One micro-batch's logits (over NCCL on GPUs: a device tensor, never pickled) and prompt
+        log-probabilities from the last stage."""
+        src = self.comm.last_stage_leader
+        shape, entries = self.comm.recv_object(src)
+        logits = self.comm.recv_tensor(shape, self.runner.dtype, src) if shape is not None else None
+        return logits, entries
 
     def stop_workers(self) -> None:
         self.comm.broadcast_plans(None)
@@ -228,4 +236,6 @@ def worker_loop(runner: ModelRunner, comm: Communicator) -> None:
         outputs = run_stage(runner, comm, plans)
         if outputs and comm.rank == comm.last_stage_leader:
             for logits, entries in outputs:
-                comm.send_object((logits.cpu() if logits is not None else None, entries), 0)
+                comm.send_object((tuple(logits.shape) if logits is not None else None, entries), 0)
+                if logits is not None:
+                    comm.send_tensor(logits.to(runner.dtype), 0)
