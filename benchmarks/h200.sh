@@ -3,6 +3,7 @@
 #   bash benchmarks/h200.sh check        # GPU tests, the latency workloads, step profiles        (~4 min)
 #   bash benchmarks/h200.sh throughput   # 8B 1000 x (1024, 1024) and 8B 256 x (512, 128) vs HF   (~6 min)
 #   bash benchmarks/h200.sh smollm2      # SmolLM2 1024 x (256, 256) vs HF                        (~4 min)
+#   bash benchmarks/h200.sh sweep        # throughput against batch size, SmolLM2 (with HF) and 8B   (~4 min)
 # and the multi-GPU issue's, on two H200s (nvidia-h200-x2):
 #   bash benchmarks/h200.sh x2-check       # 2-GPU tests, 8B TP=2 vs TP=1 parity, 8B latency at TP=2 (~7 min)
 #   bash benchmarks/h200.sh x2-throughput  # 8B 1000 x (1024, 1024) at TP=2 and at PP=2              (~8 min)
@@ -52,6 +53,16 @@ case "${1:-}" in
   smollm2)
     throughput throughput-smollm2-n1024 "$smol" 1024 256 256 512 400 --peer hf
     ;;
+  sweep)
+    for spec in "$smol smollm2-135m --peer hf" "$llama llama-3.1-8b"; do
+      set -- $spec
+      model=$1 name=$2; shift 2
+      plot=docs/images/throughput-vs-batch-$name.png
+      [ -n "${OUT:-}" ] && plot=$OUT/results/throughput-vs-batch-$name.png
+      timeout 280 python benchmarks/batch_sweep.py --model "$model" "${dummy[@]}" --input_len 128 --output_len 128 \
+        --plot "$plot" $(output_json "batch-sweep-$name") "$@" 2>&1 | tail -14
+    done
+    ;;
   x2-check)
     timeout 330 python -m pytest tests/actors/test_multi_gpu.py -q -x -p no:cacheprovider 2>&1 | tail -30
     # fp32: with random weights the next-token distribution is nearly flat (top logprob about -7.5 of a
@@ -66,7 +77,7 @@ case "${1:-}" in
     throughput throughput-8b-n1000-pp2 "$llama" 1000 1024 1024 256 300 --pp 2
     ;;
   *)
-    echo "usage: bash benchmarks/h200.sh check|throughput|smollm2|x2-check|x2-throughput" >&2
+    echo "usage: bash benchmarks/h200.sh check|throughput|smollm2|sweep|x2-check|x2-throughput" >&2
     exit 2
     ;;
 esac
