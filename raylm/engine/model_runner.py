@@ -88,14 +88,17 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
 
 def _sampling_row(item: ScheduledSequence) -> SamplingRow:
     request, seq = item.request, item.seq
+    row = seq.sampling_row
+    if row is not None:
+        return row
     params = request.sampling_params
     # The sampler reads output tokens for penalties and min_tokens only; min_tokens only counts them.
     output = seq.output_token_ids if params.min_tokens or not request.plain_draws else ()
-    row = SamplingRow(params, request.prompt_token_ids, output, seq.generator)
-    if request.is_beam_search:
-        row.beam_candidates = candidates_per_beam(params)
-    elif not request.forked and params.num_sequences > 1:
-        row.num_samples = params.num_sequences
+    num_samples = params.num_sequences if not request.is_beam_search and not request.forked else 1
+    beam_candidates = candidates_per_beam(params) if request.is_beam_search else 0
+    row = SamplingRow(params, request.prompt_token_ids, output, seq.generator, num_samples, beam_candidates)
+    if request.plain_draws and not params.min_tokens and num_samples == 1:
+        seq.sampling_row = row  # nothing in it changes while the sequence runs: made once, not every step
     return row
 
 

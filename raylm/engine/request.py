@@ -48,6 +48,8 @@ class Sequence:
     last_block_hash: int | None = None
     # Per-token (token logprob, rank, top-k ids, top-k logprobs), kept for beam search outputs only.
     logprob_history: list[tuple] = field(default_factory=list)
+    # The sampler's view of this sequence when it never changes between steps (see model_runner._sampling_row).
+    sampling_row: object = None
 
     @property
     def num_tokens(self) -> int:

@@ -29,6 +29,51 @@ class SamplingRow:
     beam_candidates: int = 0  # > 0: return this many top (token, logprob) pairs for beam search instead
 
 
+class _RowKinds:
+    """What a batch of rows asks of the sampler, found in one pass that reads each distinct SamplingParams once
+    (the rows of a batch usually share a few: every request of one generate() call shares one)."""
+
+    __slots__ = ("greedy", "greedy_single", "groups", "processes", "plain", "reports_ranks", "num_top",
+                 "has_beams")
+
+    def __init__(self, rows: list[SamplingRow]):
+        self.greedy: list[int] = []  # greedy rows, in order
+        self.greedy_single = True  # every greedy row draws once
+        self.groups: dict[tuple, list[int]] = {}  # sampled rows by (temperature, top_k, top_p, min_p)
+        self.processes = False  # some row needs penalties or min_tokens masking
+        self.plain = True  # one draw per row, nothing reported but its log-probability
+        self.reports_ranks = False
+        self.num_top = 0
+        self.has_beams = False
+        facts: dict[int, tuple] = {}
+        for i, row in enumerate(rows):
+            params = row.params
+            known = facts.get(id(params))
+            if known is None:
+                known = facts[id(params)] = (
+                    params.is_greedy, params.has_penalties or bool(params.min_tokens), params.logprobs,
+                    (params.effective_temperature, params.top_k, params.top_p, params.min_p))
+            is_greedy, processes, logprobs, key = known
+            if processes:
+                self.processes = True
+            if row.beam_candidates:
+                self.has_beams = True
+                self.plain = False
+                continue
+            if logprobs is not None:
+                self.plain = False
+                self.reports_ranks = True
+                self.num_top = max(self.num_top, logprobs)
+            if row.num_samples != 1:
+                self.plain = False
+            if is_greedy:
+                self.greedy.append(i)
+                if row.num_samples != 1:
+                    self.greedy_single = False
+            else:
+                self.groups.setdefault(key, []).append(i)
+
+
 class SampleResult:
     """One row's draws: token ids and their log-probabilities, with ranks and top-k alternatives when asked
     for, or the beam candidates. Read-only: the absent parts share one empty list (one result is made per
@@ -174,27 +219,23 @@ class Sampler:
         """Draws on the logits' device without waiting for it; the results come from the returned batch."""
         logits = logits.float()
         device = logits.device
-        processed = self._process(logits, rows)
+        kinds = _RowKinds(rows)
+        processed = self._process(logits, rows) if kinds.processes else logits
         parts: list[torch.Tensor] = []  # token tensors, concatenated in this order
         owners: list[int] = []  # the row of each entry of the concatenation
-        greedy = [i for i, row in enumerate(rows) if not row.beam_candidates and row.params.is_greedy]
+        greedy = kinds.greedy
         if greedy:
             greedy_logits = processed if len(greedy) == len(rows) else processed[_index(greedy, device)]
             argmax = greedy_logits.argmax(dim=-1)
-            if all(rows[i].num_samples == 1 for i in greedy):
+            if kinds.greedy_single:
                 parts.append(argmax)
+                owners.extend(greedy)
             else:
                 parts.extend(argmax[position : position + 1].expand(rows[i].num_samples)
                              for position, i in enumerate(greedy))
-            for i in greedy:
-                owners.extend([i] * rows[i].num_samples)
-        groups: dict[tuple, list[int]] = {}
-        for i, row in enumerate(rows):
-            params = row.params
-            if not row.beam_candidates and not params.is_greedy:
-                key = (params.effective_temperature, params.top_k, params.top_p, params.min_p)
-                groups.setdefault(key, []).append(i)
-        for (temperature, top_k, top_p, min_p), indices in groups.items():
+                for i in greedy:
+                    owners.extend([i] * rows[i].num_samples)
+        for (temperature, top_k, top_p, min_p), indices in kinds.groups.items():
             # Rows with the same sampling settings are filtered together.
             selected = processed if len(indices) == len(rows) else processed[_index(indices, device)]
             probs = filter_logits(selected / temperature, top_k, top_p, min_p).softmax(dim=-1)
@@ -211,44 +252,48 @@ class Sampler:
                 noise = torch.empty_like(chosen).exponential_(generator=self._generator_on(device))
                 parts.append((chosen / noise).argmax(dim=-1))
                 owners.extend(indices[position] for position in shared)
-        entries: list[list[int]] = [[] for _ in rows]
-        for entry, i in enumerate(owners):
-            entries[i].append(entry)
+        identity = len(greedy) == len(rows) and kinds.greedy_single  # entry i is row i's single draw
+        if identity:
+            entries = [[i] for i in range(len(rows))]
+        else:
+            entries = [[] for _ in rows]
+            for entry, i in enumerate(owners):
+                entries[i].append(entry)
         if not parts:
             tokens = torch.empty(0, dtype=torch.long, device=device)
         else:
             tokens = parts[0] if len(parts) == 1 else torch.cat(parts)
-        plain = all(row.num_samples == 1 and not row.beam_candidates and row.params.logprobs is None for row in rows)
-        return PendingSamples(rows, entries, tokens, self._report(logits, processed, rows, owners, tokens), plain)
+        report = self._report(logits, processed, rows, owners, tokens, kinds, identity)
+        return PendingSamples(rows, entries, tokens, report, kinds.plain)
 
     @staticmethod
     def _report(logits: torch.Tensor, processed: torch.Tensor, rows: list[SamplingRow], owners: list[int],
-                tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+                tokens: torch.Tensor, kinds: _RowKinds, identity: bool) -> dict[str, torch.Tensor]:
         """Device tensors of what the results report. Log-probabilities are those of the raw distribution:
         logit - logsumexp, without materialising log_softmax."""
         report: dict[str, torch.Tensor] = {}
         device = logits.device
         if owners:
             log_normalizer = torch.logsumexp(logits, dim=-1)
-            if owners == list(range(len(rows))):
+            if identity or owners == list(range(len(rows))):
                 row_logits, row_normalizer = logits, log_normalizer
             else:
                 owner_index = _index(owners, device)
                 row_logits, row_normalizer = logits[owner_index], log_normalizer[owner_index]
             chosen_logits = row_logits.gather(1, tokens[:, None]).squeeze(1)
             report["chosen"] = chosen_logits - row_normalizer
-            if any(rows[i].params.logprobs is not None for i in owners):
+            if kinds.reports_ranks:
                 report["ranks"] = (row_logits > chosen_logits[:, None]).sum(dim=-1) + 1
-            num_top = max((row.params.logprobs or 0 for row in rows if not row.beam_candidates), default=0)
-            if num_top:
-                values, ids = torch.topk(logits, num_top, dim=-1)
+            if kinds.num_top:
+                values, ids = torch.topk(logits, kinds.num_top, dim=-1)
                 report["top_ids"] = ids
                 report["top_logprobs"] = values - log_normalizer[:, None]
-        for i, row in enumerate(rows):
-            if row.beam_candidates:
-                values, ids = torch.topk(torch.log_softmax(processed[i], dim=-1), row.beam_candidates)
-                report[f"beam_ids{i}"] = ids
-                report[f"beam_logprobs{i}"] = values
+        if kinds.has_beams:
+            for i, row in enumerate(rows):
+                if row.beam_candidates:
+                    values, ids = torch.topk(torch.log_softmax(processed[i], dim=-1), row.beam_candidates)
+                    report[f"beam_ids{i}"] = ids
+                    report[f"beam_logprobs{i}"] = values
         return report
 
     @staticmethod

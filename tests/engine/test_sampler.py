@@ -612,3 +612,22 @@ def test_sampling_cuda_logits_draws_tokens(seeded):
     row = _row(SamplingParams(temperature=1.0), seed=0 if seeded else None, num_samples=8)
     [result] = Sampler(0)(logits, [row])
     assert len(result.token_ids) == 8
+
+
+def test_sampling_rows_are_made_once_for_sequences_whose_row_never_changes():
+    from raylm.engine.model_runner import _sampling_row
+    from raylm.engine.request import Request
+    from raylm.engine.scheduler import ScheduledSequence
+
+    def rows_of_two_steps(params: SamplingParams):
+        request = Request("r", [1, 2, 3], params)
+        item = ScheduledSequence(request, request.sequences[0], 0, 3, True)
+        return _sampling_row(item), _sampling_row(item)
+
+    first, second = rows_of_two_steps(SamplingParams(max_tokens=4, temperature=0.8, seed=1))
+    assert second is first and first.output_token_ids == () and first.generator is not None
+    # Rows that read the output so far (penalties, min_tokens) or draw several samples are made every step.
+    for params in (SamplingParams(presence_penalty=0.5), SamplingParams(min_tokens=2),
+                   SamplingParams(n=2, temperature=1.0)):
+        first, second = rows_of_two_steps(params)
+        assert second is not first
