@@ -3,6 +3,7 @@
 #   bash benchmarks/h200.sh check        # GPU tests, the latency workloads, step profiles        (~4 min)
 #   bash benchmarks/h200.sh throughput   # 8B 1000 x (1024, 1024) and 8B 256 x (512, 128) vs HF   (~6 min)
 #   bash benchmarks/h200.sh smollm2      # SmolLM2 1024 x (256, 256) vs HF                        (~4 min)
+#   bash benchmarks/h200.sh gemv         # the decode GEMV against cuBLAS, then 8B batch 1 with it on  (~2 min)
 #   bash benchmarks/h200.sh sweep        # throughput against batch size, SmolLM2 (with HF) and 8B   (~4 min)
 # and the multi-GPU issue's, on two H200s (nvidia-h200-x2):
 #   bash benchmarks/h200.sh x2-check       # 2-GPU tests, 8B TP=2 vs TP=1 parity, 8B latency at TP=2 (~7 min)
@@ -53,6 +54,11 @@ case "${1:-}" in
   smollm2)
     throughput throughput-smollm2-n1024 "$smol" 1024 256 256 512 400 --peer hf
     ;;
+  gemv)
+    timeout 150 python -m pytest tests/kernels/test_triton_gemv.py -q -p no:cacheprovider 2>&1 | tail -2
+    timeout 150 python benchmarks/gemv.py $(output_json gemv-llama-3.1-8b) 2>&1 | tail -25
+    (export RAYLM_TRITON_GEMV=1; latency latency-8b-b1-gemv "$llama" 1)
+    ;;
   sweep)
     for spec in "$smol smollm2-135m --peer hf" "$llama llama-3.1-8b"; do
       set -- $spec
@@ -77,7 +83,7 @@ case "${1:-}" in
     throughput throughput-8b-n1000-pp2 "$llama" 1000 1024 1024 256 300 --pp 2
     ;;
   *)
-    echo "usage: bash benchmarks/h200.sh check|throughput|smollm2|sweep|x2-check|x2-throughput" >&2
+    echo "usage: bash benchmarks/h200.sh check|throughput|smollm2|gemv|sweep|x2-check|x2-throughput" >&2
     exit 2
     ;;
 esac

@@ -1,5 +1,6 @@
 """Which kernels run: the Triton ones for CUDA tensors when Triton imports (unless RAYLM_DISABLE_TRITON=1),
-the torch reference otherwise."""
+the torch reference otherwise. Linear layers use cuBLAS (F.linear), or for decode-sized inputs the Triton GEMV
+when RAYLM_TRITON_GEMV=1."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ import functools
 import os
 
 import torch
+import torch.nn.functional as F
+
+# The most rows (tokens) the decode GEMV kernel takes; larger inputs are matmuls, left to cuBLAS.
+GEMV_MAX_ROWS = 8
+_HALF = (torch.float16, torch.bfloat16)
 
 
 @functools.cache
@@ -22,3 +28,18 @@ def triton_available() -> bool:
 
 def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and triton_available()
+
+
+@functools.cache
+def triton_gemv_enabled() -> bool:
+    return os.environ.get("RAYLM_TRITON_GEMV", "0") not in ("", "0") and triton_available()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or the Triton GEMV (kernels/triton_gemv.py) for a few rows of half-precision input on CUDA."""
+    if (x.is_cuda and weight.dtype in _HALF and x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and x.dtype == weight.dtype
+            and triton_gemv_enabled()):
+        from raylm.kernels.triton_gemv import gemv
+
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)

@@ -15,6 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from raylm.kernels.dispatch import linear
+
 
 @dataclass(frozen=True)
 class ParallelContext:
@@ -91,7 +93,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, start, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -171,7 +173,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, start, param.shape[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = linear(x, self.weight)
         out = self.ctx.all_reduce(out)
         if self.bias is not None:
             out = out + self.bias
@@ -208,7 +210,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection onto the vocabulary; each rank computes its vocabulary slice, then gathers."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.ctx.tp_size == 1:
             return logits
         return self.ctx.all_gather_last_dim(logits)[..., : self.vocab_size]

@@ -1,0 +1,91 @@
+"""The decode GEMV (kernels/triton_gemv.py) against cuBLAS (F.linear) on the Llama-3.1-8B layer shapes: time
+per call and weight bandwidth for 1–8 rows, and the sum over one decode step (32 layers + the LM head).
+
+    python benchmarks/gemv.py               # one GPU's shapes
+    python benchmarks/gemv.py --tp 2        # the shard of each rank at tensor-parallel size 2
+
+Each timing replays a CUDA graph of calls over enough copies of the weight (≥ 1 GiB in all) that no call
+finds its weight in L2, as in a real step, where every weight is read once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import write_result  # noqa: E402
+
+# name: (output features, input features, split by TP along "n" (column parallel) or "k" (row parallel))
+LLAMA_8B = {"qkv": (6144, 4096, "n"), "o": (4096, 4096, "k"), "gate_up": (28672, 4096, "n"),
+            "down": (4096, 14336, "k"), "lm_head": (128256, 4096, "n")}
+LAYERS = 32
+
+
+def time_calls(fn, x: torch.Tensor, weights: list[torch.Tensor], replays: int = 5) -> float:
+    """Microseconds per call of fn(x, w), replayed in a CUDA graph over all the weights in turn."""
+    for w in weights[:2]:
+        fn(x, w)  # tunes / compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(x, w)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1000 * start.elapsed_time(end) / (replays * len(weights))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--output_json", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/gemv.py times CUDA kernels: it needs a GPU")
+    from raylm.kernels.triton_gemv import gemv
+
+    dtype = torch.bfloat16
+    impls = {"cublas": lambda x, w: F.linear(x, w), "triton": gemv}
+    result: dict = {}
+    for rows in args.rows:
+        per_step = dict.fromkeys(impls, 0.0)
+        for name, (n, k, split) in LLAMA_8B.items():
+            n, k = (n // args.tp, k) if split == "n" else (n, k // args.tp)
+            nbytes = n * k * 2
+            copies = max(2, math.ceil(2**30 / nbytes))
+            weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
+            x = torch.randn(rows, k, device="cuda", dtype=dtype)
+            torch.testing.assert_close(gemv(x, weights[0]), F.linear(x, weights[0]), atol=5e-2, rtol=2e-2)
+            entry = {}
+            for impl, fn in impls.items():
+                micros = time_calls(fn, x, weights)
+                entry[impl] = {"us": micros, "tb_per_s": nbytes / micros / 1e6}
+                per_step[impl] += micros * (1 if name == "lm_head" else LAYERS)
+            result.setdefault(str(rows), {})[name] = entry
+            timings = ", ".join(f"{impl} {entry[impl]['us']:.1f} us ({entry[impl]['tb_per_s']:.2f} TB/s)"
+                                for impl in impls)
+            print(f"rows {rows} {name:<8} [{n} x {k}]: {timings}", flush=True)
+            del weights
+            torch.cuda.empty_cache()
+        result[str(rows)]["decode_step_ms"] = {impl: us / 1000 for impl, us in per_step.items()}
+        print(f"rows {rows}: linear layers of one decode step: " + ", ".join(
+            f"{impl} {us / 1000:.3f} ms" for impl, us in per_step.items()), flush=True)
+    suffix = f"-tp{args.tp}" if args.tp > 1 else ""
+    path = write_result(f"gemv-llama-3.1-8b{suffix}", args, result)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

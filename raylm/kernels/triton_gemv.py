@@ -1,0 +1,88 @@
+"""Skinny matmul for decode: y = x W^T with few rows of x (batch ≤ GEMV_MAX_ROWS) and a half-precision W.
+
+At batch 1–8 a decode step reads every weight once and does almost no arithmetic per byte, so a linear layer
+is as fast as it streams W from memory. Each program owns BLOCK_N rows of W (output features) and walks K in
+BLOCK_K tiles, K being W's contiguous dimension; the few rows of x (padded to 16 for the tensor-core dot)
+come from L2. Accumulation is in float32, in a fixed order: results do not depend on timing (no split-K
+atomics). Tile sizes are tuned per (N, K) at the first call, which is an eager warm-up before any CUDA graph
+is captured.
+
+Off unless RAYLM_TRITON_GEMV=1 (see dispatch.linear) until it is measured faster than cuBLAS on
+the target GPU: `python benchmarks/gemv.py`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from raylm.kernels.dispatch import GEMV_MAX_ROWS
+
+_BLOCK_M = 16  # tl.dot's smallest tile; rows past M are masked
+
+
+def _configs() -> list[triton.Config]:
+    return [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=4, num_stages=stages)
+            for block_n in (16, 32, 64) for block_k in (128, 256) for stages in (3, 4)]
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output features = rows of W
+    row_mask = rows < M
+    col_mask = cols < N
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + rows[:, None] * stride_xm
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK]
+        x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
+        acc = tl.dot(x, tl.trans(w), acc)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+_gemv_tuned = triton.autotune(configs=_configs(), key=["N", "K"])(_gemv_kernel)
+# The interpreter (CPU tests) has no device to time configurations on: it runs one.
+_INTERPRETED_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 128}
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x of at most GEMV_MAX_ROWS rows (any leading shape) and a half-precision
+    weight [N, K] with contiguous rows."""
+    if weight.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"gemv takes a float16 or bfloat16 weight, got {weight.dtype}")
+    N, K = weight.shape
+    if x.shape[-1] != K or x.dtype != weight.dtype:
+        raise ValueError(f"x of shape {list(x.shape)} and dtype {x.dtype} does not fit a weight of shape "
+                         f"{[N, K]} and dtype {weight.dtype}")
+    rows = x.reshape(-1, K)
+    M = rows.shape[0]
+    if M > GEMV_MAX_ROWS:
+        raise ValueError(f"gemv takes at most {GEMV_MAX_ROWS} rows, got {M}")
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if weight.stride(-1) != 1:
+        raise ValueError("gemv needs a weight whose rows are contiguous")
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M:
+        args = (rows, weight, bias if bias is not None else weight, out, M, N, K, rows.stride(0), weight.stride(0),
+                out.stride(0))
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            grid = (triton.cdiv(N, _INTERPRETED_CONFIG["BLOCK_N"]),)
+            _gemv_kernel[grid](*args, HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M, **_INTERPRETED_CONFIG)
+        else:
+            grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+            _gemv_tuned[grid](*args, HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M)
+    return out.reshape(*x.shape[:-1], N)

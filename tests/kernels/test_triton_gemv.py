@@ -1,0 +1,47 @@
+"""The decode GEMV kernel (kernels/triton_gemv.py) against F.linear, and the layers' dispatch to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.kernels import GPU_ONLY, MODULE_MARKS, kernel_device
+
+DEVICE = kernel_device()
+
+from raylm.kernels.triton_gemv import GEMV_MAX_ROWS, gemv  # noqa: E402
+
+pytestmark = MODULE_MARKS
+
+DTYPES = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, marks=GPU_ONLY, id="bf16")]
+# Both sum K products in float32 and round once, in different orders: about one unit in the last place.
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS])
+@pytest.mark.parametrize(("n", "k"), [(64, 128), (100, 300), (48, 1030)], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_gemv_matches_linear(dtype, rows, n, k, with_bias):
+    generator = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=generator).to(DEVICE, dtype)
+    weight = (torch.randn(n, k, generator=generator) / k**0.5).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=generator).to(DEVICE, dtype) if with_bias else None
+    expected = F.linear(x.float(), weight.float(), bias.float() if bias is not None else None).to(dtype)
+    got = gemv(x, weight, bias)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+
+
+def test_gemv_keeps_leading_dimensions_and_refuses_what_it_cannot_do():
+    x = torch.randn(2, 1, 64).to(DEVICE, torch.float16)
+    weight = torch.randn(32, 64).to(DEVICE, torch.float16)
+    assert gemv(x, weight).shape == (2, 1, 32)
+    with pytest.raises(ValueError, match="at most"):
+        gemv(torch.randn(GEMV_MAX_ROWS + 1, 64).to(DEVICE, torch.float16), weight)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        gemv(x.float(), weight.float())
+    with pytest.raises(ValueError, match="does not fit"):
+        gemv(torch.randn(1, 63).to(DEVICE, torch.float16), weight)
