@@ -25,8 +25,13 @@ _BLOCK_M = 16  # tl.dot's smallest tile; rows past M are masked
 
 
 def _configs() -> list[triton.Config]:
-    return [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=4, num_stages=stages)
-            for block_n in (16, 32, 64) for block_k in (128, 256) for stages in (3, 4)]
+    """Tile shapes to time per (N, K); Triton's timing clears the L2 between runs, as a real step finds it."""
+    configs = [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=4, num_stages=stages)
+               for block_n in (16, 32, 64) for block_k in (128, 256) for stages in (3, 4)]
+    # Wider K tiles with more warps keep more bytes of W in flight per SM when there are few programs.
+    configs += [triton.Config({"BLOCK_N": block_n, "BLOCK_K": 512}, num_warps=8, num_stages=stages)
+                for block_n in (16, 32) for stages in (2, 3)]
+    return configs
 
 
 @triton.jit
