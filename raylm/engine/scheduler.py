@@ -156,8 +156,24 @@ class Scheduler:
         seq_budget = self.max_batch_size
 
         index = 0
-        while index < len(self.running) and token_budget > 0:
-            request = self.running[index]
+        running, decodes, block_size, blocks = self.running, out.decodes, self.kv_cache.block_size, self.kv_cache.blocks
+        while index < len(running) and token_budget > 0:
+            request = running[index]
+            if len(request.sequences) == 1 and seq_budget > 0:
+                # The common case, kept cheap: one sequence decoding one token into its own partial block
+                # (the same outcome as _plan, _allocate and _emit below, without building a plan).
+                seq = request.sequences[0]
+                computed = seq.num_computed_tokens
+                length = len(seq.token_ids)
+                if (length - computed == 1 and seq.finish_reason is None and computed % block_size
+                        and computed < len(seq.block_ids) * block_size
+                        and blocks[seq.block_ids[computed // block_size]].ref_count == 1):
+                    if length - seq.num_prompt_tokens < request.sampling_params.max_tokens:
+                        decodes.append(ScheduledSequence(request, seq, computed, 1, True))
+                        token_budget -= 1
+                        seq_budget -= 1
+                    index += 1
+                    continue
             plan = self._plan(request, token_budget)
             if plan is None or len(plan) > seq_budget:
                 break
