@@ -13,6 +13,8 @@ micro-batches at the same time.
 from __future__ import annotations
 
 import datetime
+import logging
+import os
 import socket
 from dataclasses import dataclass
 
@@ -22,6 +24,8 @@ import torch.distributed as dist
 from raylm.engine.model_runner import LaunchedStep, ModelOutput, ModelRunner, StepPlan, plan_step, to_device
 from raylm.engine.scheduler import SchedulerOutput
 from raylm.models.parallel import ParallelContext
+
+logger = logging.getLogger(__name__)
 
 # Idle workers wait in a broadcast for the next step; a dead peer is detected by the driver, not by this.
 _CONTROL_TIMEOUT = datetime.timedelta(days=30)
@@ -118,9 +122,46 @@ class Communicator:
         return box[0]
 
 
+class SymmetricAllReduce:
+    """A one-shot all-reduce through symmetric memory, for the small tensors of decode steps: each rank copies
+    its input into a buffer that the others map over NVLink, and one kernel per rank sums every rank's copy.
+    No NCCL protocol per call, and it can be captured in CUDA graphs. Larger tensors go to NCCL. Experimental:
+    on when RAYLM_SYMM_MEM_ALLREDUCE=1 (NVLink multicast is not used)."""
+
+    MAX_BYTES = 1 << 20
+
+    def __init__(self, group, device: torch.device, dtype: torch.dtype):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.dtype = dtype
+        self.numel = self.MAX_BYTES // dtype.itemsize
+        self.buffer = symm_mem.empty(self.numel, dtype=dtype, device=device)
+        symm_mem.rendezvous(self.buffer, group)
+        self.group_name = group.group_name
+
+    def fits(self, tensor: torch.Tensor) -> bool:
+        return tensor.dtype == self.dtype and tensor.numel() <= self.numel and tensor.is_contiguous()
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        flat = tensor.view(-1)
+        out = torch.ops.symm_mem.one_shot_all_reduce_copy(self.buffer[: flat.numel()], flat, "sum", self.group_name)
+        return out.view(tensor.shape)
+
+
+def _fast_all_reduce(group, device: torch.device, dtype: torch.dtype | None) -> SymmetricAllReduce | None:
+    if device.type != "cuda" or dtype is None or os.environ.get("RAYLM_SYMM_MEM_ALLREDUCE", "0") in ("", "0"):
+        return None
+    try:
+        return SymmetricAllReduce(group, device, dtype)
+    except Exception as exc:  # not supported here: NCCL carries every all-reduce
+        logger.warning("symmetric-memory all-reduce unavailable (%s: %s); using NCCL", type(exc).__name__, exc)
+        return None
+
+
 def init_distributed(rank: int, layout: RankLayout, address: str, port: int, device: torch.device,
-                     timeout_s: float = 600.0) -> Communicator:
-    """Joins the job's process groups (every rank calls this with the same layout, address and port)."""
+                     timeout_s: float = 600.0, dtype: torch.dtype | None = None) -> Communicator:
+    """Joins the job's process groups (every rank calls this with the same layout, address and port). With
+    `dtype` (the model's), a symmetric-memory all-reduce may serve small tensors (SymmetricAllReduce)."""
     world = layout.world_size
     store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -133,8 +174,15 @@ def init_distributed(rank: int, layout: RankLayout, address: str, port: int, dev
         group = dist.new_group(ranks, backend=backend)
         if stage == layout.pp_rank(rank):
             tp_group = group
+    fast = None
+    if layout.tp > 1:
+        fast = _fast_all_reduce(tp_group, device, dtype)
+        agreed = torch.tensor([int(fast is not None)])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control)  # every rank takes the same path
+        if not agreed.item():
+            fast = None
     ctx = ParallelContext(tp_rank=layout.tp_rank(rank), tp_size=layout.tp, tp_group=tp_group,
-                          pp_rank=layout.pp_rank(rank), pp_size=layout.pp, ep_size=layout.ep)
+                          pp_rank=layout.pp_rank(rank), pp_size=layout.pp, ep_size=layout.ep, fast_all_reduce=fast)
     return Communicator(rank, layout, device, control, ctx)
 
 

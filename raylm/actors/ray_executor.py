@@ -73,12 +73,15 @@ class RayExecutor(Executor):
         self._loop_refs: list = []
         self._pending: deque[StepOutput] = deque()
         self._dead: str | None = None
+        settings = {name: value for name, value in os.environ.items() if name.startswith("RAYLM_")}
         try:
             for rank, (group, bundle) in enumerate(self.placement.bundles):
                 strategy = PlacementGroupSchedulingStrategy(placement_group=group,
                                                             placement_group_bundle_index=bundle)
                 options = dict(num_cpus=0 if use_gpu else 1, num_gpus=self.placement.gpu_share,
                                scheduling_strategy=strategy, name=None)
+                if settings:  # raylm's own switches reach workers on any cluster, not only one this process started
+                    options["runtime_env"] = {"env_vars": settings}
                 self.actors.append(remote_cls.options(**options).remote(spec, rank, layout, worker_extension_cls))
             address, port = ray.get(self.actors[0].node_address.remote())
             ray.get([actor.init_distributed.remote(address, port) for actor in self.actors])

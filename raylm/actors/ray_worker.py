@@ -55,7 +55,8 @@ class RayWorker:
     def init_distributed(self, address: str, port: int) -> None:
         device = torch.device(self.spec.device)
         if self.layout.world_size > 1:
-            self.comm = init_distributed(self.rank, self.layout, address, port, device)
+            self.comm = init_distributed(self.rank, self.layout, address, port, device,
+                                         dtype=getattr(torch, self.spec.dtype))
             self.worker = self.worker_cls(self.spec, self.comm.ctx)
         else:
             self.worker = self.worker_cls(self.spec)

@@ -28,6 +28,8 @@ class ParallelContext:
     pp_rank: int = 0
     pp_size: int = 1
     ep_size: int = 1
+    # A faster all-reduce for small tensors (distributed.SymmetricAllReduce), or None: NCCL / gloo throughout.
+    fast_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -46,7 +48,11 @@ class ParallelContext:
         return start, start + base + (1 if self.pp_rank < extra else 0)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over the tensor-parallel group (use the returned tensor: it may be a new one)."""
         if self.tp_size > 1:
+            fast = self.fast_all_reduce
+            if fast is not None and fast.fits(tensor):
+                return fast(tensor)
             dist.all_reduce(tensor, group=self.tp_group)
         return tensor
 

@@ -77,6 +77,25 @@ def _ship_this_module_by_value(ray_cluster):
     ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
 
 
+class AllReduceProbe:
+    def fast_all_reduce(self) -> bool:
+        return self.ctx.fast_all_reduce is not None
+
+
+def test_symmetric_memory_all_reduce_gives_the_same_tokens(ray_cluster, tiny_model_dirs, monkeypatch):
+    """RAYLM_SYMM_MEM_ALLREDUCE=1: small all-reduces go through symmetric memory (in the decode graphs too)."""
+    monkeypatch.setenv("RAYLM_SYMM_MEM_ALLREDUCE", "1")
+    path = tiny_model_dirs["llama"]
+    with LLM(str(path), device="cuda", dtype="float32", skip_tokenizer_init=True, kv_cache_config=KV,
+             max_seq_len=1024, tensor_parallel_size=2, worker_extension_cls=AllReduceProbe) as llm:
+        assert llm.collective_rpc("fast_all_reduce") == [True, True]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
+                               SamplingParams(max_tokens=NEW_TOKENS), use_tqdm=False)
+    if "llama" not in _one_gpu:
+        _one_gpu["llama"] = _greedy(path)
+    assert [o.outputs[0].token_ids for o in outputs] == _one_gpu["llama"]
+
+
 class MemoryHolder:
     """Another tenant of the GPUs (a trainer's actor, say): holds `gib` GiB on its GPU share."""
 

@@ -21,6 +21,11 @@ class OverlapProbe:
     def engine_overlaps(self) -> bool:
         return self.engine.overlap
 
+    def setting(self, name: str) -> str | None:
+        import os
+
+        return os.environ.get(name)
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _ship_this_module_by_value(ray_cluster):
@@ -179,3 +184,12 @@ def test_tensor_parallel_steps_overlap_and_match_one_rank(ray_cluster, tiny_mode
         for mine, theirs in zip(ours.outputs[0].logprobs or [], reference.outputs[0].logprobs or []):
             assert mine.keys() == theirs.keys()
             assert all(abs(mine[t].logprob - theirs[t].logprob) < 1e-4 for t in mine)
+
+
+def test_raylm_settings_reach_every_worker(ray_cluster, tiny_model_dirs, monkeypatch):
+    """RAYLM_* variables of the process that builds the engine are set in its Ray workers too (a cluster
+    started elsewhere does not inherit them)."""
+    monkeypatch.setenv("RAYLM_PROBE_SETTING", "on")
+    with LLM(str(tiny_model_dirs["llama"]), tensor_parallel_size=2, kv_cache_config=KV,
+             worker_extension_cls=OverlapProbe) as llm:
+        assert llm.collective_rpc("setting", args=("RAYLM_PROBE_SETTING",)) == ["on", "on"]
