@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import logging
 
+import numpy as np
 import torch
 
 from raylm.kernels.triton_backend import TritonAttentionMetadata
@@ -28,6 +29,39 @@ def default_batch_sizes(max_batch_size: int) -> list[int]:
             size += step
             sizes.append(size)
     return sorted({s for s in sizes if s <= max_batch_size} | {max_batch_size})
+
+
+class BlockTableStaging:
+    """A host block table whose rows are kept from step to step: a row is written again only where its
+    sequence's block list changed. Block lists are only ever appended to (any other change makes a new list:
+    Sequence.block_ids), so a row is current while it holds the same list object at the same length, and a
+    longer one needs only its new tail. Columns past a row's length may hold stale blocks: the kernels read a
+    row only up to its context length."""
+
+    def __init__(self, table: np.ndarray):
+        self.table = table
+        self.rows: list[tuple[list[int], int] | None] = [None] * table.shape[0]
+
+    def fill(self, contexts: list[tuple[list[int], int]], batch: int) -> int:
+        """Rows for the (block list, context length) of each sequence, then padding rows up to `batch` that
+        read the null block; returns the width in use (the longest block list)."""
+        table, rows = self.table, self.rows
+        width = 0
+        for row, (blocks, _) in enumerate(contexts):
+            length = len(blocks)
+            held = rows[row]
+            if held is None or held[0] is not blocks or length < held[1]:
+                table[row, :length] = blocks
+                rows[row] = (blocks, length)
+            elif length > held[1]:
+                table[row, held[1] : length] = blocks[held[1] :]
+                rows[row] = (blocks, length)
+            if length > width:
+                width = length
+        for row in range(len(contexts), batch):
+            table[row, 0] = 0  # padding rows read the null block
+            rows[row] = None
+        return width
 
 
 class DecodeGraphs:
@@ -51,6 +85,7 @@ class DecodeGraphs:
         pin = device.type == "cuda"
         self.staging = [(torch.zeros(4, size, dtype=torch.long, pin_memory=pin),
                          torch.zeros(size, max_blocks, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
+        self.tables = [BlockTableStaging(table.numpy()) for _, table in self.staging]
         self.turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -96,6 +131,7 @@ class DecodeGraphs:
         count = len(input_ids)
         batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
         host_vectors, host_table = self.staging[self.turn]
+        table_staging = self.tables[self.turn]
         self.turn = 1 - self.turn
         vectors = host_vectors.numpy()
         vectors[0, :count] = input_ids
@@ -105,12 +141,7 @@ class DecodeGraphs:
         vectors[2, count:batch] = -1
         vectors[3, :count] = [length for _, length in contexts]
         vectors[3, count:batch] = 1
-        table = host_table.numpy()
-        width = 0
-        for row, (blocks, _) in enumerate(contexts):
-            table[row, : len(blocks)] = blocks
-            width = max(width, len(blocks))
-        table[count:batch, 0] = 0  # padding rows read the null block
+        width = table_staging.fill(contexts, batch)
         self.input_ids[:batch].copy_(host_vectors[0, :batch], non_blocking=True)
         self.positions[:batch].copy_(host_vectors[1, :batch], non_blocking=True)
         self.slot_mapping[:batch].copy_(host_vectors[2, :batch], non_blocking=True)

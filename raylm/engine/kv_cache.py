@@ -217,7 +217,9 @@ class KVCacheManager:
             copy = self._pop_free()
             self.pending_copies.append((source.block_id, copy.block_id))
             source.ref_count -= 1
-            seq.block_ids[last] = copy.block_id
+            blocks = list(seq.block_ids)  # a new list: block lists are only ever appended to (Sequence.block_ids)
+            blocks[last] = copy.block_id
+            seq.block_ids = blocks
         total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
         while len(seq.block_ids) < total:
             seq.block_ids.append(self._pop_free().block_id)

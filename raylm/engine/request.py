@@ -38,6 +38,8 @@ class Sequence:
     token_ids: list[int]
     num_prompt_tokens: int
     num_computed_tokens: int = 0
+    # Only ever appended to; any other change assigns a new list (holders of a copy, like the decode graphs'
+    # block-table staging, tell that it changed by its identity and length alone).
     block_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     finish_reason: FinishReason | None = None
