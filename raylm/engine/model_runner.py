@@ -16,7 +16,7 @@ from torch import nn
 from raylm.engine.beam_search import candidates_per_beam
 from raylm.engine.messages import TokenLogprob
 from raylm.engine.request import PLACEHOLDER
-from raylm.engine.sampler import PendingSamples, Sampler, SampleResult, SamplingRow
+from raylm.engine.sampler import PendingSamples, Sampler, SampleResult, SamplingRow, to_device
 from raylm.engine.scheduler import ScheduledSequence, SchedulerOutput
 from raylm.kernels.attention import build_metadata
 from raylm.kernels.dispatch import use_triton
@@ -78,12 +78,6 @@ class LaunchedStep:
         scheduled = self.out.scheduled
         return {id(scheduled[position].seq): entries[0]
                 for position, entries in zip(self.positions, self.samples.entries) if len(entries) == 1}
-
-
-def to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """A long tensor on `device`, copied without waiting for the device's queued work."""
-    tensor = torch.tensor(values, dtype=torch.long)
-    return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
 
 
 def _sampling_row(item: ScheduledSequence) -> SamplingRow:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from raylm.sampling_params import SamplingParams
@@ -143,8 +144,13 @@ def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor if device.type == "cpu" else tensor.to(device, non_blocking=True)
 
 
-def _index(values: list[int], device: torch.device) -> torch.Tensor:
-    return _to_device(torch.tensor(values, dtype=torch.long), device)
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A long tensor of `values` on `device`, copied without waiting for the device's queued work. Built through
+    NumPy: a few times quicker than torch.tensor(list) for the index lists of a step."""
+    return _to_device(torch.from_numpy(np.array(values, dtype=np.int64)), device)
+
+
+_index = to_device
 
 
 class PendingSamples:
