@@ -8,8 +8,8 @@
 # and the multi-GPU issue's, on two H200s (nvidia-h200-x2):
 #   bash benchmarks/h200.sh x2-check       # 2-GPU tests, 8B TP=2 vs TP=1 parity, 8B latency at TP=2 (~7 min)
 #   bash benchmarks/h200.sh x2-throughput  # 8B 1000 x (1024, 1024) at TP=2 and at PP=2              (~8 min)
-#   bash benchmarks/h200.sh x2-fast        # 8B TP=2 batch 1 with the symmetric-memory all-reduce and/or
-#                                          # the Triton GEMV switched on                              (~4 min)
+#   bash benchmarks/h200.sh x2-fast        # all-reduce latency NCCL vs symmetric memory; 8B TP=2 batch 1 with
+#                                          # the symmetric all-reduce and/or the Triton GEMV on         (~5 min)
 # Results go to benchmarks/results/ under the scripts' own names, or to $OUT/results/NAME.json when OUT is set (as
 # on the device machine, whose $OUT comes back).
 set -uo pipefail
@@ -81,6 +81,7 @@ case "${1:-}" in
     latency latency-8b-b8-tp2 "$llama" 8 --tp 2
     ;;
   x2-fast)
+    timeout 90 python benchmarks/allreduce.py $(output_json allreduce-2gpu) 2>&1 | tail -8
     (export RAYLM_SYMM_MEM_ALLREDUCE=1; latency latency-8b-b1-tp2-symm "$llama" 1 --tp 2)
     (export RAYLM_TRITON_GEMV=1; latency latency-8b-b1-tp2-gemv "$llama" 1 --tp 2)
     (export RAYLM_SYMM_MEM_ALLREDUCE=1 RAYLM_TRITON_GEMV=1; latency latency-8b-b1-tp2-symm-gemv "$llama" 1 --tp 2)
