@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import graph_call_us, write_result  # noqa: E402
 
 CALLS = 64
 
@@ -28,20 +29,12 @@ def _time_graph(fn, tensor: torch.Tensor, replays: int = 20) -> float:
     """Microseconds per all-reduce, from a graph of CALLS of them."""
     for _ in range(3):
         fn(tensor)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def body() -> None:
         for _ in range(CALLS):
             fn(tensor)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / (replays * CALLS)
+
+    return graph_call_us(body, CALLS, replays)
 
 
 def _worker(rank: int, world: int, port: int, hidden: int, rows: list[int], out_path: str) -> None:
@@ -87,7 +80,6 @@ def main() -> None:
         sys.exit(f"benchmarks/allreduce.py needs {args.gpus} CUDA devices, found {torch.cuda.device_count()}")
     import tempfile
 
-    from benchmarks.common import write_result
     from raylm.actors.distributed import free_address
 
     with tempfile.TemporaryDirectory() as folder:

@@ -94,6 +94,24 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def graph_call_us(body, calls: int, replays: int = 5) -> float:
+    """Microseconds per call of `body()`, which makes `calls` calls, captured once in a CUDA graph and replayed
+    `replays` times (warm-up, such as kernel tuning, is the caller's, before this)."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1000 * start.elapsed_time(end) / (replays * calls)
+
+
 def machine() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import write_result  # noqa: E402
+from benchmarks.common import graph_call_us, write_result  # noqa: E402
 
 # name: (output features, input features, split by TP along "n" (column parallel) or "k" (row parallel))
 LLAMA_8B = {"qkv": (6144, 4096, "n"), "o": (4096, 4096, "k"), "gate_up": (28672, 4096, "n"),
@@ -31,19 +31,12 @@ def time_calls(fn, x: torch.Tensor, weights: list[torch.Tensor], replays: int = 
     """Microseconds per call of fn(x, w), replayed in a CUDA graph over all the weights in turn."""
     for w in weights[:2]:
         fn(x, w)  # tunes / compiles outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def body() -> None:
         for w in weights:
             fn(x, w)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / (replays * len(weights))
+
+    return graph_call_us(body, len(weights), replays)
 
 
 def main() -> None:
