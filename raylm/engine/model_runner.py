@@ -114,12 +114,15 @@ def plan_step(out: SchedulerOutput, block_size: int) -> StepPlan:
     requests live; records which prompt log-probabilities this step reports."""
     plan = StepPlan(block_copies=list(out.block_copies))
     input_ids, positions, slots = plan.input_ids, plan.positions, plan.slot_mapping
-    sample_rows, decode_contexts = plan.sample_rows, plan.decode_contexts
+    sample_rows, decode_contexts, feed_rows = plan.sample_rows, plan.decode_contexts, plan.feed_rows
     offset = 0
     for item in out.decodes:  # one token each: the common case, kept cheap
         seq, position = item.seq, item.start
         blocks = seq.block_ids
-        input_ids.append(seq.token_ids[position])
+        token = seq.token_ids[position]
+        if token == PLACEHOLDER:
+            feed_rows.append(offset)
+        input_ids.append(token)
         positions.append(position)
         slots.append(blocks[position // block_size] * block_size + position % block_size)
         decode_contexts.append((blocks, position + 1))
@@ -323,9 +326,8 @@ class ModelRunner:
     can_overlap = True  # launch() queues a step without waiting for the device
 
     def feed_tokens(self, out: SchedulerOutput, plan: StepPlan, previous: LaunchedStep | None) -> torch.Tensor | None:
-        """Fills plan.feed_rows with the rows whose input is a placeholder and returns their tokens: the entries
-        of `previous` (the step in flight that samples them) on the device, nothing waited for."""
-        plan.feed_rows = [row for row in range(len(out.decodes)) if plan.input_ids[row] == PLACEHOLDER]
+        """The tokens of plan.feed_rows (inputs that are placeholders): the entries of `previous` (the step in
+        flight that samples them) on the device, nothing waited for."""
         if not plan.feed_rows:
             return None
         if previous is None or previous.samples is None:

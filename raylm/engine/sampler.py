@@ -35,7 +35,7 @@ class _RowKinds:
     (the rows of a batch usually share a few: every request of one generate() call shares one)."""
 
     __slots__ = ("greedy", "greedy_single", "groups", "processes", "plain", "reports_ranks", "num_top",
-                 "has_beams")
+                 "has_beams", "identity")
 
     def __init__(self, rows: list[SamplingRow]):
         self.greedy: list[int] = []  # greedy rows, in order
@@ -73,6 +73,7 @@ class _RowKinds:
                     self.greedy_single = False
             else:
                 self.groups.setdefault(key, []).append(i)
+        self.identity = self.greedy_single and len(self.greedy) == len(rows)  # entry i of the draws is row i's
 
 
 class SampleResult:
@@ -149,8 +150,6 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     NumPy: a few times quicker than torch.tensor(list) for the index lists of a step."""
     return _to_device(torch.from_numpy(np.array(values, dtype=np.int64)), device)
 
-
-_index = to_device
 
 
 class PendingSamples:
@@ -231,7 +230,7 @@ class Sampler:
         owners: list[int] = []  # the row of each entry of the concatenation
         greedy = kinds.greedy
         if greedy:
-            greedy_logits = processed if len(greedy) == len(rows) else processed[_index(greedy, device)]
+            greedy_logits = processed if len(greedy) == len(rows) else processed[to_device(greedy, device)]
             argmax = greedy_logits.argmax(dim=-1)
             if kinds.greedy_single:
                 parts.append(argmax)
@@ -243,7 +242,7 @@ class Sampler:
                     owners.extend([i] * rows[i].num_samples)
         for (temperature, top_k, top_p, min_p), indices in kinds.groups.items():
             # Rows with the same sampling settings are filtered together.
-            selected = processed if len(indices) == len(rows) else processed[_index(indices, device)]
+            selected = processed if len(indices) == len(rows) else processed[to_device(indices, device)]
             probs = filter_logits(selected / temperature, top_k, top_p, min_p).softmax(dim=-1)
             shared = []
             for position, i in enumerate(indices):
@@ -254,12 +253,11 @@ class Sampler:
                 else:
                     shared.append(position)
             if shared:
-                chosen = probs if len(shared) == len(indices) else probs[_index(shared, device)]
+                chosen = probs if len(shared) == len(indices) else probs[to_device(shared, device)]
                 noise = torch.empty_like(chosen).exponential_(generator=self._generator_on(device))
                 parts.append((chosen / noise).argmax(dim=-1))
                 owners.extend(indices[position] for position in shared)
-        identity = len(greedy) == len(rows) and kinds.greedy_single  # entry i is row i's single draw
-        if identity:
+        if kinds.identity:
             entries = [[i] for i in range(len(rows))]
         else:
             entries = [[] for _ in rows]
@@ -269,22 +267,22 @@ class Sampler:
             tokens = torch.empty(0, dtype=torch.long, device=device)
         else:
             tokens = parts[0] if len(parts) == 1 else torch.cat(parts)
-        report = self._report(logits, processed, rows, owners, tokens, kinds, identity)
+        report = self._report(logits, processed, rows, owners, tokens, kinds)
         return PendingSamples(rows, entries, tokens, report, kinds.plain)
 
     @staticmethod
     def _report(logits: torch.Tensor, processed: torch.Tensor, rows: list[SamplingRow], owners: list[int],
-                tokens: torch.Tensor, kinds: _RowKinds, identity: bool) -> dict[str, torch.Tensor]:
+                tokens: torch.Tensor, kinds: _RowKinds) -> dict[str, torch.Tensor]:
         """Device tensors of what the results report. Log-probabilities are those of the raw distribution:
         logit - logsumexp, without materialising log_softmax."""
         report: dict[str, torch.Tensor] = {}
         device = logits.device
         if owners:
             log_normalizer = torch.logsumexp(logits, dim=-1)
-            if identity or owners == list(range(len(rows))):
+            if kinds.identity or owners == list(range(len(rows))):
                 row_logits, row_normalizer = logits, log_normalizer
             else:
-                owner_index = _index(owners, device)
+                owner_index = to_device(owners, device)
                 row_logits, row_normalizer = logits[owner_index], log_normalizer[owner_index]
             chosen_logits = row_logits.gather(1, tokens[:, None]).squeeze(1)
             report["chosen"] = chosen_logits - row_normalizer
@@ -316,5 +314,5 @@ class Sampler:
             if params.has_penalties:
                 apply_penalties(processed[i], params, row.prompt_token_ids, row.output_token_ids)
             if masks_stops and params.all_stop_token_ids:
-                processed[i, _index(sorted(params.all_stop_token_ids), logits.device)] = float("-inf")
+                processed[i, to_device(sorted(params.all_stop_token_ids), logits.device)] = float("-inf")
         return logits if processed is None else processed
