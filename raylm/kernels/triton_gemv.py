@@ -59,7 +59,8 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, s
 
 
 _gemv_tuned = triton.autotune(configs=_configs(), key=["N", "K"])(_gemv_kernel)
-# The interpreter (CPU tests) has no device to time configurations on: it runs one.
+# The interpreter (CPU tests; read at import, as Triton does) has no device to time configurations on: it runs one.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _INTERPRETED_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 128}
 
 
@@ -84,7 +85,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if M:
         args = (rows, weight, bias if bias is not None else weight, out, M, N, K, rows.stride(0), weight.stride(0),
                 out.stride(0))
-        if os.environ.get("TRITON_INTERPRET") == "1":
+        if _INTERPRETED:
             grid = (triton.cdiv(N, _INTERPRETED_CONFIG["BLOCK_N"]),)
             _gemv_kernel[grid](*args, HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M, **_INTERPRETED_CONFIG)
         else:
