@@ -181,6 +181,12 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ allocation
 
+    def fits_in_partial_block(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether num_new_tokens more tokens fit in seq's own (unshared) partial last block: nothing to allocate."""
+        computed, size, blocks = seq.num_computed_tokens, self.block_size, seq.block_ids
+        return (computed % size != 0 and computed + num_new_tokens <= len(blocks) * size
+                and self.blocks[blocks[computed // size]].ref_count == 1)
+
     def allocate(self, request: Request, seq: Sequence, num_new_tokens: int,
                  prefix_hits: list[Block] | None = None) -> bool:
         """Gives seq the blocks for num_new_tokens more tokens (after any prefix hits); False if they don't fit.
@@ -188,11 +194,8 @@ class KVCacheManager:
         On success with prefix hits, the hit blocks start seq's table and seq.num_computed_tokens moves
         past them. Nothing changes on failure.
         """
-        if not prefix_hits:  # the common decode case: the new tokens fit in the sequence's own partial block
-            computed, size, blocks = seq.num_computed_tokens, self.block_size, seq.block_ids
-            if (computed % size and computed + num_new_tokens <= len(blocks) * size
-                    and self.blocks[blocks[computed // size]].ref_count == 1):
-                return True
+        if not prefix_hits and self.fits_in_partial_block(seq, num_new_tokens):  # the common decode case
+            return True
         hits = prefix_hits or []
         evictable_hits = sum(1 for block in hits if block.ref_count == 0)
         if hits:

@@ -156,7 +156,7 @@ class Scheduler:
         seq_budget = self.max_batch_size
 
         index = 0
-        running, decodes, block_size, blocks = self.running, out.decodes, self.kv_cache.block_size, self.kv_cache.blocks
+        running, decodes, fits_in_partial_block = self.running, out.decodes, self.kv_cache.fits_in_partial_block
         while index < len(running) and token_budget > 0:
             request = running[index]
             if len(request.sequences) == 1 and seq_budget > 0:
@@ -165,9 +165,7 @@ class Scheduler:
                 seq = request.sequences[0]
                 computed = seq.num_computed_tokens
                 length = len(seq.token_ids)
-                if (length - computed == 1 and seq.finish_reason is None and computed % block_size
-                        and computed < len(seq.block_ids) * block_size
-                        and blocks[seq.block_ids[computed // block_size]].ref_count == 1):
+                if length - computed == 1 and seq.finish_reason is None and fits_in_partial_block(seq, 1):
                     if length - seq.num_prompt_tokens < request.sampling_params.max_tokens:
                         decodes.append(ScheduledSequence(request, seq, computed, 1, True))
                         token_budget -= 1
