@@ -46,7 +46,9 @@ class CudaGraphConfig(StrictModel):
     """CUDA graphs for decode steps (GPU only)."""
 
     batch_sizes: list[int] | None = Field(default=None, description="Batch sizes to capture (default: a ladder).")
-    max_batch_size: int = Field(default=256, ge=1, description="Largest batch captured when batch_sizes is unset.")
+    max_batch_size: int | None = Field(
+        default=None, ge=1,
+        description="Largest batch captured when batch_sizes is unset (default: the engine's max_batch_size).")
 
     @field_validator("batch_sizes")
     @classmethod

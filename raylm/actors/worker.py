@@ -113,12 +113,13 @@ class Worker:
         seconds = time.perf_counter() - begin
         self.timings["py_executor"]["final_kv_cache_creation_seconds"] = seconds
         self.timings["py_executor"]["kv_cache_capacity_configuration_seconds"] = seconds
+        self.runner.warm_up_decode(self.spec.max_seq_len)
         graph_config = self.spec.args.cuda_graph_config
         if graph_config is not None and self.device.type == "cuda":
             from raylm.engine.cuda_graphs import default_batch_sizes
 
             begin = time.perf_counter()
-            limit = min(graph_config.max_batch_size, self.spec.args.max_batch_size)
+            limit = min(graph_config.max_batch_size or self.spec.args.max_batch_size, self.spec.args.max_batch_size)
             sizes = graph_config.batch_sizes or default_batch_sizes(limit)
             self.runner.capture_graphs(sizes, self.spec.max_seq_len, self.ctx.pp_size)
             self.timings.setdefault("final_model_engine", {})["gen_cuda_graph_capture_seconds"] = (

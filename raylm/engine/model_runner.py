@@ -231,6 +231,26 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return max(0, peak)
 
+    @torch.inference_mode()
+    def warm_up_decode(self, max_seq_len: int) -> None:
+        """Runs eager decode steps that take each kernel variant a running engine can meet (single-pass and
+        split-K attention), so that a later step never stops to compile; every read is of the null block
+        and nothing is written (slot -1)."""
+        if self.build_metadata is build_metadata:  # the torch path compiles nothing
+            return
+        for width in (1, -(-max_seq_len // self.block_size)):
+            plan = StepPlan(input_ids=[0], positions=[0], slot_mapping=[-1], decode_contexts=[([0] * width, 1)],
+                            sample_rows=[0])
+            intermediate = None
+            if self.model.embed_tokens is None:  # a later pipeline stage: activations arrive from the one before
+                hidden = torch.zeros(1, self.arch.hidden_size, dtype=self.dtype, device=self.device)
+                intermediate = (hidden, hidden.clone())
+            result = self.forward(plan, intermediate)
+            if self.model.lm_head is not None:
+                self.compute_outputs(plan, result)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def capture_graphs(self, batch_sizes: list[int], max_seq_len: int, pp_size: int) -> None:
         """Captures decode CUDA graphs (when the device, the kernels and the model allow them)."""
         from raylm.engine.cuda_graphs import DecodeGraphs, graph_ladder_fits

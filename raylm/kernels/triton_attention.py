@@ -135,7 +135,10 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 # ------------------------------------------------------------------------------------------ decode
 
 
-@triton.jit
+# Arguments that change from step to step (batch composition, the widest block table) are not specialized on
+# (Triton would otherwise compile a variant per value class: 1, a multiple of 16, other), so a new batch shape
+# never stops a running engine to compile.
+@triton.jit(do_not_specialize=["num_splits", "stride_table"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
@@ -187,7 +190,7 @@ def _decode_split_kernel(
                  mask=head_mask[:, None] & dim_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num_q_heads, num_splits, head_dim,
                           stride_ob, stride_oh, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """Merges the splits of one (sequence, query head) by their log-sum-exp weights."""
@@ -326,10 +329,10 @@ def paged_decode_attention(
         BLOCK_N=config.block_n, PAGE_SIZE=page_size, DIRECT_OUTPUT=direct, DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if not direct:
+    if not direct:  # one BLOCK_S for every split count up to _MAX_SPLITS: one compiled variant
         _decode_reduce_kernel[(batch, num_q_heads)](
             out, part_acc, part_max, part_sum, num_q_heads, num_splits, head_dim, out.stride(0), out.stride(1),
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+            BLOCK_S=triton.next_power_of_2(max(num_splits, _MAX_SPLITS)), BLOCK_D=block_d, num_warps=4,
         )
     return out
 
@@ -352,7 +355,7 @@ def _prefill_tile(q, k_cache_ptr, v_cache_ptr, table_row, tile_start, key_end, q
     return _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, MASKED, DOT_PRECISION)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_table"])  # see _decode_split_kernel
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_starts_ptr,
     context_lens_ptr, qk_scale, window, num_seqs, head_dim,

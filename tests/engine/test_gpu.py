@@ -101,3 +101,31 @@ def test_kv_capacity_comes_from_free_memory(tiny_model_dirs):
         capacity = llm.get_kv_cache_capacity()
     free, _ = torch.cuda.mem_get_info()
     assert capacity["maxNumBlocks"] > 1000
+
+
+def test_no_kernel_compiles_once_started(tiny_model_dirs):
+    """Start-up (the profiling forward, graph capture) compiles every Triton kernel variant the engine needs:
+    batches of new sizes, block tables of new widths and decodes past the graph ladder compile nothing."""
+    triton = pytest.importorskip("triton")
+    compiled = []
+    path = tiny_model_dirs["llama"]
+    with _llm(path, dtype="bfloat16", max_batch_size=32, cuda_graph_config={"batch_sizes": [1, 2, 4]}) as llm:
+        previous = triton.knobs.runtime.jit_post_compile_hook
+        triton.knobs.runtime.jit_post_compile_hook = lambda *args, **kwargs: compiled.append(kwargs.get("fn"))
+        try:
+            for batch, length in [(1, 5), (3, 16), (16, 33), (17, 256), (32, 300)]:
+                prompts = [TokensPrompt(prompt_token_ids=[(7 * i + j) % 500 + 1 for j in range(length)])
+                           for i in range(batch)]
+                llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        finally:
+            triton.knobs.runtime.jit_post_compile_hook = previous
+    assert [getattr(fn, "name", fn) for fn in compiled] == []
+
+
+def test_graphs_reach_the_engine_max_batch_size_by_default(tiny_model_dirs):
+    with _llm(tiny_model_dirs["llama"], dtype="bfloat16", max_batch_size=320) as llm:
+        graphs = llm._executor.worker.runner.graphs
+        assert graphs.max_batch == 320 and 256 in graphs.batch_sizes
+    with _llm(tiny_model_dirs["llama"], dtype="bfloat16", max_batch_size=320,
+              cuda_graph_config={"max_batch_size": 64}) as llm:
+        assert llm._executor.worker.runner.graphs.max_batch == 64

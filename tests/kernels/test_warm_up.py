@@ -1,0 +1,45 @@
+"""The model runner's decode warm-up: it takes the Triton attention through its single-pass and split-K
+variants without touching the KV cache, so that a running engine never stops to compile a kernel."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.kernels import MODULE_MARKS, kernel_device
+
+DEVICE = kernel_device()
+pytestmark = MODULE_MARKS
+
+from raylm.engine import model_runner  # noqa: E402
+from raylm.kernels import triton_attention  # noqa: E402
+from raylm.kernels.triton_backend import build_triton_metadata  # noqa: E402
+from raylm.models.loader import load_hf_config, load_model  # noqa: E402
+from raylm.models.source import resolve_model  # noqa: E402
+
+
+def test_decode_warm_up_runs_both_attention_variants_and_writes_nothing(tiny_model_dirs, monkeypatch):
+    source = resolve_model(str(tiny_model_dirs["llama"]))
+    loaded = load_model(source, load_hf_config(source), torch.float32, DEVICE, max_positions=512)
+    runner = model_runner.ModelRunner(loaded.model, loaded.arch, DEVICE, torch.float32, block_size=16)
+    runner.build_metadata = build_triton_metadata  # the CPU picks the torch path; the interpreter runs this one
+    runner.allocate_kv_cache(4, torch.float32)
+    for k_cache, v_cache in runner.kv_caches:
+        k_cache[1:].fill_(0.5)
+        v_cache[1:].fill_(-0.5)
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+
+    splits = []
+    decode = triton_attention.paged_decode_attention
+
+    def counting(*args, **kwargs):
+        block_tables = args[3]
+        splits.append(triton_attention.choose_num_splits(block_tables.shape[0], args[1].shape[2],
+                                                         block_tables.shape[1] * args[1].shape[1], DEVICE))
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(triton_attention, "paged_decode_attention", counting)
+    runner.warm_up_decode(max_seq_len=512)
+
+    assert splits and min(splits) == 1 and max(splits) > 1  # the single-pass and the split-K kernel
+    for (k, v), (k_before, v_before) in zip(runner.kv_caches, before):
+        assert torch.equal(k, k_before) and torch.equal(v, v_before)
