@@ -48,9 +48,9 @@ class PhaseTimer:
 def decode_gpu_ms(runner, batch: int, context: int, iters: int = 50) -> float | None:
     """GPU time of one graphed decode forward of `batch` sequences at `context` tokens."""
     graphs = runner.graphs
-    if graphs is None or not runner.device.type == "cuda":
-        return None
     blocks_per_seq = -(-context // runner.block_size)
+    if graphs is None or runner.device.type != "cuda" or not graphs.fits(batch, blocks_per_seq):
+        return None
     contexts = [(list(range(1, blocks_per_seq + 1)), context)] * batch
     args = ([1] * batch, [context - 1] * batch, [-1] * batch, contexts)
     graphs.run(*args)
@@ -70,6 +70,8 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=1)
     parser.add_argument("--input_len", type=int, default=32)
     parser.add_argument("--output_len", type=int, default=128)
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="also print the N GPU kernels with the most time over the profiled generate call")
     args = parser.parse_args()
     if args.tp * args.pp > 1:
         parser.error("the step profile reads one in-process engine: --tp and --pp must be 1")
@@ -102,12 +104,14 @@ def main() -> None:
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
-    gpu_busy = None
+    gpu_busy, top_kernels = None, []
     if profiler is not None:
         torch.cuda.synchronize()
         profiler.__exit__(None, None, None)
-        kernel_us = sum(e.self_device_time_total for e in profiler.key_averages())
+        averages = profiler.key_averages()
+        kernel_us = sum(e.self_device_time_total for e in averages)
         gpu_busy = kernel_us / 1e6 / wall
+        top_kernels = sorted(averages, key=lambda e: e.self_device_time_total, reverse=True)[:args.kernels]
     steps = len(timer.totals["step (all)"])
     phases = timer.summary(steps)
     result = {
@@ -115,6 +119,8 @@ def main() -> None:
         "gpu_busy_fraction": gpu_busy,
         "decode_forward_gpu_ms": decode_gpu_ms(runner, args.batch_size, args.input_len + args.output_len // 2),
         "engine_step_median_ms": 1000 * statistics.median(timer.totals["step (all)"]),
+        "top_kernels": [{"name": e.key, "calls": e.count, "ms_per_step": e.self_device_time_total / 1000 / steps}
+                        for e in top_kernels],
     }
     llm.shutdown()
     name = f"step-profile-{Path(args.model or 'smollm2').name}-b{args.batch_size}-{llm.info.device}"
@@ -124,6 +130,8 @@ def main() -> None:
           f"{result['decode_forward_gpu_ms']} ms")
     for phase, ms in phases.items():
         print(f"  {phase:<28}{ms:8.3f} ms/step")
+    for kernel in result["top_kernels"]:
+        print(f"  GPU {kernel['ms_per_step']:8.3f} ms/step {kernel['calls']:7d} calls  {kernel['name'][:90]}")
     print(f"wrote {path}")
 
 

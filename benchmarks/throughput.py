@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,17 +27,20 @@ from benchmarks.common import (  # noqa: E402
 )
 
 
-def run_raylm(llm, prompts, output_len: int) -> float:
+def run_raylm(llm, prompts, output_len: int, num_iters: int) -> list[float]:
+    """Seconds of each of num_iters runs of the whole workload on one engine."""
     from raylm import SamplingParams, TokensPrompt
 
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:2]], SamplingParams(max_tokens=4),
                  use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
-    return elapsed
+    runs = []
+    for _ in range(num_iters):
+        start = time.perf_counter()
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        runs.append(time.perf_counter() - start)
+        assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
+    return runs
 
 
 def run_hf(model, prompts, output_len: int, device: str) -> float:
@@ -67,17 +71,23 @@ def main() -> None:
     parser.add_argument("--num_prompts", type=int, default=64)
     parser.add_argument("--input_len", type=int, default=128)
     parser.add_argument("--output_len", type=int, default=128)
+    parser.add_argument("--num_iters", type=int, default=1,
+                        help="runs of the workload on one engine; the median is reported (the HF peer runs once)")
     args = parser.parse_args()
+    if args.num_iters < 1:
+        parser.error(f"--num_iters must be >= 1, got {args.num_iters}")
 
     begin = time.perf_counter()
     llm = build_llm(args, max_seq_len=args.input_len + args.output_len + 16)
     print(f"engine started in {time.perf_counter() - begin:.1f} s", flush=True)
     prompts = random_prompts(args.num_prompts, args.input_len, llm.info.vocab_size, args.seed)
-    elapsed = run_raylm(llm, prompts, args.output_len)
+    runs = run_raylm(llm, prompts, args.output_len, args.num_iters)
+    elapsed = statistics.median(runs)
     output_tokens = args.num_prompts * args.output_len
     total_tokens = args.num_prompts * (args.input_len + args.output_len)
     result = {"raylm": {"elapsed_s": elapsed, "output_tokens_per_s": output_tokens / elapsed,
-                        "total_tokens_per_s": total_tokens / elapsed, "requests_per_s": args.num_prompts / elapsed}}
+                        "total_tokens_per_s": total_tokens / elapsed, "requests_per_s": args.num_prompts / elapsed,
+                        "runs_s": runs}}
     rows = [("raylm", elapsed)]
     info = llm.info
     llm.shutdown()  # the peer gets the device's memory to itself
@@ -100,6 +110,8 @@ def main() -> None:
     for label, seconds in rows:
         print(f"{label:<18}{seconds:>12.2f}{output_tokens / seconds:>14.1f}{total_tokens / seconds:>13.1f}"
               f"{args.num_prompts / seconds:>9.2f}")
+    if len(runs) > 1:
+        print(f"raylm runs (s): {', '.join(f'{r:.2f}' for r in runs)} (median above)")
     if "speedup_vs_hf" in result:
         print(f"raylm / hf speed ratio: {result['speedup_vs_hf']:.2f}x")
     print(f"wrote {path}")
