@@ -15,7 +15,7 @@ from typing import Any
 
 from raylm.actors.distributed import RankLayout
 from raylm.actors.executor import Executor
-from raylm.actors.ray_worker import CONCURRENCY_GROUPS, RayWorker
+from raylm.actors.ray_worker import ALL_GPUS_VISIBLE, CONCURRENCY_GROUPS, RayWorker
 from raylm.actors.worker import WorkerSpec
 from raylm.engine.messages import EngineRequest, StepOutput
 from raylm.placement import resolve_placement
@@ -74,6 +74,8 @@ class RayExecutor(Executor):
         self._pending: deque[StepOutput] = deque()
         self._dead: str | None = None
         settings = {name: value for name, value in os.environ.items() if name.startswith("RAYLM_")}
+        if use_gpu and layout.tp > 1 and settings.get("RAYLM_SYMM_MEM_ALLREDUCE", "0") not in ("", "0"):
+            settings[ALL_GPUS_VISIBLE] = "1"  # the symmetric-memory all-reduce needs distinct device indices
         try:
             for rank, (group, bundle) in enumerate(self.placement.bundles):
                 strategy = PlacementGroupSchedulingStrategy(placement_group=group,

@@ -8,6 +8,7 @@ every iteration's output gathered since the last one. The other ranks run the wo
 from __future__ import annotations
 
 import importlib
+import os
 import queue
 import traceback
 from typing import Any
@@ -22,6 +23,32 @@ from raylm.engine.messages import EngineRequest, StepOutput
 
 # Concurrency groups of the actor: ordered control messages, the output long poll, the blocking loops.
 CONCURRENCY_GROUPS = {"control": 1, "outputs": 1, "loop": 1}
+# Set in a worker's runtime_env when its ranks must see every GPU of the node (each at a distinct index, as the
+# symmetric-memory all-reduce requires); Ray then leaves CUDA_VISIBLE_DEVICES as the node has it.
+ALL_GPUS_VISIBLE = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def cuda_index(gpu_id: str, visible: str | None) -> int:
+    """The CUDA device index of the node GPU that Ray calls gpu_id, in a process whose CUDA_VISIBLE_DEVICES is
+    `visible` (None: every GPU, in the node's order)."""
+    if not visible:
+        return int(gpu_id)
+    order = [entry.strip() for entry in visible.split(",")]
+    if gpu_id not in order:
+        raise RuntimeError(f"GPU {gpu_id} assigned by Ray is not in CUDA_VISIBLE_DEVICES={visible!r}")
+    return order.index(gpu_id)
+
+
+def use_own_gpu() -> None:
+    """Where every GPU of the node is visible, makes the one Ray assigned to this actor the current device
+    (elsewhere Ray shows the actor its own GPU alone, as device 0)."""
+    if os.environ.get(ALL_GPUS_VISIBLE) != "1":
+        return
+    import ray
+
+    gpu_ids = ray.get_gpu_ids()
+    if gpu_ids:
+        torch.cuda.set_device(cuda_index(str(gpu_ids[0]), os.environ.get("CUDA_VISIBLE_DEVICES")))
 
 
 def resolve_extension(extension: type | str | None) -> type | None:
@@ -36,6 +63,8 @@ def resolve_extension(extension: type | str | None) -> type | None:
 
 class RayWorker:
     def __init__(self, spec: WorkerSpec, rank: int, layout: RankLayout, extension: type | str | None = None):
+        if spec.device == "cuda":
+            use_own_gpu()
         self.spec = spec
         self.rank = rank
         self.layout = layout

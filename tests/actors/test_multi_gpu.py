@@ -89,11 +89,17 @@ def test_symmetric_memory_all_reduce_gives_the_same_tokens(ray_cluster, tiny_mod
     with LLM(str(path), device="cuda", dtype="float32", skip_tokenizer_init=True, kv_cache_config=KV,
              max_seq_len=1024, tensor_parallel_size=2, worker_extension_cls=AllReduceProbe) as llm:
         assert llm.collective_rpc("fast_all_reduce") == [True, True]
+        # Every GPU of the node is visible to these workers; each still computes on its own.
+        assert sorted(llm.collective_rpc("report_device_id")) == sorted(_gpu_uuids()[:2])
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
                                SamplingParams(max_tokens=NEW_TOKENS), use_tqdm=False)
     if "llama" not in _one_gpu:
         _one_gpu["llama"] = _greedy(path)
     assert [o.outputs[0].token_ids for o in outputs] == _one_gpu["llama"]
+
+
+def _gpu_uuids() -> list[str]:
+    return [str(torch.cuda.get_device_properties(index).uuid) for index in range(torch.cuda.device_count())]
 
 
 class MemoryHolder:
