@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU issue's workloads on one H200, split so that each part fits one 10-minute device command:
 #   bash benchmarks/h200.sh check        # GPU tests, the latency workloads, step profiles        (~4 min)
-#   bash benchmarks/h200.sh throughput   # 8B 1000 x (1024, 1024) and 8B 256 x (512, 128) vs HF   (~6 min)
-#   bash benchmarks/h200.sh smollm2      # SmolLM2 1024 x (256, 256) vs HF                        (~4 min)
+#   bash benchmarks/h200.sh throughput   # 8B 1000 x (1024, 1024), median of 3 runs                (~7 min)
+#   bash benchmarks/h200.sh peers        # 8B 256 x (512, 128) and SmolLM2 1024 x (256, 256), median of 3,
+#                                        # each with the HF peer in the same run                    (~5 min)
 #   bash benchmarks/h200.sh gemv         # the decode GEMV against cuBLAS, then 8B batch 1 with it on  (~2 min)
 #   bash benchmarks/h200.sh sweep        # throughput against batch size, SmolLM2 (with HF) and 8B   (~4 min)
 # and the multi-GPU issue's, on two H200s (nvidia-h200-x2):
@@ -46,15 +47,15 @@ case "${1:-}" in
     for spec in "$smol 1" "$llama 1" "$llama 8"; do
       set -- $spec
       timeout 100 python benchmarks/step_profile.py --model "$1" "${dummy[@]}" --max_batch_size "$2" --batch_size "$2" \
-        $(output_json "step-$(basename "$1")-b$2") 2>&1 | tail -9
+        --kernels 8 $(output_json "step-$(basename "$1")-b$2") 2>&1 | tail -18
     done
     ;;
   throughput)
-    throughput throughput-8b-n1000 "$llama" 1000 1024 1024 256 240
-    throughput throughput-8b-n256 "$llama" 256 512 128 256 200 --peer hf
+    throughput throughput-8b-n1000 "$llama" 1000 1024 1024 256 500 --num_iters 3
     ;;
-  smollm2)
-    throughput throughput-smollm2-n1024 "$smol" 1024 256 256 512 400 --peer hf
+  peers)
+    throughput throughput-8b-n256 "$llama" 256 512 128 256 200 --num_iters 3 --peer hf
+    throughput throughput-smollm2-n1024 "$smol" 1024 256 256 512 330 --num_iters 3 --peer hf
     ;;
   gemv)
     timeout 150 python -m pytest tests/kernels/test_triton_gemv.py -q -p no:cacheprovider 2>&1 | tail -2
@@ -92,7 +93,7 @@ case "${1:-}" in
     throughput throughput-8b-n1000-pp2 "$llama" 1000 1024 1024 256 300 --pp 2
     ;;
   *)
-    echo "usage: bash benchmarks/h200.sh check|throughput|smollm2|gemv|sweep|x2-check|x2-throughput|x2-fast" >&2
+    echo "usage: bash benchmarks/h200.sh check|throughput|peers|gemv|sweep|x2-check|x2-throughput|x2-fast" >&2
     exit 2
     ;;
 esac
