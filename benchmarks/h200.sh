@@ -4,7 +4,8 @@
 #   bash benchmarks/h200.sh throughput   # 8B 1000 x (1024, 1024), median of 3 runs                (~7 min)
 #   bash benchmarks/h200.sh peers        # 8B 256 x (512, 128) and SmolLM2 1024 x (256, 256), median of 3,
 #                                        # each with the HF peer in the same run                    (~5 min)
-#   bash benchmarks/h200.sh gemv         # the decode GEMV against cuBLAS, then 8B batch 1 with it on  (~2 min)
+#   bash benchmarks/h200.sh gemv         # the decode GEMV against cuBLAS, then 8B batch 1 with it (and its
+#                                        # fused RMSNorm / SiLU-mul) on: latency and step profile   (~3 min)
 #   bash benchmarks/h200.sh sweep        # throughput against batch size, SmolLM2 (with HF) and 8B   (~4 min)
 # and the multi-GPU issue's, on two H200s (nvidia-h200-x2):
 #   bash benchmarks/h200.sh x2-check       # 2-GPU tests, 8B TP=2 vs TP=1 parity, 8B latency at TP=2 (~7 min)
@@ -60,7 +61,9 @@ case "${1:-}" in
   gemv)
     timeout 150 python -m pytest tests/kernels/test_triton_gemv.py -q -p no:cacheprovider 2>&1 | tail -2
     timeout 150 python benchmarks/gemv.py $(output_json gemv-llama-3.1-8b) 2>&1 | tail -25
-    (export RAYLM_TRITON_GEMV=1; latency latency-8b-b1-gemv "$llama" 1)
+    (export RAYLM_TRITON_GEMV=1; latency latency-8b-b1-gemv "$llama" 1
+     timeout 100 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
+       --kernels 12 $(output_json step-llama-3.1-8b-b1-gemv) 2>&1 | tail -22)
     ;;
   sweep)
     for spec in "$smol smollm2-135m --peer hf" "$llama llama-3.1-8b"; do

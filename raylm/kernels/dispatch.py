@@ -35,10 +35,16 @@ def triton_gemv_enabled() -> bool:
     return os.environ.get("RAYLM_TRITON_GEMV", "0") not in ("", "0") and triton_available()
 
 
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x (at most GEMV_MAX_ROWS rows of half-precision input on CUDA) goes to the Triton GEMV, fused
+    prologues included, when RAYLM_TRITON_GEMV=1."""
+    return (x.is_cuda and weight.dtype in _HALF and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]
+            and x.dtype == weight.dtype and triton_gemv_enabled())
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, or the Triton GEMV (kernels/triton_gemv.py) for a few rows of half-precision input on CUDA."""
-    if (x.is_cuda and weight.dtype in _HALF and x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and x.dtype == weight.dtype
-            and triton_gemv_enabled()):
+    if gemv_applies(x, weight):
         from raylm.kernels.triton_gemv import gemv
 
         return gemv(x, weight, bias)

@@ -179,8 +179,11 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, start, param.shape[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight)
-        out = self.ctx.all_reduce(out)
+        return self.finish(linear(x, self.weight))
+
+    def finish(self, partial: torch.Tensor) -> torch.Tensor:
+        """The layer's output from this rank's partial product x_shard W_shard^T: summed over ranks, plus bias."""
+        out = self.ctx.all_reduce(partial)
         if self.bias is not None:
             out = out + self.bias
         return out

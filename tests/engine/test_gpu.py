@@ -52,10 +52,20 @@ def test_fp32_greedy_tokens_equal_hf_on_gpu(tiny_model_dirs, arch, graphs):
             assert abs(ours - reference[position - 1, prompt[position]]) < 1e-3
 
 
-def test_bf16_logprobs_within_the_stated_tolerance(tiny_model_dirs):
+@pytest.mark.parametrize("gemv", [False, True], ids=["cublas", "triton-gemv"])
+def test_bf16_logprobs_within_the_stated_tolerance(tiny_model_dirs, gemv, monkeypatch):
+    """Also with RAYLM_TRITON_GEMV=1: decode linear layers through the Triton GEMV, RMSNorm and SiLU-mul fused in."""
+    from raylm.kernels import dispatch
+
+    monkeypatch.setenv("RAYLM_TRITON_GEMV", "1" if gemv else "0")
+    dispatch.triton_gemv_enabled.cache_clear()
     path = tiny_model_dirs["llama"]
-    with _llm(path, dtype="bfloat16") as llm:
-        outputs = _run(llm, SamplingParams(max_tokens=8, logprobs=0))
+    try:
+        with _llm(path, dtype="bfloat16") as llm:
+            outputs = _run(llm, SamplingParams(max_tokens=8, logprobs=0))
+    finally:
+        monkeypatch.undo()
+        dispatch.triton_gemv_enabled.cache_clear()
     hf = _hf_cuda(path)
     for prompt, output in zip(PROMPTS, outputs):
         completion = output.outputs[0]

@@ -1,0 +1,48 @@
+"""Decoder layers on the fused decode path (RAYLM_TRITON_GEMV=1: RMSNorm and SiLU-mul folded into the GEMVs
+that follow them) against the same layers unfused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels import MODULE_MARKS, kernel_device
+
+DEVICE = kernel_device()
+pytestmark = MODULE_MARKS
+
+from raylm.engine.model_runner import ModelRunner, StepPlan  # noqa: E402
+from raylm.models import llama  # noqa: E402
+from raylm.models.loader import load_hf_config, load_model  # noqa: E402
+from raylm.models.source import resolve_model  # noqa: E402
+
+
+def _decode_hidden(runner: ModelRunner, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Final hidden states of one decode step of two sequences over a cache holding random keys and values."""
+    runner.kv_caches = [(k.clone(), v.clone()) for k, v in cache]
+    plan = StepPlan(input_ids=[5, 9], positions=[19, 4], slot_mapping=[2 * 16 + 3, 3 * 16 + 4],
+                    decode_contexts=[([1, 2], 20), ([3], 5)], sample_rows=[0, 1])
+    return runner.forward(plan).float()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a bias on the qkv projection
+def test_fused_decode_layers_match_unfused(tiny_model_dirs, arch, monkeypatch):
+    source = resolve_model(str(tiny_model_dirs[arch]))
+    loaded = load_model(source, load_hf_config(source), torch.float16, DEVICE, max_positions=512)
+    for layer in loaded.model.local_layers:  # norms that are not all ones, so that their weights count
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.data.uniform_(0.5, 1.5)
+    runner = ModelRunner(loaded.model, loaded.arch, DEVICE, torch.float16, block_size=16)
+    runner.allocate_kv_cache(4, torch.float16)
+    generator = torch.Generator().manual_seed(0)
+    cache = [(torch.randn(k.shape, generator=generator).to(DEVICE, k.dtype),
+              torch.randn(v.shape, generator=generator).to(DEVICE, v.dtype)) for k, v in runner.kv_caches]
+
+    unfused = _decode_hidden(runner, cache)
+    calls = []
+    monkeypatch.setattr(llama, "gemv_applies", lambda x, weight: calls.append(x.shape) or True)
+    fused = _decode_hidden(runner, cache)
+
+    assert len(calls) == 3 * loaded.arch.num_layers  # qkv, gate_up and down of every layer
+    assert torch.isfinite(fused).all()
+    torch.testing.assert_close(fused, unfused, atol=3e-2, rtol=3e-2)
