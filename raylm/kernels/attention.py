@@ -14,6 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from raylm.kernels.rotary import apply_rotary
+
 
 @dataclass
 class PrefillChunk:
@@ -33,7 +35,11 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_context] bool
     prefills: list[PrefillChunk] = field(default_factory=list)
 
-    def attend(self, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
+    def attend(self, q, k, v, k_cache, v_cache, scale: float,
+               rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Attention of q over the cache after storing k and v; with rope = (cos, sin), q and k rotated first."""
+        if rope is not None:
+            q, k = apply_rotary(q, k, rope)
         return paged_attention(q, k, v, k_cache, v_cache, self, scale)
 
 

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from raylm.kernels.triton_ops import cos_sin_halves, rotated_heads
+
 _LOG2_E = 1.4426950408889634
 # Stands for "no sliding window": larger than any context, small enough that position - window fits int32.
 _NO_WINDOW = 1 << 30
@@ -130,6 +132,76 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         PAGE_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
     )
+
+
+@triton.jit
+def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
+                            slot_mapping_ptr, num_q_heads, num_kv_heads, half, head_dim,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
+                            stride_q_out_t, stride_q_out_h, stride_block, stride_slot, stride_head,
+                            PAGE_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                            BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One token: rotates its query heads into q_out, and its key heads (rotated) and value heads into its
+    cache slot (none for a negative slot). Keys are rounded to k's dtype before the cache's, as rotating then
+    writing them rounds them."""
+    token = tl.program_id(0).to(tl.int64)
+    cos1, sin1, cos2, sin2 = cos_sin_halves(cos_ptr, sin_ptr, token, stride_cos, stride_sin, half, BLOCK_HALF)
+    first, second, mask = rotated_heads(q_ptr, token, cos1, sin1, cos2, sin2, num_q_heads, half, stride_qt,
+                                        stride_qh, BLOCK_HQ, BLOCK_HALF)
+    heads, dims = tl.arange(0, BLOCK_HQ)[:, None], tl.arange(0, BLOCK_HALF)[None, :]
+    q_out = q_out_ptr + token * stride_q_out_t + heads * stride_q_out_h + dims
+    tl.store(q_out, first.to(q_out_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_out + half, second.to(q_out_ptr.dtype.element_ty), mask=mask)
+
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    slot_base = (slot // PAGE_SIZE) * stride_block + (slot % PAGE_SIZE) * stride_slot
+    first, second, mask = rotated_heads(k_ptr, token, cos1, sin1, cos2, sin2, num_kv_heads, half, stride_kt,
+                                        stride_kh, BLOCK_HK, BLOCK_HALF)
+    mask = mask & (slot >= 0)
+    kv_heads = tl.arange(0, BLOCK_HK)[:, None]
+    k_out = k_cache_ptr + slot_base + kv_heads * stride_head + dims
+    tl.store(k_out, first.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_out + half, second.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty), mask=mask)
+    all_dims = tl.arange(0, BLOCK_D)[None, :]
+    v_mask = (slot >= 0) & (kv_heads < num_kv_heads) & (all_dims < head_dim)
+    v = tl.load(v_ptr + token * stride_vt + kv_heads * stride_vh + all_dims, mask=v_mask)
+    tl.store(v_cache_ptr + slot_base + kv_heads * stride_head + all_dims, v.to(v_cache_ptr.dtype.element_ty),
+             mask=v_mask)
+
+
+def rotary_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """triton_ops.rotary_embedding then write_kv_cache in one kernel: returns the rotated queries [T, H_q, D]
+    and stores the rotated keys and the values [T, H_kv, D] at their cache slots (negative slots: not stored)."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape or head_dim % 2:
+        raise ValueError(f"q must be [T, H_q, D] and k, v [T, H_kv, D] with one T and one even D, got "
+                         f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
+    cos_rows, sin_rows = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
+    if cos_rows.shape != (num_tokens, head_dim) or sin_rows.shape != (num_tokens, head_dim):
+        raise ValueError(f"cos and sin must hold [{num_tokens}, {head_dim}] values, got {list(cos.shape)} and "
+                         f"{list(sin.shape)}")
+    _check_cache("k_cache", k_cache, num_kv_heads, head_dim)
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
+        raise ValueError("v_cache must have k_cache's shape and strides")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must be [{num_tokens}], got {list(slot_mapping.shape)}")
+    q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
+    cos_rows, sin_rows = (t if t.stride(1) == 1 else t.contiguous() for t in (cos_rows, sin_rows))
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_tokens:
+        half = head_dim // 2
+        _rotary_write_kv_kernel[(num_tokens,)](
+            q, k, v, cos_rows, sin_rows, q_out, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads, half,
+            head_dim, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cos_rows.stride(0), sin_rows.stride(0), q_out.stride(0), q_out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            PAGE_SIZE=k_cache.shape[1], BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+            BLOCK_HK=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=triton.next_power_of_2(half),
+            BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
+        )
+    return q_out
 
 
 # ------------------------------------------------------------------------------------------ decode

@@ -26,10 +26,21 @@ class TritonAttentionMetadata:
     prefill_context_lens: torch.Tensor | None = None  # [S] int32
     sliding_window: int | None = None
 
-    def attend(self, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
-        from raylm.kernels.triton_attention import paged_decode_attention, paged_prefill_attention, write_kv_cache
+    def attend(self, q, k, v, k_cache, v_cache, scale: float,
+               rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Attention of q over the cache after storing k and v at their slots; with rope = (cos, sin), q and k
+        are rotated first, in the same kernel that stores them."""
+        from raylm.kernels.triton_attention import (
+            paged_decode_attention,
+            paged_prefill_attention,
+            rotary_write_kv_cache,
+            write_kv_cache,
+        )
 
-        write_kv_cache(k, v, k_cache, v_cache, self.slot_mapping)
+        if rope is None:
+            write_kv_cache(k, v, k_cache, v_cache, self.slot_mapping)
+        else:
+            q = rotary_write_kv_cache(q, k, v, rope[0], rope[1], k_cache, v_cache, self.slot_mapping)
         decodes = self.num_decodes
         if self.prefill_block_tables is None:
             return paged_decode_attention(q, k_cache, v_cache, self.decode_block_tables, self.decode_context_lens,

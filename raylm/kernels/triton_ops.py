@@ -87,18 +87,40 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 @triton.jit
-def _rotate_heads(x_ptr, out_ptr, token, cos1, sin1, cos2, sin2, num_heads, half, stride_t, stride_h,
-                  stride_out_t, stride_out_h, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """NeoX rotate-half for every head of one token: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]."""
+def cos_sin_halves(cos_ptr, sin_ptr, token, stride_cos, stride_sin, half, BLOCK_HALF: tl.constexpr):
+    """One token's cos and sin rows, each as its two halves [1, BLOCK_HALF] in float32."""
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    dim_mask = dims < half
+    cos1 = tl.load(cos_ptr + token * stride_cos + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + token * stride_cos + half + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + token * stride_sin + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + token * stride_sin + half + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    return cos1, sin1, cos2, sin2
+
+
+@triton.jit
+def rotated_heads(x_ptr, token, cos1, sin1, cos2, sin2, num_heads, half, stride_t, stride_h,
+                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """NeoX rotate-half for every head of one token, in float32: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin].
+    Returns both halves [BLOCK_H, BLOCK_HALF] and the mask of real heads and dimensions."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < num_heads) & (dims < half)
     first = x_ptr + token * stride_t + heads * stride_h + dims
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
+    return x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2, mask
+
+
+@triton.jit
+def _rotate_heads(x_ptr, out_ptr, token, cos1, sin1, cos2, sin2, num_heads, half, stride_t, stride_h,
+                  stride_out_t, stride_out_h, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    first, second, mask = rotated_heads(x_ptr, token, cos1, sin1, cos2, sin2, num_heads, half, stride_t, stride_h,
+                                        BLOCK_H, BLOCK_HALF)
+    heads, dims = tl.arange(0, BLOCK_H)[:, None], tl.arange(0, BLOCK_HALF)[None, :]
     out = out_ptr + token * stride_out_t + heads * stride_out_h + dims
-    tl.store(out, (x1 * cos1 - x2 * sin1).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out + half, (x2 * cos2 + x1 * sin2).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out, first.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out + half, second.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -107,12 +129,7 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, num_q_h
                    stride_q_out_t, stride_q_out_h, stride_k_out_t, stride_k_out_h,
                    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    dims = tl.arange(0, BLOCK_HALF)[None, :]
-    dim_mask = dims < half
-    cos1 = tl.load(cos_ptr + token * stride_cos + dims, mask=dim_mask, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + token * stride_cos + half + dims, mask=dim_mask, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + token * stride_sin + dims, mask=dim_mask, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + token * stride_sin + half + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    cos1, sin1, cos2, sin2 = cos_sin_halves(cos_ptr, sin_ptr, token, stride_cos, stride_sin, half, BLOCK_HALF)
     _rotate_heads(q_ptr, q_out_ptr, token, cos1, sin1, cos2, sin2, num_q_heads, half, stride_qt, stride_qh,
                   stride_q_out_t, stride_q_out_h, BLOCK_HQ, BLOCK_HALF)
     _rotate_heads(k_ptr, k_out_ptr, token, cos1, sin1, cos2, sin2, num_k_heads, half, stride_kt, stride_kh,

@@ -17,7 +17,7 @@ from raylm.kernels.activation import gated_activation
 from raylm.kernels.attention import AttentionMetadata
 from raylm.kernels.dispatch import gemv_applies
 from raylm.kernels.norm import RMSNorm
-from raylm.kernels.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
+from raylm.kernels.rotary import RotaryEmbedding, rope_inv_freq
 from raylm.models.arch import ArchConfig
 from raylm.models.moe import MoEBlock
 from raylm.models.parallel import (
@@ -62,8 +62,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, rope)
-        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale)
+        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, rope=rope)
         return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
 
 

@@ -46,3 +46,25 @@ def test_fused_decode_layers_match_unfused(tiny_model_dirs, arch, monkeypatch):
     assert len(calls) == 3 * loaded.arch.num_layers  # qkv, gate_up and down of every layer
     assert torch.isfinite(fused).all()
     torch.testing.assert_close(fused, unfused, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # qwen3: per-head q/k norms before the rotation
+def test_triton_attention_path_matches_torch_path(tiny_model_dirs, arch):
+    """A decode step through the Triton metadata (rotation fused into the cache write, paged attention) against
+    the torch metadata (rotation, cache write and attention in torch), float32."""
+    from raylm.kernels.triton_backend import build_triton_metadata
+
+    source = resolve_model(str(tiny_model_dirs[arch]))
+    loaded = load_model(source, load_hf_config(source), torch.float32, DEVICE, max_positions=512)
+    runner = ModelRunner(loaded.model, loaded.arch, DEVICE, torch.float32, block_size=16)
+    runner.allocate_kv_cache(4, torch.float32)
+    generator = torch.Generator().manual_seed(1)
+    cache = [tuple(torch.randn(t.shape, generator=generator).to(DEVICE) for t in pair) for pair in runner.kv_caches]
+    torch_path = _decode_hidden(runner, cache)
+    torch_cache = runner.kv_caches
+    runner.build_metadata = build_triton_metadata
+    triton_path = _decode_hidden(runner, cache)
+    torch.testing.assert_close(triton_path, torch_path, atol=1e-4, rtol=1e-4)
+    for (k, v), (k_ref, v_ref) in zip(runner.kv_caches, torch_cache):  # the new keys went in rotated, alike
+        torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, v_ref, atol=1e-5, rtol=1e-5)
