@@ -75,11 +75,12 @@ class DecodeGraphs:
         self.device = device
         self.sliding_window = sliding_window
         size = self.max_batch
-        self.input_ids = torch.zeros(size, dtype=torch.long, device=device)
-        self.positions = torch.zeros(size, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((size,), -1, dtype=torch.long, device=device)
+        # Token ids, positions, cache slots and context lengths: the rows of one buffer, refilled by one copy.
+        self.vectors = torch.zeros(4, size, dtype=torch.long, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.context_lens = self.vectors
+        self.slot_mapping.fill_(-1)
+        self.context_lens.fill_(1)
         self.block_tables = torch.zeros(size, max_blocks, dtype=torch.int32, device=device)
-        self.context_lens = torch.ones(size, dtype=torch.int32, device=device)
         # Host staging, pinned on CUDA so the copies are asynchronous. Two sets, used in turn: a step's copies
         # may still be queued when the next step is prepared (overlapped scheduling), never two steps later.
         pin = device.type == "cuda"
@@ -142,10 +143,7 @@ class DecodeGraphs:
         vectors[3, :count] = [length for _, length in contexts]
         vectors[3, count:batch] = 1
         width = table_staging.fill(contexts, batch)
-        self.input_ids[:batch].copy_(host_vectors[0, :batch], non_blocking=True)
-        self.positions[:batch].copy_(host_vectors[1, :batch], non_blocking=True)
-        self.slot_mapping[:batch].copy_(host_vectors[2, :batch], non_blocking=True)
-        self.context_lens[:batch].copy_(host_vectors[3, :batch], non_blocking=True)
+        self.vectors.copy_(host_vectors, non_blocking=True)  # whole rows: one contiguous copy of 32 B per slot
         self.block_tables[:batch, :width].copy_(host_table[:batch, :width], non_blocking=True)
         if feed is not None:
             self.input_ids.index_copy_(0, *feed)

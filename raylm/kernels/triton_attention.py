@@ -356,8 +356,8 @@ def paged_decode_attention(
 
     q: [B, H_q, D], the token at position context_lens[b] - 1 (its key and value already in the cache);
     caches: [num_blocks, block_size, H_kv, D] with H_q a multiple of H_kv; block_tables: [B, max_blocks]
-    int32; context_lens: [B] int32, keys per sequence including the current one. A sliding window hides keys
-    at positions < context_len - sliding_window. A sequence with context_len 0 gets zeros.
+    int32; context_lens: [B] int32 or int64, keys per sequence including the current one. A sliding window
+    hides keys at positions < context_len - sliding_window. A sequence with context_len 0 gets zeros.
     num_splits partitions each context for split-K (chosen from the shapes when None; 1 disables it).
     """
     batch, num_q_heads, head_dim = q.shape

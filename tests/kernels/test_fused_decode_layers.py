@@ -68,3 +68,27 @@ def test_triton_attention_path_matches_torch_path(tiny_model_dirs, arch):
     for (k, v), (k_ref, v_ref) in zip(runner.kv_caches, torch_cache):  # the new keys went in rotated, alike
         torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v, v_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_graph_buffers_give_the_eager_step(tiny_model_dirs):
+    """DecodeGraphs.run refills its static buffers (one copy for ids, positions, slots and lengths; the block
+    table) and runs the forward over them; on the CPU it runs uncaptured, which checks the buffers: padded to the
+    ladder's next size, the step equals the eager one, twice in a row (both staging sets)."""
+    from raylm.engine.cuda_graphs import DecodeGraphs
+    from raylm.kernels.triton_backend import build_triton_metadata
+
+    source = resolve_model(str(tiny_model_dirs["llama"]))
+    loaded = load_model(source, load_hf_config(source), torch.float32, DEVICE, max_positions=512)
+    runner = ModelRunner(loaded.model, loaded.arch, DEVICE, torch.float32, block_size=16)
+    runner.build_metadata = build_triton_metadata
+    runner.allocate_kv_cache(4, torch.float32)
+    generator = torch.Generator().manual_seed(2)
+    cache = [tuple(torch.randn(t.shape, generator=generator).to(DEVICE) for t in pair) for pair in runner.kv_caches]
+    eager = _decode_hidden(runner, cache)
+    runner.kv_caches = [(k.clone(), v.clone()) for k, v in cache]
+    graphs = DecodeGraphs(loaded.model, runner.kv_caches, [1, 4], 8, loaded.arch.hidden_size, torch.float32,
+                          DEVICE, None)
+    for _ in range(2):
+        replayed = graphs.run([5, 9], [19, 4], [2 * 16 + 3, 3 * 16 + 4], [([1, 2], 20), ([3], 5)])
+        assert replayed.shape[0] == 2
+        torch.testing.assert_close(replayed.float(), eager, atol=1e-5, rtol=1e-5)
