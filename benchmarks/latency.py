@@ -1,5 +1,5 @@
 """Latency of one batch, like `vllm bench latency`: batch B of random prompts of I tokens, O tokens out
-(EOS ignored, greedy), mean end-to-end seconds over iterations; also start-up time to the first token.
+(EOS ignored, greedy), mean and median end-to-end seconds over iterations; also start-up time to the first token.
 
     python benchmarks/latency.py --batch_size 1 --input_len 32 --output_len 128 --peer hf
     python benchmarks/latency.py --model benchmarks/configs/llama-3.1-8b --load_format dummy --batch_size 8
@@ -100,22 +100,26 @@ def main() -> None:
     tokens = args.batch_size * args.output_len
     result = {}
     for name, latencies in times.items():
-        mean = statistics.mean(latencies)
-        result[name] = {"latency_s": latencies, "mean_latency_s": mean,
-                        "ms_per_output_token": 1000 * mean / args.output_len, "output_tokens_per_s": tokens / mean}
+        mean, median = statistics.mean(latencies), statistics.median(latencies)
+        result[name] = {"latency_s": latencies, "mean_latency_s": mean, "median_latency_s": median,
+                        "ms_per_output_token": 1000 * mean / args.output_len, "output_tokens_per_s": tokens / mean,
+                        "median_ms_per_output_token": 1000 * median / args.output_len}
     result["raylm"].update(startup_s=startup, startup_to_first_token_s=first_token)
     if "hf" in times:
         result["speedup_vs_hf"] = result["hf"]["mean_latency_s"] / result["raylm"]["mean_latency_s"]
-    rows = [(name if name == "raylm" else "hf transformers", result[name]["mean_latency_s"]) for name in times]
+    rows = [(name if name == "raylm" else "hf transformers", result[name]["mean_latency_s"],
+             result[name]["median_latency_s"]) for name in times]
 
     name = f"latency-{Path(args.model or 'smollm2').name}-b{args.batch_size}-i{args.input_len}-o{args.output_len}-" \
            f"{llm.info.device}{parallel_suffix(args)}"
     path = write_result(name, args, result)
     print(f"\nbatch {args.batch_size}, input {args.input_len}, output {args.output_len} on {llm.info.device} "
           f"({llm.info.dtype}); start-up {startup:.2f} s, first token at {first_token:.2f} s")
-    print(f"{'engine':<18}{'mean e2e (s)':>14}{'ms/token':>12}{'out tok/s':>12}")
-    for label, latency in rows:
-        print(f"{label:<18}{latency:>14.3f}{1000 * latency / args.output_len:>12.2f}{tokens / latency:>12.1f}")
+    print(f"{'engine':<18}{'mean e2e (s)':>14}{'ms/token':>12}{'out tok/s':>12}{'median e2e (s)':>16}"
+          f"{'ms/token':>10}")
+    for label, latency, median in rows:
+        print(f"{label:<18}{latency:>14.3f}{1000 * latency / args.output_len:>12.2f}{tokens / latency:>12.1f}"
+              f"{median:>16.3f}{1000 * median / args.output_len:>10.2f}")
     if "speedup_vs_hf" in result:
         print(f"raylm / hf speed ratio: {result['speedup_vs_hf']:.2f}x")
     print(f"wrote {path}")
