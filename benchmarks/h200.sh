@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU issue's workloads on one H200, split so that each part fits one 10-minute device command:
-#   bash benchmarks/h200.sh check        # GPU tests, the latency workloads, step profiles        (~4 min)
+#   bash benchmarks/h200.sh check        # GPU tests (kernels, engine), latency workloads, step profiles (~7 min)
 #   bash benchmarks/h200.sh throughput   # 8B 1000 x (1024, 1024), median of 3 runs                (~7 min)
 #   bash benchmarks/h200.sh peers        # 8B 256 x (512, 128) and SmolLM2 1024 x (256, 256), median of 3,
 #                                        # each with the HF peer in the same run                    (~5 min)
@@ -41,7 +41,8 @@ throughput() {  # name model prompts input output max_batch seconds [extra...]
 
 case "${1:-}" in
   check)
-    timeout 200 python -m pytest tests/engine/test_gpu.py tests/engine/test_overlap.py -q -p no:cacheprovider 2>&1 | tail -3
+    timeout 300 python -m pytest tests/kernels tests/engine/test_gpu.py tests/engine/test_overlap.py -q \
+      -p no:cacheprovider 2>&1 | tail -8
     latency latency-smollm2-b1 "$smol" 1 --peer hf
     latency latency-8b-b8 "$llama" 8
     latency latency-8b-b1 "$llama" 1
