@@ -52,6 +52,7 @@ def test_fused_decode_layers_match_unfused(tiny_model_dirs, arch, monkeypatch):
 def test_triton_attention_path_matches_torch_path(tiny_model_dirs, arch):
     """A decode step through the Triton metadata (rotation fused into the cache write, paged attention) against
     the torch metadata (rotation, cache write and attention in torch), float32."""
+    from raylm.kernels.attention import build_metadata
     from raylm.kernels.triton_backend import build_triton_metadata
 
     source = resolve_model(str(tiny_model_dirs[arch]))
@@ -60,6 +61,7 @@ def test_triton_attention_path_matches_torch_path(tiny_model_dirs, arch):
     runner.allocate_kv_cache(4, torch.float32)
     generator = torch.Generator().manual_seed(1)
     cache = [tuple(torch.randn(t.shape, generator=generator).to(DEVICE) for t in pair) for pair in runner.kv_caches]
+    runner.build_metadata = build_metadata
     torch_path = _decode_hidden(runner, cache)
     torch_cache = runner.kv_caches
     runner.build_metadata = build_triton_metadata
