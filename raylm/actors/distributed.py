@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import socket
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ import torch.distributed as dist
 
 from raylm.engine.model_runner import LaunchedStep, ModelOutput, ModelRunner, StepPlan, plan_step, to_device
 from raylm.engine.scheduler import SchedulerOutput
+from raylm.kernels.dispatch import env_flag
 from raylm.models.parallel import ParallelContext
 
 logger = logging.getLogger(__name__)
@@ -148,8 +148,12 @@ class SymmetricAllReduce:
         return out.view(tensor.shape)
 
 
+def symmetric_all_reduce_requested() -> bool:
+    return env_flag("RAYLM_SYMM_MEM_ALLREDUCE")
+
+
 def _fast_all_reduce(group, device: torch.device, dtype: torch.dtype | None) -> SymmetricAllReduce | None:
-    if device.type != "cuda" or dtype is None or os.environ.get("RAYLM_SYMM_MEM_ALLREDUCE", "0") in ("", "0"):
+    if device.type != "cuda" or dtype is None or not symmetric_all_reduce_requested():
         return None
     try:
         return SymmetricAllReduce(group, device, dtype)

@@ -15,9 +15,14 @@ GEMV_MAX_ROWS = 8
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def env_flag(name: str) -> bool:
+    """Whether the switch `name` is set in the environment (anything but unset, empty or "0")."""
+    return os.environ.get(name, "0") not in ("", "0")
+
+
 @functools.cache
 def triton_available() -> bool:
-    if os.environ.get("RAYLM_DISABLE_TRITON", "0") not in ("", "0"):
+    if env_flag("RAYLM_DISABLE_TRITON"):
         return False
     try:
         import triton  # noqa: F401
@@ -32,7 +37,7 @@ def use_triton(x: torch.Tensor) -> bool:
 
 @functools.cache
 def triton_gemv_enabled() -> bool:
-    return os.environ.get("RAYLM_TRITON_GEMV", "0") not in ("", "0") and triton_available()
+    return env_flag("RAYLM_TRITON_GEMV") and triton_available()
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
