@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from raylm.kernels.triton_ops import cos_sin_halves, rotated_heads
+from raylm.kernels.triton_ops import cos_sin_halves, rope_rows, rotate_heads, rotated_heads
 
 _LOG2_E = 1.4426950408889634
 # Stands for "no sliding window": larger than any context, small enough that position - window fits int32.
@@ -107,13 +107,8 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, n
     tl.store(v_cache_ptr + cache_offsets, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """Stores keys and values [T, H_kv, D] at their cache slots (slot = block_id * block_size + offset).
-
-    Caches are [num_blocks, block_size, H_kv, D], written in place (cast to the cache dtype); tokens whose
-    slot is negative are padding and are not written. Both caches must share one layout.
-    """
+def _check_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
     num_tokens, num_kv_heads, head_dim = k.shape
     if v.shape != k.shape:
         raise ValueError(f"v must have k's shape {list(k.shape)}, got {list(v.shape)}")
@@ -122,6 +117,17 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         raise ValueError("v_cache must have k_cache's shape and strides")
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping must be [{num_tokens}], got {list(slot_mapping.shape)}")
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Stores keys and values [T, H_kv, D] at their cache slots (slot = block_id * block_size + offset).
+
+    Caches are [num_blocks, block_size, H_kv, D], written in place (cast to the cache dtype); tokens whose
+    slot is negative are padding and are not written. Both caches must share one layout.
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    _check_cache_write(k, v, k_cache, v_cache, slot_mapping)
     if num_tokens == 0:
         return
     if k.stride(2) != 1 or v.stride(2) != 1:
@@ -146,19 +152,15 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_
     writing them rounds them."""
     token = tl.program_id(0).to(tl.int64)
     cos1, sin1, cos2, sin2 = cos_sin_halves(cos_ptr, sin_ptr, token, stride_cos, stride_sin, half, BLOCK_HALF)
-    first, second, mask = rotated_heads(q_ptr, token, cos1, sin1, cos2, sin2, num_q_heads, half, stride_qt,
-                                        stride_qh, BLOCK_HQ, BLOCK_HALF)
-    heads, dims = tl.arange(0, BLOCK_HQ)[:, None], tl.arange(0, BLOCK_HALF)[None, :]
-    q_out = q_out_ptr + token * stride_q_out_t + heads * stride_q_out_h + dims
-    tl.store(q_out, first.to(q_out_ptr.dtype.element_ty), mask=mask)
-    tl.store(q_out + half, second.to(q_out_ptr.dtype.element_ty), mask=mask)
+    rotate_heads(q_ptr, q_out_ptr, token, cos1, sin1, cos2, sin2, num_q_heads, half, stride_qt, stride_qh,
+                 stride_q_out_t, stride_q_out_h, BLOCK_HQ, BLOCK_HALF)
 
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     slot_base = (slot // PAGE_SIZE) * stride_block + (slot % PAGE_SIZE) * stride_slot
     first, second, mask = rotated_heads(k_ptr, token, cos1, sin1, cos2, sin2, num_kv_heads, half, stride_kt,
                                         stride_kh, BLOCK_HK, BLOCK_HALF)
     mask = mask & (slot >= 0)
-    kv_heads = tl.arange(0, BLOCK_HK)[:, None]
+    kv_heads, dims = tl.arange(0, BLOCK_HK)[:, None], tl.arange(0, BLOCK_HALF)[None, :]
     k_out = k_cache_ptr + slot_base + kv_heads * stride_head + dims
     tl.store(k_out, first.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(k_out + half, second.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -175,20 +177,9 @@ def rotary_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
     and stores the rotated keys and the values [T, H_kv, D] at their cache slots (negative slots: not stored)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    if k.shape != (num_tokens, num_kv_heads, head_dim) or v.shape != k.shape or head_dim % 2:
-        raise ValueError(f"q must be [T, H_q, D] and k, v [T, H_kv, D] with one T and one even D, got "
-                         f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
-    cos_rows, sin_rows = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
-    if cos_rows.shape != (num_tokens, head_dim) or sin_rows.shape != (num_tokens, head_dim):
-        raise ValueError(f"cos and sin must hold [{num_tokens}, {head_dim}] values, got {list(cos.shape)} and "
-                         f"{list(sin.shape)}")
-    _check_cache("k_cache", k_cache, num_kv_heads, head_dim)
-    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError("v_cache must have k_cache's shape and strides")
-    if slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"slot_mapping must be [{num_tokens}], got {list(slot_mapping.shape)}")
+    cos_rows, sin_rows = rope_rows(q, k, cos, sin)
+    _check_cache_write(k, v, k_cache, v_cache, slot_mapping)
     q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
-    cos_rows, sin_rows = (t if t.stride(1) == 1 else t.contiguous() for t in (cos_rows, sin_rows))
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_tokens:
         half = head_dim // 2

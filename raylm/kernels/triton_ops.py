@@ -113,8 +113,9 @@ def rotated_heads(x_ptr, token, cos1, sin1, cos2, sin2, num_heads, half, stride_
 
 
 @triton.jit
-def _rotate_heads(x_ptr, out_ptr, token, cos1, sin1, cos2, sin2, num_heads, half, stride_t, stride_h,
-                  stride_out_t, stride_out_h, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def rotate_heads(x_ptr, out_ptr, token, cos1, sin1, cos2, sin2, num_heads, half, stride_t, stride_h,
+                 stride_out_t, stride_out_h, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Stores the rotated heads of one token (rotated_heads) at out, rounded to out's dtype."""
     first, second, mask = rotated_heads(x_ptr, token, cos1, sin1, cos2, sin2, num_heads, half, stride_t, stride_h,
                                         BLOCK_H, BLOCK_HALF)
     heads, dims = tl.arange(0, BLOCK_H)[:, None], tl.arange(0, BLOCK_HALF)[None, :]
@@ -130,10 +131,25 @@ def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, num_q_h
                    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     cos1, sin1, cos2, sin2 = cos_sin_halves(cos_ptr, sin_ptr, token, stride_cos, stride_sin, half, BLOCK_HALF)
-    _rotate_heads(q_ptr, q_out_ptr, token, cos1, sin1, cos2, sin2, num_q_heads, half, stride_qt, stride_qh,
+    rotate_heads(q_ptr, q_out_ptr, token, cos1, sin1, cos2, sin2, num_q_heads, half, stride_qt, stride_qh,
                   stride_q_out_t, stride_q_out_h, BLOCK_HQ, BLOCK_HALF)
-    _rotate_heads(k_ptr, k_out_ptr, token, cos1, sin1, cos2, sin2, num_k_heads, half, stride_kt, stride_kh,
+    rotate_heads(k_ptr, k_out_ptr, token, cos1, sin1, cos2, sin2, num_k_heads, half, stride_kt, stride_kh,
                   stride_k_out_t, stride_k_out_h, BLOCK_HK, BLOCK_HALF)
+
+
+def rope_rows(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin as [T, D] rows with a contiguous last dimension, after checking them and q [T, H_q, D],
+    k [T, H_k, D] for a rotation."""
+    num_tokens, _, head_dim = q.shape
+    if k.shape != (num_tokens, k.shape[1], head_dim) or head_dim % 2:
+        raise ValueError(f"q and k must be [T, H, D] with one T and one even D, got {list(q.shape)} and "
+                         f"{list(k.shape)}")
+    cos_rows, sin_rows = _rows(cos), _rows(sin)
+    if cos_rows.shape != (num_tokens, head_dim) or sin_rows.shape != (num_tokens, head_dim):
+        raise ValueError(f"cos and sin must hold [{num_tokens}, {head_dim}] values, got {list(cos.shape)} and "
+                         f"{list(sin.shape)}")
+    return cos_rows, sin_rows
 
 
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -145,13 +161,7 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_k_heads = k.shape[1]
-    if k.shape != (num_tokens, num_k_heads, head_dim) or head_dim % 2:
-        raise ValueError(f"q and k must be [T, H, D] with one T and one even D, got {list(q.shape)} and "
-                         f"{list(k.shape)}")
-    cos_rows, sin_rows = _rows(cos), _rows(sin)
-    if cos_rows.shape != (num_tokens, head_dim) or sin_rows.shape != (num_tokens, head_dim):
-        raise ValueError(f"cos and sin must hold [{num_tokens}, {head_dim}] values, got {list(cos.shape)} and "
-                         f"{list(sin.shape)}")
+    cos_rows, sin_rows = rope_rows(q, k, cos, sin)
     if q.stride(2) != 1:
         q = q.contiguous()
     if k.stride(2) != 1:
