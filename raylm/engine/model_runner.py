@@ -218,18 +218,23 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        intermediate = None
-        if self.model.embed_tokens is None:  # a later pipeline stage: activations arrive from the one before
-            hidden = torch.zeros(num_tokens, self.arch.hidden_size, dtype=self.dtype, device=self.device)
-            intermediate = (hidden, hidden.clone())
-        result = self.forward(plan, intermediate)
-        if self.model.lm_head is not None:
-            self.compute_outputs(plan, result)
+        self._run_alone(plan)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         self.kv_caches = []
         torch.cuda.empty_cache()
         return max(0, peak)
+
+    def _run_alone(self, plan: StepPlan) -> None:
+        """This rank's stage of `plan` on its own (a later pipeline stage gets zero activations instead of the
+        previous stage's), and its logits on the last stage: for start-up runs, not for steps."""
+        intermediate = None
+        if self.model.embed_tokens is None:
+            hidden = torch.zeros(plan.num_tokens, self.arch.hidden_size, dtype=self.dtype, device=self.device)
+            intermediate = (hidden, hidden.clone())
+        result = self.forward(plan, intermediate)
+        if self.model.lm_head is not None:
+            self.compute_outputs(plan, result)
 
     @torch.inference_mode()
     def warm_up_decode(self, max_seq_len: int) -> None:
@@ -239,15 +244,8 @@ class ModelRunner:
         if self.build_metadata is build_metadata:  # the torch path compiles nothing
             return
         for width in (1, -(-max_seq_len // self.block_size)):
-            plan = StepPlan(input_ids=[0], positions=[0], slot_mapping=[-1], decode_contexts=[([0] * width, 1)],
-                            sample_rows=[0])
-            intermediate = None
-            if self.model.embed_tokens is None:  # a later pipeline stage: activations arrive from the one before
-                hidden = torch.zeros(1, self.arch.hidden_size, dtype=self.dtype, device=self.device)
-                intermediate = (hidden, hidden.clone())
-            result = self.forward(plan, intermediate)
-            if self.model.lm_head is not None:
-                self.compute_outputs(plan, result)
+            self._run_alone(StepPlan(input_ids=[0], positions=[0], slot_mapping=[-1],
+                                     decode_contexts=[([0] * width, 1)], sample_rows=[0]))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -44,6 +44,16 @@ _PLAIN, _SILU_MUL, _RMS_NORM = 0, 1, 2
 
 
 @triton.jit
+def _summed_tile(x_rows, res_rows, ks, mask, HAS_RESIDUAL: tl.constexpr):
+    """x (+ residual) at columns ks, rounded to the input dtype as triton_ops' fused add + RMSNorm rounds it."""
+    x = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(res_rows + ks[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual.dtype)
+    return x
+
+
+@triton.jit
 def _input_tile(x_rows, res_rows, res_out_rows, norm_w_ptr, rstd, ks, mask, K, write_residual,
                 PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """The [BLOCK_M, BLOCK_K] tile of the GEMV's input at columns ks, in the weight's dtype."""
@@ -52,17 +62,16 @@ def _input_tile(x_rows, res_rows, res_out_rows, norm_w_ptr, rstd, ks, mask, K, w
         up = tl.load(x_rows + K + ks[None, :], mask=mask, other=0.0)
         activated = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
         return (activated.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
-    x = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
-    if PROLOGUE == 2:  # RMSNorm of (x + residual), rounded as triton_ops' RMSNorm rounds it
-        if HAS_RESIDUAL:
-            residual = tl.load(res_rows + ks[None, :], mask=mask, other=0.0)
-            x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual.dtype)
-            if write_residual:
-                tl.store(res_out_rows + ks[None, :], x, mask=mask)
-        normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
-        weight = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0)
-        x = (weight.to(tl.float32)[None, :] * normed.to(tl.float32)).to(x.dtype)
-    return x
+    if PROLOGUE != 2:
+        return tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
+    # RMSNorm of x (+ residual), rounded as triton_ops' RMSNorm rounds it
+    x = _summed_tile(x_rows, res_rows, ks, mask, HAS_RESIDUAL)
+    if HAS_RESIDUAL:
+        if write_residual:
+            tl.store(res_out_rows + ks[None, :], x, mask=mask)
+    normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
+    weight = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0)
+    return (weight.to(tl.float32)[None, :] * normed.to(tl.float32)).to(x.dtype)
 
 
 @triton.jit
@@ -84,11 +93,7 @@ def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, bias_ptr, y_ptr
         squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
-            mask = row_mask[:, None] & (ks < K)[None, :]
-            x = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
-            if HAS_RESIDUAL:
-                residual = tl.load(res_rows + ks[None, :], mask=mask, other=0.0)
-                x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual.dtype)
+            x = _summed_tile(x_rows, res_rows, ks, row_mask[:, None] & (ks < K)[None, :], HAS_RESIDUAL)
             hidden = x.to(tl.float32)
             squares += tl.sum(hidden * hidden, axis=1)
         rstd = tl.rsqrt(squares / K + eps)
