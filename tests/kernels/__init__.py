@@ -46,3 +46,17 @@ def _take_single_element_as_index() -> None:
 
     patched.takes_single_element = True
     interpreter._patch_lang_tensor = patched
+
+
+def tiny_runner(model_dir, dtype: torch.dtype, device: torch.device, num_blocks: int = 4):
+    """A ModelRunner over the tiny checkpoint in model_dir (16-token blocks, its cache allocated) and its
+    LoadedModel, for tests that drive the model through the runner's kernels directly."""
+    from raylm.engine.model_runner import ModelRunner
+    from raylm.models.loader import load_hf_config, load_model
+    from raylm.models.source import resolve_model
+
+    source = resolve_model(str(model_dir))
+    loaded = load_model(source, load_hf_config(source), dtype, device, max_positions=512)
+    runner = ModelRunner(loaded.model, loaded.arch, device, dtype, block_size=16)
+    runner.allocate_kv_cache(num_blocks, dtype)
+    return runner, loaded

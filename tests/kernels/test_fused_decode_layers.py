@@ -6,15 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels import MODULE_MARKS, kernel_device
+from tests.kernels import MODULE_MARKS, kernel_device, tiny_runner
 
 DEVICE = kernel_device()
 pytestmark = MODULE_MARKS
 
 from raylm.engine.model_runner import ModelRunner, StepPlan  # noqa: E402
 from raylm.models import llama  # noqa: E402
-from raylm.models.loader import load_hf_config, load_model  # noqa: E402
-from raylm.models.source import resolve_model  # noqa: E402
 
 
 def _decode_hidden(runner: ModelRunner, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -27,13 +25,10 @@ def _decode_hidden(runner: ModelRunner, cache: list[tuple[torch.Tensor, torch.Te
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a bias on the qkv projection
 def test_fused_decode_layers_match_unfused(tiny_model_dirs, arch, monkeypatch):
-    source = resolve_model(str(tiny_model_dirs[arch]))
-    loaded = load_model(source, load_hf_config(source), torch.float16, DEVICE, max_positions=512)
+    runner, loaded = tiny_runner(tiny_model_dirs[arch], torch.float16, DEVICE)
     for layer in loaded.model.local_layers:  # norms that are not all ones, so that their weights count
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             norm.weight.data.uniform_(0.5, 1.5)
-    runner = ModelRunner(loaded.model, loaded.arch, DEVICE, torch.float16, block_size=16)
-    runner.allocate_kv_cache(4, torch.float16)
     generator = torch.Generator().manual_seed(0)
     cache = [(torch.randn(k.shape, generator=generator).to(DEVICE, k.dtype),
               torch.randn(v.shape, generator=generator).to(DEVICE, v.dtype)) for k, v in runner.kv_caches]
@@ -55,10 +50,7 @@ def test_triton_attention_path_matches_torch_path(tiny_model_dirs, arch):
     from raylm.kernels.attention import build_metadata
     from raylm.kernels.triton_backend import build_triton_metadata
 
-    source = resolve_model(str(tiny_model_dirs[arch]))
-    loaded = load_model(source, load_hf_config(source), torch.float32, DEVICE, max_positions=512)
-    runner = ModelRunner(loaded.model, loaded.arch, DEVICE, torch.float32, block_size=16)
-    runner.allocate_kv_cache(4, torch.float32)
+    runner, _ = tiny_runner(tiny_model_dirs[arch], torch.float32, DEVICE)
     generator = torch.Generator().manual_seed(1)
     cache = [tuple(torch.randn(t.shape, generator=generator).to(DEVICE) for t in pair) for pair in runner.kv_caches]
     runner.build_metadata = build_metadata
@@ -79,11 +71,8 @@ def test_graph_buffers_give_the_eager_step(tiny_model_dirs):
     from raylm.engine.cuda_graphs import DecodeGraphs
     from raylm.kernels.triton_backend import build_triton_metadata
 
-    source = resolve_model(str(tiny_model_dirs["llama"]))
-    loaded = load_model(source, load_hf_config(source), torch.float32, DEVICE, max_positions=512)
-    runner = ModelRunner(loaded.model, loaded.arch, DEVICE, torch.float32, block_size=16)
+    runner, loaded = tiny_runner(tiny_model_dirs["llama"], torch.float32, DEVICE)
     runner.build_metadata = build_triton_metadata
-    runner.allocate_kv_cache(4, torch.float32)
     generator = torch.Generator().manual_seed(2)
     cache = [tuple(torch.randn(t.shape, generator=generator).to(DEVICE) for t in pair) for pair in runner.kv_caches]
     eager = _decode_hidden(runner, cache)

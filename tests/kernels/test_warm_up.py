@@ -5,24 +5,18 @@ from __future__ import annotations
 
 import torch
 
-from tests.kernels import MODULE_MARKS, kernel_device
+from tests.kernels import MODULE_MARKS, kernel_device, tiny_runner
 
 DEVICE = kernel_device()
 pytestmark = MODULE_MARKS
 
-from raylm.engine import model_runner  # noqa: E402
 from raylm.kernels import triton_attention  # noqa: E402
 from raylm.kernels.triton_backend import build_triton_metadata  # noqa: E402
-from raylm.models.loader import load_hf_config, load_model  # noqa: E402
-from raylm.models.source import resolve_model  # noqa: E402
 
 
 def test_decode_warm_up_runs_both_attention_variants_and_writes_nothing(tiny_model_dirs, monkeypatch):
-    source = resolve_model(str(tiny_model_dirs["llama"]))
-    loaded = load_model(source, load_hf_config(source), torch.float32, DEVICE, max_positions=512)
-    runner = model_runner.ModelRunner(loaded.model, loaded.arch, DEVICE, torch.float32, block_size=16)
+    runner, _ = tiny_runner(tiny_model_dirs["llama"], torch.float32, DEVICE)
     runner.build_metadata = build_triton_metadata  # the CPU picks the torch path; the interpreter runs this one
-    runner.allocate_kv_cache(4, torch.float32)
     for k_cache, v_cache in runner.kv_caches:
         k_cache[1:].fill_(0.5)
         v_cache[1:].fill_(-0.5)
