@@ -33,9 +33,12 @@ def tune_garbage_collector() -> None:
 
 
 class EngineLoop:
-    def __init__(self, engine: EngineCore, outbox: Callable[[StepOutput], None]):
+    def __init__(self, engine: EngineCore, outbox: Callable[[StepOutput], None],
+                 on_thread_start: Callable[[], None] | None = None):
+        """on_thread_start runs first on the loop's thread (a Ray worker binds its GPU there)."""
         self.engine = engine
         self.outbox = outbox
+        self.on_thread_start = on_thread_start
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="raylm-engine", daemon=True)
         self.error: BaseException | None = None
@@ -102,6 +105,8 @@ class EngineLoop:
     def _run(self) -> None:
         running = True
         try:
+            if self.on_thread_start is not None:
+                self.on_thread_start()
             while running:
                 deltas: list[RequestDelta] = []
                 command = self.inbox.get() if not self.engine.has_work else None

@@ -39,16 +39,15 @@ def cuda_index(gpu_id: str, visible: str | None) -> int:
     return order.index(gpu_id)
 
 
-def use_own_gpu() -> None:
-    """Where every GPU of the node is visible, makes the one Ray assigned to this actor the current device
-    (elsewhere Ray shows the actor its own GPU alone, as device 0)."""
+def own_gpu_index() -> int | None:
+    """Where every GPU of the node is visible, the CUDA index of the one Ray assigned to this actor; None where
+    Ray shows the actor its own GPU alone (as device 0, the current device of every thread)."""
     if os.environ.get(ALL_GPUS_VISIBLE) != "1":
-        return
+        return None
     import ray
 
     gpu_ids = ray.get_gpu_ids()
-    if gpu_ids:
-        torch.cuda.set_device(cuda_index(str(gpu_ids[0]), os.environ.get("CUDA_VISIBLE_DEVICES")))
+    return cuda_index(str(gpu_ids[0]), os.environ.get("CUDA_VISIBLE_DEVICES")) if gpu_ids else None
 
 
 def resolve_extension(extension: type | str | None) -> type | None:
@@ -63,8 +62,8 @@ def resolve_extension(extension: type | str | None) -> type | None:
 
 class RayWorker:
     def __init__(self, spec: WorkerSpec, rank: int, layout: RankLayout, extension: type | str | None = None):
-        if spec.device == "cuda":
-            use_own_gpu()
+        self.gpu_index = own_gpu_index() if spec.device == "cuda" else None
+        self.bind_gpu()
         self.spec = spec
         self.rank = rank
         self.layout = layout
@@ -76,13 +75,22 @@ class RayWorker:
         self.outputs: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()
         self.loop_error: str | None = None
 
+    def bind_gpu(self) -> None:
+        """Makes this actor's GPU the calling thread's current device. CUDA's current device is per thread, and
+        the actor's methods run on its concurrency groups' threads (and the engine loop on its own), so every
+        method that reaches the GPU binds first; a no-op where Ray shows the actor its own GPU alone."""
+        if self.gpu_index is not None:
+            torch.cuda.set_device(self.gpu_index)
+
     # ------------------------------------------------------------------ start-up
 
     def node_address(self) -> tuple[str, int]:
         return free_address()
 
     def init_distributed(self, address: str, port: int) -> None:
-        device = torch.device(self.spec.device)
+        self.bind_gpu()
+        device = torch.device(self.spec.device, self.gpu_index) if self.gpu_index is not None else \
+            torch.device(self.spec.device)
         if self.layout.world_size > 1:
             self.comm = init_distributed(self.rank, self.layout, address, port, device,
                                          dtype=getattr(torch, self.spec.dtype))
@@ -91,16 +99,19 @@ class RayWorker:
             self.worker = self.worker_cls(self.spec)
 
     def load_model(self) -> int:
+        self.bind_gpu()
         return self.worker.load_model()
 
     def init_cache(self, num_blocks: int) -> EngineInfo:
+        self.bind_gpu()
         return self.worker.init_cache(num_blocks)
 
     def start_engine(self, num_blocks: int) -> dict:
         """Rank 0: builds the engine core over all ranks and starts its loop; returns the start-up timings."""
+        self.bind_gpu()
         runner = DistributedRunner(self.worker.runner, self.comm) if self.comm is not None else None
         engine = self.worker.build_engine(num_blocks, runner)
-        self.loop = EngineLoop(engine, self.outputs.put)
+        self.loop = EngineLoop(engine, self.outputs.put, on_thread_start=self.bind_gpu)
         self.loop.start()
         return self.worker.timings
 
@@ -108,6 +119,7 @@ class RayWorker:
 
     def run_worker_loop(self) -> None:
         """Ranks > 0: runs until rank 0 stops the workers; raises if the loop fails."""
+        self.bind_gpu()
         run_worker_loop(self.worker.runner, self.comm)
 
     def watch_engine(self) -> None:
@@ -145,12 +157,14 @@ class RayWorker:
         fn = getattr(self.worker, method, None)
         if fn is None or method.startswith("_") or not callable(fn):
             raise ValueError(f"worker has no method {method!r}")
+        self.bind_gpu()
         return fn(*args, **kwargs)
 
     def stop(self) -> None:
         """Rank 0: stops the engine loop and releases the other ranks from their loop."""
         if self.loop is None:
             return
+        self.bind_gpu()
         self.loop.stop()
         if self.comm is not None:
             try:

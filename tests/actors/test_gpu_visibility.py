@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
+from raylm.actors.engine_loop import EngineLoop
 from raylm.actors.ray_worker import cuda_index
 
 
@@ -20,3 +23,25 @@ def test_cuda_index_follows_the_node_cuda_visible_devices():
 def test_cuda_index_refuses_a_gpu_the_process_cannot_see():
     with pytest.raises(RuntimeError, match="GPU 2 assigned by Ray"):
         cuda_index("2", "0,1")
+
+
+class _IdleEngine:
+    """Just enough of an engine for the loop to take calls: never any work, nothing to drain."""
+
+    has_work = False
+
+    def drain(self):
+        return None
+
+
+def test_the_engine_loop_runs_its_start_hook_on_its_own_thread():
+    """A Ray worker binds its GPU (a per-thread setting) on the thread that will step the engine."""
+    threads = []
+    loop = EngineLoop(_IdleEngine(), outbox=lambda output: None,
+                      on_thread_start=lambda: threads.append(threading.get_ident()))
+    loop.start()
+    try:
+        ran_on = loop.call(lambda engine: threading.get_ident()).result(timeout=10)
+    finally:
+        loop.stop()
+    assert threads == [ran_on] and ran_on != threading.get_ident()
