@@ -8,9 +8,11 @@ atomics). Tile sizes are tuned per (N, K) at the first call, which is an eager w
 is captured.
 
 Two fused variants take the small kernels before a decode GEMV into it: silu_mul_gemv reads gate and up and
-applies silu(gate) * up as it loads (the MLP's down projection); rms_norm_gemv adds the residual and applies
-RMSNorm as it loads (each program first reads the few input rows for their norms, from L2), so the normalised
-activations never go to memory (the qkv and gate_up projections; llama.normed_linear).
+applies silu(gate) * up as it loads (the MLP's down projection); rms_norm_gemv adds the residual and scales by
+the norm's weight as it loads, sums the squares alongside the product and applies each row's 1 / RMS to the
+result (RMSNorm(x) W^T = rstd * ((x * g) W^T)), so the normalised activations never go to memory and the input
+is read in the one pass over K (the qkv and gate_up projections; llama.normed_linear). Its rounding differs
+from the separate norm's (x * g is rounded, not x * rstd), within half precision's.
 
 Off unless RAYLM_TRITON_GEMV=1 (see dispatch.gemv_applies) until it is measured faster than cuBLAS on
 the target GPU: `python benchmarks/gemv.py`, `bash benchmarks/h200.sh gemv`.
@@ -44,34 +46,26 @@ _PLAIN, _SILU_MUL, _RMS_NORM = 0, 1, 2
 
 
 @triton.jit
-def _summed_tile(x_rows, res_rows, ks, mask, HAS_RESIDUAL: tl.constexpr):
-    """x (+ residual) at columns ks, rounded to the input dtype as triton_ops' fused add + RMSNorm rounds it."""
-    x = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        residual = tl.load(res_rows + ks[None, :], mask=mask, other=0.0)
-        x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual.dtype)
-    return x
-
-
-@triton.jit
-def _input_tile(x_rows, res_rows, res_out_rows, norm_w_ptr, rstd, ks, mask, K, write_residual,
+def _input_tile(x_rows, res_rows, res_out_rows, norm_w_ptr, ks, mask, K, write_residual,
                 PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
-    """The [BLOCK_M, BLOCK_K] tile of the GEMV's input at columns ks, in the weight's dtype."""
+    """The [BLOCK_M, BLOCK_K] tile of the GEMV's input at columns ks, in the weight's dtype, and (for the norm
+    prologue) the float32 values whose squares make the rows' norms."""
     if PROLOGUE == 1:  # silu(gate) * up, rounded as triton_ops.silu_and_mul rounds it
         gate = tl.load(x_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_rows + K + ks[None, :], mask=mask, other=0.0)
         activated = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
-        return (activated.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+        tile = (activated.to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+        return tile, tile.to(tl.float32)
+    x = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
     if PROLOGUE != 2:
-        return tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
-    # RMSNorm of x (+ residual), rounded as triton_ops' RMSNorm rounds it
-    x = _summed_tile(x_rows, res_rows, ks, mask, HAS_RESIDUAL)
-    if HAS_RESIDUAL:
-        if write_residual:
-            tl.store(res_out_rows + ks[None, :], x, mask=mask)
-    normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
+        return x, x.to(tl.float32)
+    if HAS_RESIDUAL:  # x + residual, rounded to the input dtype as triton_ops' fused add + RMSNorm rounds it
+        residual = tl.load(res_rows + ks[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(residual.dtype)
+        tl.store(res_out_rows + ks[None, :], x, mask=mask & write_residual)  # one program writes the sum
+    hidden = x.to(tl.float32)
     weight = tl.load(norm_w_ptr + ks, mask=ks < K, other=0.0)
-    return (weight.to(tl.float32)[None, :] * normed.to(tl.float32)).to(x.dtype)
+    return (hidden * weight.to(tl.float32)[None, :]).to(x.dtype), hidden
 
 
 @triton.jit
@@ -88,23 +82,19 @@ def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, bias_ptr, y_ptr
     x_rows = x_ptr + rows[:, None] * stride_xm
     res_rows = res_ptr + rows[:, None] * stride_rm
     res_out_rows = res_out_ptr + rows[:, None] * stride_rom
-    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if PROLOGUE == 2:  # every program reads the few input rows once more (from L2) for their norms
-        squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            ks = start + tl.arange(0, BLOCK_K)
-            x = _summed_tile(x_rows, res_rows, ks, row_mask[:, None] & (ks < K)[None, :], HAS_RESIDUAL)
-            hidden = x.to(tl.float32)
-            squares += tl.sum(hidden * hidden, axis=1)
-        rstd = tl.rsqrt(squares / K + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK]
-        x = _input_tile(x_rows, res_rows, res_out_rows, norm_w_ptr, rstd, ks, row_mask[:, None] & k_mask[None, :],
-                        K, pid == 0, PROLOGUE, HAS_RESIDUAL)  # [BM, BK]
+        x, hidden = _input_tile(x_rows, res_rows, res_out_rows, norm_w_ptr, ks, row_mask[:, None] & k_mask[None, :],
+                                K, pid == 0, PROLOGUE, HAS_RESIDUAL)  # [BM, BK]
         acc = tl.dot(x, tl.trans(w), acc)
+        if PROLOGUE == 2:
+            squares += tl.sum(hidden * hidden, axis=1)
+    if PROLOGUE == 2:  # RMSNorm(x) W^T = rstd * ((x * g) W^T): the per-row scale comes out of the sum
+        acc *= tl.rsqrt(squares / K + eps)[:, None]
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0)
         acc += bias.to(tl.float32)[None, :]
