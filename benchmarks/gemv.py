@@ -1,7 +1,5 @@
 """The decode GEMV (kernels/triton_gemv.py) against cuBLAS (F.linear) on the Llama-3.1-8B layer shapes: time
-per call and weight bandwidth for 1–8 rows, and the sum over one decode step (32 layers + the LM head); then
-each fused prologue against the small kernel it replaces followed by the GEMV (add + RMSNorm before qkv and
-gate_up, SiLU-mul before down).
+per call and weight bandwidth for 1–8 rows, and the sum over one decode step (32 layers + the LM head).
 
     python benchmarks/gemv.py               # one GPU's shapes
     python benchmarks/gemv.py --tp 2        # the shard of each rank at tensor-parallel size 2
@@ -27,8 +25,6 @@ from benchmarks.common import graph_call_us, write_result  # noqa: E402
 LLAMA_8B = {"qkv": (6144, 4096, "n"), "o": (4096, 4096, "k"), "gate_up": (28672, 4096, "n"),
             "down": (4096, 14336, "k"), "lm_head": (128256, 4096, "n")}
 LAYERS = 32
-# name: the layer whose GEMV takes the prologue, what the prologue does
-PROLOGUES = {"qkv": "add+rms_norm", "gate_up": "add+rms_norm", "down": "silu_mul"}
 
 
 def time_calls(fn, x: torch.Tensor, weights: list[torch.Tensor], replays: int = 5) -> float:
@@ -41,35 +37,6 @@ def time_calls(fn, x: torch.Tensor, weights: list[torch.Tensor], replays: int = 
             fn(x, w)
 
     return graph_call_us(body, len(weights), replays)
-
-
-def prologue_impls(prologue: str, rows: int, k: int) -> tuple[torch.Tensor, dict]:
-    """The input of a layer with a prologue and, by name, each way to compute prologue + product from it."""
-    from raylm.kernels.triton_gemv import gemv, rms_norm_gemv, silu_mul_gemv
-    from raylm.kernels.triton_ops import fused_add_rms_norm, silu_and_mul
-
-    if prologue == "silu_mul":
-        gate_up = torch.randn(rows, 2 * k, device="cuda", dtype=torch.bfloat16)
-        return gate_up, {"separate+cublas": lambda x, w: F.linear(silu_and_mul(x), w),
-                         "separate+triton": lambda x, w: gemv(silu_and_mul(x), w),
-                         "fused": silu_mul_gemv}
-    residual = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-    norm_weight = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
-    return torch.randn(rows, k, device="cuda", dtype=torch.bfloat16), {
-        "separate+cublas": lambda x, w: F.linear(fused_add_rms_norm(x, residual, norm_weight, 1e-5)[0], w),
-        "separate+triton": lambda x, w: gemv(fused_add_rms_norm(x, residual, norm_weight, 1e-5)[0], w),
-        "fused": lambda x, w: rms_norm_gemv(x, residual, norm_weight, 1e-5, w)[0]}
-
-
-def shard_shape(name: str, tp: int) -> tuple[int, int]:
-    n, k, split = LLAMA_8B[name]
-    return (n // tp, k) if split == "n" else (n, k // tp)
-
-
-def weight_copies(n: int, k: int) -> list[torch.Tensor]:
-    """Enough copies of an [n, k] weight (≥ 1 GiB in all) that no call finds its weight in L2."""
-    copies = max(2, math.ceil(2**30 / (n * k * 2)))
-    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
 
 
 def main() -> None:
@@ -87,10 +54,11 @@ def main() -> None:
     result: dict = {}
     for rows in args.rows:
         per_step = dict.fromkeys(impls, 0.0)
-        for name in LLAMA_8B:
-            n, k = shard_shape(name, args.tp)
+        for name, (n, k, split) in LLAMA_8B.items():
+            n, k = (n // args.tp, k) if split == "n" else (n, k // args.tp)
             nbytes = n * k * 2
-            weights = weight_copies(n, k)
+            copies = max(2, math.ceil(2**30 / nbytes))
+            weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
             x = torch.randn(rows, k, device="cuda", dtype=dtype)
             torch.testing.assert_close(gemv(x, weights[0]), F.linear(x, weights[0]), atol=5e-2, rtol=2e-2)
             entry = {}
@@ -107,23 +75,6 @@ def main() -> None:
         result[str(rows)]["decode_step_ms"] = {impl: us / 1000 for impl, us in per_step.items()}
         print(f"rows {rows}: linear layers of one decode step: " + ", ".join(
             f"{impl} {us / 1000:.3f} ms" for impl, us in per_step.items()), flush=True)
-    for rows in args.rows:
-        per_step = {}
-        for name, prologue in PROLOGUES.items():
-            n, k = shard_shape(name, args.tp)
-            weights = weight_copies(n, k)
-            x, ways = prologue_impls(prologue, rows, k)
-            entry = {way: time_calls(fn, x, weights) for way, fn in ways.items()}
-            for way, micros in entry.items():
-                per_step[way] = per_step.get(way, 0.0) + micros * LAYERS
-            result[str(rows)].setdefault("prologues", {})[name] = {"prologue": prologue, "us": entry}
-            timings = ", ".join(f"{way} {us:.1f} us" for way, us in entry.items())
-            print(f"rows {rows} {prologue} + {name:<8}: {timings}", flush=True)
-            del weights
-            torch.cuda.empty_cache()
-        result[str(rows)]["prologues"]["decode_step_ms"] = {way: us / 1000 for way, us in per_step.items()}
-        print(f"rows {rows}: prologue + GEMV of one decode step: " + ", ".join(
-            f"{way} {us / 1000:.3f} ms" for way, us in per_step.items()), flush=True)
     suffix = f"-tp{args.tp}" if args.tp > 1 else ""
     path = write_result(f"gemv-llama-3.1-8b{suffix}", args, result)
     print(f"wrote {path}")

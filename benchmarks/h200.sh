@@ -4,8 +4,8 @@
 #   bash benchmarks/h200.sh throughput   # 8B 1000 x (1024, 1024), median of 3 runs                (~7 min)
 #   bash benchmarks/h200.sh peers        # 8B 256 x (512, 128) and SmolLM2 1024 x (256, 256), median of 3,
 #                                        # each with the HF peer in the same run                    (~5 min)
-#   bash benchmarks/h200.sh gemv         # the decode GEMV against cuBLAS, then 8B batch 1 with it (and its
-#                                        # fused RMSNorm / SiLU-mul) on: latency and step profile   (~3 min)
+#   bash benchmarks/h200.sh gemv         # the decode GEMV against cuBLAS, then 8B batch 1 with it on: latency
+#                                        # and step profile                                         (~3 min)
 #   bash benchmarks/h200.sh sweep        # throughput against batch size, SmolLM2 (with HF) and 8B   (~4 min)
 # and the multi-GPU issue's, on two H200s (nvidia-h200-x2):
 #   bash benchmarks/h200.sh x2-check       # 2-GPU tests, 8B TP=2 vs TP=1 parity, 8B latency at TP=2 (~7 min)

@@ -41,8 +41,8 @@ def triton_gemv_enabled() -> bool:
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x (at most GEMV_MAX_ROWS rows of half-precision input on CUDA) goes to the Triton GEMV, fused
-    prologues included, when RAYLM_TRITON_GEMV=1."""
+    """Whether x (at most GEMV_MAX_ROWS rows of half-precision input on CUDA) goes to the Triton GEMV, when
+    RAYLM_TRITON_GEMV=1."""
     return (x.is_cuda and weight.dtype in _HALF and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]
             and x.dtype == weight.dtype and triton_gemv_enabled())
 

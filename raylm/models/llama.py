@@ -15,14 +15,12 @@ from torch import nn
 
 from raylm.kernels.activation import gated_activation
 from raylm.kernels.attention import AttentionMetadata
-from raylm.kernels.dispatch import gemv_applies
 from raylm.kernels.norm import RMSNorm
 from raylm.kernels.rotary import RotaryEmbedding, rope_inv_freq
 from raylm.models.arch import ArchConfig
 from raylm.models.moe import MoEBlock
 from raylm.models.parallel import (
     SINGLE,
-    ColumnParallelLinear,
     MergedColumnParallelLinear,
     ParallelContext,
     ParallelLMHead,
@@ -51,12 +49,7 @@ class Attention(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        return self.attend(rope, self.qkv_proj(hidden), kv_cache, meta)
-
-    def attend(self, rope: tuple[torch.Tensor, torch.Tensor], qkv: torch.Tensor, kv_cache: KVCache,
-               meta: AttentionMetadata) -> torch.Tensor:
-        """The layer's output from its qkv projection."""
-        q, k, v = self.qkv_proj.split(qkv)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -73,33 +66,9 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [size, size], arch.mlp_bias, ctx)
         self.down_proj = RowParallelLinear(size, arch.hidden_size, arch.mlp_bias, ctx)
         self.act = gated_activation(arch.hidden_act)
-        self.silu = arch.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up_proj(x))
-
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The down projection of act(gate) * up; decode-sized inputs take it in one fused GEMV."""
-        if self.silu and gemv_applies(gate_up, self.down_proj.weight):
-            from raylm.kernels.triton_gemv import silu_mul_gemv
-
-            return self.down_proj.finish(silu_mul_gemv(gate_up, self.down_proj.weight))
-        return self.down_proj(self.act(gate_up))
-
-
-def normed_linear(norm: RMSNorm, proj: ColumnParallelLinear, hidden: torch.Tensor, residual: torch.Tensor | None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """proj(norm(hidden + residual)) and the new residual, hidden + residual (hidden itself when there is no
-    residual yet: the first layer). Decode-sized inputs take it in one GEMV that normalises as it reads."""
-    if gemv_applies(hidden, proj.weight):
-        from raylm.kernels.triton_gemv import rms_norm_gemv
-
-        out, summed = rms_norm_gemv(hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias)
-        return out, hidden if summed is None else summed
-    if residual is None:
-        return proj(norm(hidden)), hidden
-    normed, residual = norm(hidden, residual)
-    return proj(normed), residual
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -111,11 +80,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, rope, hidden, residual, kv_cache, meta):
-        qkv, residual = normed_linear(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
-        hidden = self.self_attn.attend(rope, qkv, kv_cache, meta)
-        if isinstance(self.mlp, MLP):
-            gate_up, residual = normed_linear(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
-            return self.mlp.down(gate_up), residual
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

@@ -179,11 +179,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, start, param.shape[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.finish(linear(x, self.weight))
-
-    def finish(self, partial: torch.Tensor) -> torch.Tensor:
-        """The layer's output from this rank's partial product x_shard W_shard^T: summed over ranks, plus bias."""
-        out = self.ctx.all_reduce(partial)
+        out = self.ctx.all_reduce(linear(x, self.weight))
         if self.bias is not None:
             out = out + self.bias
         return out
