@@ -21,9 +21,9 @@ from benchmarks.common import (  # noqa: E402
     build_llm,
     hf_peer,
     machine,
-    parallel_suffix,
     random_prompts,
     release_device_memory,
+    run_suffix,
     write_result,
 )
 from benchmarks.throughput import run_hf  # noqa: E402
@@ -106,11 +106,11 @@ def main() -> None:
                                  "ms_per_step": 1000 * seconds[name][size] / args.output_len}
                      for size in values} for name, values in seconds.items()}
     model_name = Path(args.model or "smollm2").name
-    name = f"batch-sweep-{model_name}-i{args.input_len}-o{args.output_len}-{info.device}{parallel_suffix(args)}"
+    name = f"batch-sweep-{model_name}-i{args.input_len}-o{args.output_len}-{info.device}{run_suffix(args)}"
     path = write_result(name, args, result)
     picture = Path(args.plot) if args.plot else path.with_suffix(".png")
     plot(picture, sizes, throughput, f"{model_name}, {args.input_len} in / {args.output_len} out, {info.dtype}, "
-                                     f"{machine()}{parallel_suffix(args)}")
+                                     f"{machine()}{run_suffix(args)}")
     if picture.exists():
         print(f"drew {picture}")
     print(f"\n{'batch':>6}" + "".join(f"{label:>18}" for label in throughput))

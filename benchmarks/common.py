@@ -29,6 +29,7 @@ def add_model_args(parser: argparse.ArgumentParser, peer: bool = True) -> None:
                             help="also run HF transformers on the same prompts and print the ratio")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs per pipeline stage)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--attention_backend", default="auto", choices=["auto", "torch", "triton", "flashinfer"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output_json", default=None, help="result file (default: benchmarks/results/<name>.json)")
 
@@ -48,7 +49,7 @@ def build_llm(args: argparse.Namespace, max_seq_len: int, executor: str = "auto"
         model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
         tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, max_seq_len=max_seq_len,
-        skip_tokenizer_init=args.load_format == "dummy", seed=args.seed,
+        skip_tokenizer_init=args.load_format == "dummy", seed=args.seed, attention_backend=args.attention_backend,
         kv_cache_config=KvCacheConfig(max_tokens=args.kv_cache_max_tokens, enable_block_reuse=False,
                                       free_gpu_memory_fraction=args.kv_cache_free_gpu_memory_fraction),
     )
@@ -57,6 +58,12 @@ def build_llm(args: argparse.Namespace, max_seq_len: int, executor: str = "auto"
 def parallel_suffix(args: argparse.Namespace) -> str:
     """'-tp2', '-pp2', '-tp2-pp2' for multi-GPU runs (part of result names), '' for one device."""
     return "".join(f"-{name}{size}" for name, size in (("tp", args.tp), ("pp", args.pp)) if size > 1)
+
+
+def run_suffix(args: argparse.Namespace) -> str:
+    """parallel_suffix, then '-<backend>' when an attention backend was chosen (part of result names)."""
+    backend = "" if args.attention_backend == "auto" else f"-{args.attention_backend}"
+    return parallel_suffix(args) + backend
 
 
 def release_device_memory(device: str) -> None:

@@ -7,6 +7,9 @@
 #   bash benchmarks/h200.sh gemv         # the decode GEMV against cuBLAS, then 8B batch 1 with it on: latency
 #                                        # and step profile                                         (~3 min)
 #   bash benchmarks/h200.sh sweep        # throughput against batch size, SmolLM2 (with HF) and 8B   (~4 min)
+#   bash benchmarks/h200.sh flashinfer   # attention_backend="flashinfer": its GPU tests, then 8B latency batch 8
+#                                        # and 8B 256 x (512, 128); needs .gpu/flashinfer.tar.xz from
+#                                        # benchmarks/flashinfer_bundle.sh (its first JIT compiles take minutes)
 # and the multi-GPU issue's, on two H200s (nvidia-h200-x2):
 #   bash benchmarks/h200.sh x2-check       # 2-GPU tests, 8B TP=2 vs TP=1 parity, 8B latency at TP=2 (~7 min)
 #   bash benchmarks/h200.sh x2-throughput  # 8B 1000 x (1024, 1024) at TP=2 and at PP=2              (~8 min)
@@ -76,6 +79,18 @@ case "${1:-}" in
         --plot "$plot" $(output_json "batch-sweep-$name") "$@" 2>&1 | tail -14
     done
     ;;
+  flashinfer)
+    if [ ! -f .gpu/flashinfer.tar.xz ]; then
+      echo "no .gpu/flashinfer.tar.xz: run bash benchmarks/flashinfer_bundle.sh here first" >&2
+      exit 2
+    fi
+    mkdir -p /tmp/flashinfer-site && tar xJf .gpu/flashinfer.tar.xz -C /tmp/flashinfer-site
+    export PYTHONPATH=/tmp/flashinfer-site${PYTHONPATH:+:$PYTHONPATH}
+    python -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -3
+    timeout 330 python -m pytest tests/engine/test_flashinfer.py -q -p no:cacheprovider 2>&1 | tail -15
+    latency latency-8b-b8-flashinfer "$llama" 8 --attention_backend flashinfer
+    throughput throughput-8b-n256-flashinfer "$llama" 256 512 128 256 150 --attention_backend flashinfer
+    ;;
   x2-check)
     timeout 330 python -m pytest tests/actors/test_multi_gpu.py -q -x -p no:cacheprovider 2>&1 | tail -30
     # fp32: with random weights the next-token distribution is nearly flat (top logprob about -7.5 of a
@@ -97,7 +112,7 @@ case "${1:-}" in
     throughput throughput-8b-n1000-pp2 "$llama" 1000 1024 1024 256 300 --pp 2
     ;;
   *)
-    echo "usage: bash benchmarks/h200.sh check|throughput|peers|gemv|sweep|x2-check|x2-throughput|x2-fast" >&2
+    echo "usage: bash benchmarks/h200.sh check|throughput|peers|gemv|sweep|flashinfer|x2-check|x2-throughput|x2-fast" >&2
     exit 2
     ;;
 esac

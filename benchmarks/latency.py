@@ -20,8 +20,8 @@ from benchmarks.common import (  # noqa: E402
     add_model_args,
     build_llm,
     hf_peer,
-    parallel_suffix,
     random_prompts,
+    run_suffix,
     synchronize,
     write_result,
 )
@@ -111,7 +111,7 @@ def main() -> None:
              result[name]["median_latency_s"]) for name in times]
 
     name = f"latency-{Path(args.model or 'smollm2').name}-b{args.batch_size}-i{args.input_len}-o{args.output_len}-" \
-           f"{llm.info.device}{parallel_suffix(args)}"
+           f"{llm.info.device}{run_suffix(args)}"
     path = write_result(name, args, result)
     print(f"\nbatch {args.batch_size}, input {args.input_len}, output {args.output_len} on {llm.info.device} "
           f"({llm.info.dtype}); start-up {startup:.2f} s, first token at {first_token:.2f} s")

@@ -190,7 +190,8 @@ def serve_args(args: argparse.Namespace):
         model=args.model or "smollm2-135m-instruct", load_format=args.load_format, dtype=args.dtype,
         device=args.device, max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
         max_seq_len=args.input_len + args.output_len + 16, skip_tokenizer_init=args.load_format == "dummy",
-        seed=args.seed, kv_cache_config=KvCacheConfig(max_tokens=args.kv_cache_max_tokens, enable_block_reuse=False,
+        seed=args.seed, attention_backend=args.attention_backend,
+        kv_cache_config=KvCacheConfig(max_tokens=args.kv_cache_max_tokens, enable_block_reuse=False,
                                                       free_gpu_memory_fraction=args.kv_cache_free_gpu_memory_fraction),
         served_model_name="bench", host="127.0.0.1", port=port, max_queue=max(1024, args.num_prompts), api_key=None,
     )

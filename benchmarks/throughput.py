@@ -19,9 +19,9 @@ from benchmarks.common import (  # noqa: E402
     add_model_args,
     build_llm,
     hf_peer,
-    parallel_suffix,
     random_prompts,
     release_device_memory,
+    run_suffix,
     synchronize,
     write_result,
 )
@@ -102,7 +102,7 @@ def main() -> None:
         rows.append(("hf transformers", peer))
 
     name = f"throughput-{Path(args.model or 'smollm2').name}-n{args.num_prompts}-i{args.input_len}-" \
-           f"o{args.output_len}-{info.device}{parallel_suffix(args)}"
+           f"o{args.output_len}-{info.device}{run_suffix(args)}"
     path = write_result(name, args, result)
     print(f"\n{args.num_prompts} prompts x ({args.input_len} in, {args.output_len} out) on {info.device} "
           f"({info.dtype})")

@@ -96,7 +96,9 @@ class LlmArgs(StrictModel):
 
     seed: int = Field(default=0, ge=0)
     iter_stats_max_iterations: int = Field(default=1000, ge=0)
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    attention_backend: Literal["auto", "torch", "triton", "flashinfer"] = Field(
+        default="auto", description="Attention kernels: 'auto' (Triton on a CUDA device, else torch), 'torch' "
+                                    "(the reference), 'triton', or 'flashinfer' (needs the flashinfer package).")
 
     @field_validator("kv_cache_config", mode="before")
     @classmethod

@@ -167,6 +167,25 @@ def _prompt_logprob_spec(item: ScheduledSequence, first_row: int) -> PromptLogpr
     )
 
 
+def resolve_attention_backend(requested: str, device: torch.device) -> str:
+    """The attention backend a runner on `device` uses for attention_backend=requested: "auto" is Triton on a
+    CUDA device with Triton, else the torch reference; "triton" and "flashinfer" must be usable there."""
+    on_triton = use_triton(torch.empty(0, device=device))
+    if requested == "auto":
+        return "triton" if on_triton else "torch"
+    if requested == "triton" and not on_triton:
+        raise ValueError("attention_backend='triton' needs a CUDA device and Triton")
+    if requested == "flashinfer":
+        from raylm.kernels.flashinfer_backend import flashinfer_available
+
+        if not (on_triton and flashinfer_available()):
+            raise ValueError("attention_backend='flashinfer' needs a CUDA device, Triton (it writes the KV cache) "
+                             "and the flashinfer package (pip install flashinfer-python)")
+    if requested not in ("torch", "triton", "flashinfer"):
+        raise ValueError(f"attention_backend must be one of 'auto', 'torch', 'triton', 'flashinfer'; got {requested!r}")
+    return requested
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, arch: ArchConfig, device: torch.device, dtype: torch.dtype,
                  block_size: int, seed: int = 0, attention_backend: str = "auto"):
@@ -180,13 +199,18 @@ class ModelRunner:
         self.num_kv_heads = model.local_layers[0].self_attn.num_kv_heads
         self.num_local_layers = model.num_local_layers
         self.graphs = None
+        self.attention_backend = resolve_attention_backend(attention_backend, device)
         self.build_metadata = build_metadata
-        if use_triton(torch.empty(0, device=device)) and attention_backend in ("auto", "triton"):
+        if self.attention_backend == "triton":
             from raylm.kernels.triton_backend import build_triton_metadata
 
             self.build_metadata = build_triton_metadata
-        elif attention_backend == "triton":
-            raise ValueError("attention_backend='triton' needs a CUDA device and Triton")
+        elif self.attention_backend == "flashinfer":
+            from raylm.kernels.flashinfer_backend import FlashInferPlanner
+
+            attention = model.local_layers[0].self_attn
+            self.build_metadata = FlashInferPlanner(attention.num_heads, attention.num_kv_heads, arch.head_dim,
+                                                    attention.scale, dtype, device)
 
     # ------------------------------------------------------------------ KV cache
 
@@ -197,6 +221,9 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype) -> None:
         """num_blocks usable blocks plus the null block 0, which alone is zeroed: every other slot is
         written before attention reads it, so the rest is left uninitialised (and untouched on the CPU)."""
+        if self.attention_backend == "flashinfer" and kv_dtype != self.dtype:
+            raise ValueError(f"attention_backend='flashinfer' keeps the KV cache in the model's dtype ({self.dtype}), "
+                             f"got kv_cache_config.dtype {kv_dtype}")
         shape = (num_blocks + 1, self.block_size, self.num_kv_heads, self.arch.head_dim)
         self.kv_caches = []
         for _ in range(self.num_local_layers):
@@ -241,7 +268,7 @@ class ModelRunner:
         """Runs eager decode steps that take each kernel variant a running engine can meet (single-pass and
         split-K attention), so that a later step never stops to compile; every read is of the null block
         and nothing is written (slot -1)."""
-        if self.build_metadata is build_metadata:  # the torch path compiles nothing
+        if self.attention_backend == "torch":  # the torch path compiles nothing
             return
         for width in (1, -(-max_seq_len // self.block_size)):
             self._run_alone(StepPlan(input_ids=[0], positions=[0], slot_mapping=[-1],
@@ -253,7 +280,7 @@ class ModelRunner:
         """Captures decode CUDA graphs (when the device, the kernels and the model allow them)."""
         from raylm.engine.cuda_graphs import DecodeGraphs, graph_ladder_fits
 
-        if self.build_metadata is build_metadata or not graph_ladder_fits(self.arch, pp_size):
+        if self.attention_backend != "triton" or not graph_ladder_fits(self.arch, pp_size):
             return
         max_blocks = -(-max_seq_len // self.block_size)
         graphs = DecodeGraphs(self.model, self.kv_caches, batch_sizes, max_blocks, self.arch.hidden_size,

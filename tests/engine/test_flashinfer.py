@@ -1,0 +1,81 @@
+"""attention_backend="flashinfer" on the GPU against HF transformers and the Triton backend: decode, chunked
+prefill over a cached prefix, mixed steps, prefix-cache hits. Runs where CUDA and flashinfer are available."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raylm import LLM, KvCacheConfig, SamplingParams, TokensPrompt
+from tests.conftest import hf_logprobs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+flashinfer = pytest.importorskip("flashinfer")
+
+PROMPTS = [[504, 3575, 282, 4649, 314], [19556, 28, 957, 1462, 314, 1133, 2040] * 9, [7, 7, 7],
+           list(range(1000, 1100)), [2, 9, 77, 1203, 11, 8, 3, 40] * 3]
+NEW_TOKENS = 16
+LOGPROB_TOLERANCE = 0.1  # |bf16 - fp32 reference| per token, as for the bf16 Triton path (test_gpu.py)
+
+
+@pytest.fixture(scope="module", params=[1, 4], ids=["gqa4", "mha"])
+def head_dim_64_model(request, tmp_path_factory):
+    """A tiny Llama with FlashInfer's smallest common head size (64), with 4 query heads per KV head (the
+    tensor-core decode kernel) or one (the CUDA-core one)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=request.param, head_dim=64,
+                         max_position_embeddings=4096, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+                         tie_word_embeddings=False)
+    torch.manual_seed(1234)
+    path = tmp_path_factory.mktemp(f"llama-hd64-kv{request.param}")
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return path
+
+
+def _generate(path, backend: str, params: SamplingParams, **kwargs):
+    """Outputs of PROMPTS run twice on one engine (the second run prefills over cached prefixes)."""
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
+    # 48 tokens a step: the long prompts are prefilled in chunks, beside the other sequences' decodes.
+    with LLM(str(path), device="cuda", dtype="bfloat16", skip_tokenizer_init=True, attention_backend=backend,
+             kv_cache_config=KvCacheConfig(max_tokens=8192, tokens_per_block=16), max_seq_len=1024,
+             max_num_tokens=48, **kwargs) as llm:
+        assert llm._executor.worker.runner.attention_backend == backend
+        return [llm.generate(prompts, params, use_tqdm=False) for _ in range(2)]
+
+
+def test_flashinfer_logprobs_match_hf(head_dim_64_model):
+    runs = _generate(head_dim_64_model, "flashinfer", SamplingParams(max_tokens=NEW_TOKENS, logprobs=0,
+                                                                     prompt_logprobs=0, ignore_eos=True))
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(head_dim_64_model, dtype=torch.float32).to("cuda").eval()
+    for outputs in runs:
+        for prompt, output in zip(PROMPTS, outputs):
+            completion = output.outputs[0]
+            reference = hf_logprobs(hf, prompt + completion.token_ids)
+            for offset, token in enumerate(completion.token_ids):
+                error = abs(completion.logprobs[offset][token].logprob - reference[len(prompt) - 1 + offset, token])
+                assert error < LOGPROB_TOLERANCE
+            for position in range(1, len(prompt)):  # the prefill's own attention, chunk by chunk
+                token = prompt[position]
+                error = abs(output.prompt_logprobs[position][token].logprob - reference[position - 1, token])
+                assert error < LOGPROB_TOLERANCE
+
+
+def test_flashinfer_greedy_tokens_mostly_match_triton(head_dim_64_model):
+    """Both backends in bf16 on the same model: the same greedy tokens up to near-ties (bf16 sums in another
+    order can flip one), so most sequences agree whole."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    ours = _generate(head_dim_64_model, "flashinfer", params)
+    triton = _generate(head_dim_64_model, "triton", params, cuda_graph_config=None)
+    pairs = [(a.outputs[0].token_ids, b.outputs[0].token_ids) for run, ref in zip(ours, triton)
+             for a, b in zip(run, ref)]
+    assert sum(a == b for a, b in pairs) >= len(pairs) // 2
+
+
+def test_flashinfer_refuses_a_kv_cache_in_another_dtype(head_dim_64_model):
+    with pytest.raises(ValueError, match="flashinfer"):
+        LLM(str(head_dim_64_model), device="cuda", dtype="bfloat16", skip_tokenizer_init=True,
+            attention_backend="flashinfer", kv_cache_config=KvCacheConfig(max_tokens=1024, dtype="float16"))
