@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU issue's workloads on one H200, split so that each part fits one 10-minute device command:
-#   bash benchmarks/h200.sh check        # GPU tests (kernels, engine), latency workloads, step profiles (~7 min)
+#   bash benchmarks/h200.sh check        # GPU tests: kernels against their torch references, the engine (~7 min)
+#   bash benchmarks/h200.sh latency      # the latency workloads, then step profiles                (~3 min)
 #   bash benchmarks/h200.sh throughput   # 8B 1000 x (1024, 1024), median of 3 runs                (~7 min)
 #   bash benchmarks/h200.sh peers        # 8B 256 x (512, 128) and SmolLM2 1024 x (256, 256), median of 3,
 #                                        # each with the HF peer in the same run                    (~5 min)
@@ -44,8 +45,10 @@ throughput() {  # name model prompts input output max_batch seconds [extra...]
 
 case "${1:-}" in
   check)
-    timeout 300 python -m pytest tests/kernels tests/engine/test_gpu.py tests/engine/test_overlap.py -q \
-      -p no:cacheprovider 2>&1 | tail -8
+    timeout 560 python -m pytest tests/kernels tests/engine/test_gpu.py tests/engine/test_overlap.py -q \
+      -p no:cacheprovider --durations=5 2>&1 | tail -15
+    ;;
+  latency)
     latency latency-smollm2-b1 "$smol" 1 --peer hf
     latency latency-8b-b8 "$llama" 8
     latency latency-8b-b1 "$llama" 1
@@ -112,7 +115,7 @@ case "${1:-}" in
     throughput throughput-8b-n1000-pp2 "$llama" 1000 1024 1024 256 300 --pp 2
     ;;
   *)
-    echo "usage: bash benchmarks/h200.sh check|throughput|peers|gemv|sweep|flashinfer|x2-check|x2-throughput|x2-fast" >&2
+    echo "usage: bash benchmarks/h200.sh check|latency|throughput|peers|gemv|sweep|flashinfer|x2-check|x2-throughput|x2-fast" >&2
     exit 2
     ;;
 esac
