@@ -41,11 +41,12 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[li
     return [[rng.randrange(low, vocab_size) for _ in range(length)] for _ in range(num)]
 
 
-def build_llm(args: argparse.Namespace, max_seq_len: int, executor: str = "auto"):
+def build_llm(args: argparse.Namespace, max_seq_len: int, executor: str = "auto", **options):
+    """An LLM for the benchmark's model arguments; options go to LLM as they are (worker_extension_cls...)."""
     from raylm import LLM, KvCacheConfig
 
     return LLM(
-        executor=executor,
+        executor=executor, **options,
         model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
         tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, max_seq_len=max_seq_len,

@@ -4,6 +4,10 @@ around graph replays), and the GPU busy fraction over a whole generate call.
 
     python benchmarks/step_profile.py --model benchmarks/configs/smollm2-135m --load_format dummy --batch_size 1
     python benchmarks/step_profile.py --model benchmarks/configs/llama-3.1-8b --load_format dummy --batch_size 8
+
+With --tp or --pp above 1 the engine runs in Ray worker actors, out of this process's reach: the profile is then
+each rank's device kernels over one generate call (time per step, calls, the busy fraction), taken inside the
+workers through collective_rpc (a worker extension), which shows what the collectives cost beside the layers.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import add_model_args, build_llm, random_prompts, write_result  # noqa: E402
+from benchmarks.common import add_model_args, build_llm, parallel_suffix, random_prompts, write_result  # noqa: E402
 
 
 class PhaseTimer:
@@ -43,6 +47,59 @@ class PhaseTimer:
 
     def summary(self, steps: int) -> dict[str, float]:
         return {phase: 1000 * sum(values) / steps for phase, values in self.totals.items()}
+
+
+class KernelProfile:
+    """Worker extension: the CUDA kernels this rank's GPU ran between two collective_rpc calls (the profiler
+    records kernels of every thread of the process, the engine's included)."""
+
+    def start_kernel_profile(self) -> None:
+        self._kernel_profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        self._kernel_profile.__enter__()
+
+    def stop_kernel_profile(self, top: int) -> dict:
+        """Total kernel time (us) and the `top` kernels: (name, calls, total us)."""
+        torch.cuda.synchronize(self.device)
+        self._kernel_profile.__exit__(None, None, None)
+        averages = self._kernel_profile.key_averages()
+        del self._kernel_profile
+        ranked = sorted(averages, key=lambda e: e.self_device_time_total, reverse=True)
+        return {"busy_us": sum(e.self_device_time_total for e in averages),
+                "top": [(e.key, e.count, e.self_device_time_total) for e in ranked[:top]]}
+
+
+def profile_ranks(args: argparse.Namespace) -> None:
+    """The multi-rank profile: per-rank kernel tables over one generate call (see the module's docstring)."""
+    from raylm import SamplingParams, TokensPrompt
+
+    llm = build_llm(args, max_seq_len=args.input_len + args.output_len + 16, worker_extension_cls=KernelProfile)
+    if llm.info.device != "cuda":
+        llm.shutdown()
+        sys.exit("the multi-rank profile reads CUDA kernels: it needs GPUs")
+    prompts = [TokensPrompt(prompt_token_ids=p)
+               for p in random_prompts(args.batch_size, args.input_len, llm.info.vocab_size, args.seed)]
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    llm.collective_rpc("start_kernel_profile")
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    ranks = llm.collective_rpc("stop_kernel_profile", (max(args.kernels, 12),))
+    device = llm.info.device
+    llm.shutdown()
+    steps = args.output_len  # one prefill step, then a decode step per token after the first
+    result = {"steps": steps, "wall_s": wall, "ms_per_step": 1000 * wall / steps, "ranks": [
+        {"busy_fraction": rank["busy_us"] / 1e6 / wall,
+         "top_kernels": [{"name": name, "calls": calls, "ms_per_step": us / 1000 / steps}
+                         for name, calls, us in rank["top"]]} for rank in ranks]}
+    name = f"step-profile-{Path(args.model or 'smollm2').name}-b{args.batch_size}-{device}{parallel_suffix(args)}"
+    path = write_result(name, args, result)
+    print(f"{steps} steps, {result['ms_per_step']:.3f} ms per step (wall)")
+    for rank, entry in enumerate(result["ranks"]):
+        print(f"rank {rank}: device busy {100 * entry['busy_fraction']:.0f}%")
+        for kernel in entry["top_kernels"]:
+            print(f"  {kernel['ms_per_step']:8.3f} ms/step {kernel['calls']:7d} calls  {kernel['name'][:90]}")
+    print(f"wrote {path}")
 
 
 def decode_gpu_ms(runner, batch: int, context: int, iters: int = 50) -> float | None:
@@ -74,7 +131,8 @@ def main() -> None:
                         help="also print the N GPU kernels with the most time over the profiled generate call")
     args = parser.parse_args()
     if args.tp * args.pp > 1:
-        parser.error("the step profile reads one in-process engine: --tp and --pp must be 1")
+        profile_ranks(args)
+        return
 
     from raylm import SamplingParams, TokensPrompt
     from raylm.engine import model_runner
