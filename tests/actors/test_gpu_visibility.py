@@ -45,3 +45,33 @@ def test_the_engine_loop_runs_its_start_hook_on_its_own_thread():
     finally:
         loop.stop()
     assert threads == [ran_on] and ran_on != threading.get_ident()
+
+
+def test_worker_methods_bind_the_gpu_on_the_calling_thread(monkeypatch):
+    """With every GPU visible, a method that reaches the GPU first makes the worker's GPU the current device of
+    the thread it runs on (each concurrency group of the actor has its own threads)."""
+    import torch
+
+    from raylm.actors.ray_worker import RayWorker
+
+    bound = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: bound.append((index, threading.get_ident())))
+
+    class _Worker:
+        def load_model(self):
+            return bound[-1]
+
+        def report_device_id(self):
+            return bound[-1]
+
+    actor = object.__new__(RayWorker)
+    actor.gpu_index, actor.worker = 3, _Worker()
+    threads = []
+    for call in (actor.load_model, lambda: actor.execute_method("report_device_id", (), {})):
+        thread = threading.Thread(target=lambda call=call: threads.append((call(), threading.get_ident())))
+        thread.start()
+        thread.join()
+    assert [seen for seen, _ in threads] == [(3, ident) for _, ident in threads]
+    actor.gpu_index = None  # Ray shows the actor its own GPU alone: nothing to bind
+    actor.bind_gpu()
+    assert len(bound) == 2
