@@ -24,7 +24,7 @@ def head_dim_64_model(request, tmp_path_factory):
     tensor-core decode kernel) or one (the CUDA-core one)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=request.param, head_dim=64,
                          max_position_embeddings=4096, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
                          tie_word_embeddings=False)
