@@ -68,18 +68,24 @@ class KernelProfile:
                 "top": [(e.key, e.count, e.self_device_time_total) for e in ranked[:top]]}
 
 
-def profile_ranks(args: argparse.Namespace) -> None:
-    """The multi-rank profile: per-rank kernel tables over one generate call (see the module's docstring)."""
+def warmed_up_workload(args: argparse.Namespace, llm) -> tuple[list, object]:
+    """The profiled call's prompts and sampling parameters, after one warm-up generate call with them."""
     from raylm import SamplingParams, TokensPrompt
 
+    prompts = [TokensPrompt(prompt_token_ids=p)
+               for p in random_prompts(args.batch_size, args.input_len, llm.info.vocab_size, args.seed)]
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)
+    return prompts, params
+
+
+def profile_ranks(args: argparse.Namespace) -> None:
+    """The multi-rank profile: per-rank kernel tables over one generate call (see the module's docstring)."""
     llm = build_llm(args, max_seq_len=args.input_len + args.output_len + 16, worker_extension_cls=KernelProfile)
     if llm.info.device != "cuda":
         llm.shutdown()
         sys.exit("the multi-rank profile reads CUDA kernels: it needs GPUs")
-    prompts = [TokensPrompt(prompt_token_ids=p)
-               for p in random_prompts(args.batch_size, args.input_len, llm.info.vocab_size, args.seed)]
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    prompts, params = warmed_up_workload(args, llm)
     llm.collective_rpc("start_kernel_profile")
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
@@ -134,16 +140,12 @@ def main() -> None:
         profile_ranks(args)
         return
 
-    from raylm import SamplingParams, TokensPrompt
     from raylm.engine import model_runner
 
     llm = build_llm(args, max_seq_len=args.input_len + args.output_len + 16, executor="local")
     worker = llm._executor.worker
     engine, runner = worker.engine, worker.runner
-    prompts = [TokensPrompt(prompt_token_ids=p)
-               for p in random_prompts(args.batch_size, args.input_len, llm.info.vocab_size, args.seed)]
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    prompts, params = warmed_up_workload(args, llm)
 
     timer = PhaseTimer()
     timer.wrap(engine, "step", "step (all)")

@@ -103,6 +103,19 @@ def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1).cpu()
 
 
+def logprob_errors(model, prompt_ids: list[int], output) -> tuple[list[float], list[float]]:
+    """|raylm - HF| for the logprob of each completion token of a RequestOutput and, where it holds prompt
+    logprobs, of each prompt token after the first; HF scores the prompt followed by raylm's completion."""
+    completion = output.outputs[0]
+    reference = hf_logprobs(model, prompt_ids + completion.token_ids)
+    generated = [abs(completion.logprobs[offset][token].logprob - reference[len(prompt_ids) - 1 + offset, token])
+                 for offset, token in enumerate(completion.token_ids)]
+    prompt = [abs(output.prompt_logprobs[position][prompt_ids[position]].logprob
+                  - reference[position - 1, prompt_ids[position]])
+              for position in range(1, len(prompt_ids))] if output.prompt_logprobs else []
+    return generated, prompt
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A local Ray cluster for one test module, shut down after it so later modules run without Ray."""
