@@ -170,6 +170,8 @@ def _prompt_logprob_spec(item: ScheduledSequence, first_row: int) -> PromptLogpr
 def resolve_attention_backend(requested: str, device: torch.device) -> str:
     """The attention backend a runner on `device` uses for attention_backend=requested: "auto" is Triton on a
     CUDA device with Triton, else the torch reference; "triton" and "flashinfer" must be usable there."""
+    if requested not in ("auto", "torch", "triton", "flashinfer"):
+        raise ValueError(f"attention_backend must be one of 'auto', 'torch', 'triton', 'flashinfer'; got {requested!r}")
     on_triton = use_triton(torch.empty(0, device=device))
     if requested == "auto":
         return "triton" if on_triton else "torch"
@@ -181,8 +183,6 @@ def resolve_attention_backend(requested: str, device: torch.device) -> str:
         if not (on_triton and flashinfer_available()):
             raise ValueError("attention_backend='flashinfer' needs a CUDA device, Triton (it writes the KV cache) "
                              "and the flashinfer package (pip install flashinfer-python)")
-    if requested not in ("torch", "triton", "flashinfer"):
-        raise ValueError(f"attention_backend must be one of 'auto', 'torch', 'triton', 'flashinfer'; got {requested!r}")
     return requested
 
 
