@@ -91,7 +91,8 @@ case "${1:-}" in
     mkdir -p /tmp/flashinfer-site && tar xJf .gpu/flashinfer.tar.xz -C /tmp/flashinfer-site
     export PYTHONPATH=/tmp/flashinfer-site${PYTHONPATH:+:$PYTHONPATH}
     python -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -3
-    timeout 330 python -m pytest tests/engine/test_flashinfer.py -q -p no:cacheprovider 2>&1 | tail -15
+    timeout 420 python -m pytest tests/kernels/test_flashinfer_attention.py tests/engine/test_flashinfer.py -q -x \
+      --tb=short -p no:cacheprovider --durations=5 2>&1 | tail -40
     latency latency-8b-b8-flashinfer "$llama" 8 --attention_backend flashinfer
     throughput throughput-8b-n256-flashinfer "$llama" 256 512 128 256 150 --attention_backend flashinfer
     ;;

@@ -99,7 +99,8 @@ class FlashInferPlanner:
         self.head_dim = head_dim
         self.scale = scale
         self.dtype = dtype
-        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        # FlashInfer asks for a workspace that is zero at its first use.
+        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         # Grouped-query heads (4 or more queries per KV head) decode faster on the tensor-core kernels.
         tensor_cores = num_qo_heads // num_kv_heads >= 4
         self.sets = [(flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores),

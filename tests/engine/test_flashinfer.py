@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from raylm import LLM, KvCacheConfig, SamplingParams, TokensPrompt
-from tests.conftest import logprob_errors
+from tests.conftest import hf_logprobs, logprob_errors
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 flashinfer = pytest.importorskip("flashinfer")
@@ -15,7 +15,13 @@ flashinfer = pytest.importorskip("flashinfer")
 PROMPTS = [[504, 3575, 282, 4649, 314], [19556, 28, 957, 1462, 314, 1133, 2040] * 9, [7, 7, 7],
            list(range(1000, 1100)), [2, 9, 77, 1203, 11, 8, 3, 40] * 3]
 NEW_TOKENS = 16
-LOGPROB_TOLERANCE = 0.1  # |bf16 - fp32 reference| per token, as for the bf16 Triton path (test_gpu.py)
+# |bf16 - fp32 reference| per token. This model's weights are 5x HF's default scale (so that the next token is
+# rarely a near-tie), which makes bf16 rounding show more than on the bf16 Triton path's tests (test_gpu.py):
+# measured on the H200, the largest error of the 100-token prompt's logprobs is 0.13 and the mean about 0.02.
+# A wrong page, mask or plan gives errors of order 1 on many tokens.
+LOGPROB_MAX_ERROR = 0.25
+LOGPROB_MEAN_ERROR = 0.04
+NEAR_TIE = 0.2  # the fp32 reference's logprob gap under which two bf16 runs may pick different greedy tokens
 
 
 @pytest.fixture(scope="module", params=[1, 4], ids=["gqa4", "mha"])
@@ -51,23 +57,35 @@ def test_flashinfer_logprobs_match_hf(head_dim_64_model):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(head_dim_64_model, dtype=torch.float32).to("cuda").eval()
+    errors = []
     for outputs in runs:
         for prompt, output in zip(PROMPTS, outputs):
             # prompt logprobs: the prefill's own attention, chunk by chunk
             generated, prompt_errors = logprob_errors(hf, prompt, output)
             assert len(prompt_errors) == len(prompt) - 1
-            assert all(error < LOGPROB_TOLERANCE for error in generated + prompt_errors)
+            errors += generated + prompt_errors
+    print(f"flashinfer logprob errors vs HF fp32: max {max(errors):.4f}, mean {sum(errors) / len(errors):.4f}")
+    assert max(errors) < LOGPROB_MAX_ERROR
+    assert sum(errors) / len(errors) < LOGPROB_MEAN_ERROR
 
 
-def test_flashinfer_greedy_tokens_mostly_match_triton(head_dim_64_model):
-    """Both backends in bf16 on the same model: the same greedy tokens up to near-ties (bf16 sums in another
-    order can flip one), so most sequences agree whole."""
+def test_flashinfer_greedy_tokens_match_triton_up_to_near_ties(head_dim_64_model):
+    """Both backends in bf16 on the same model pick the same greedy tokens; where a sequence first differs,
+    the two tokens must be a near-tie of the fp32 reference (bf16 sums in another order can flip one)."""
+    from transformers import AutoModelForCausalLM
+
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     ours = _generate(head_dim_64_model, "flashinfer", params)
     triton = _generate(head_dim_64_model, "triton", params, cuda_graph_config=None)
-    pairs = [(a.outputs[0].token_ids, b.outputs[0].token_ids) for run, ref in zip(ours, triton)
-             for a, b in zip(run, ref)]
-    assert sum(a == b for a, b in pairs) >= len(pairs) // 2
+    hf = AutoModelForCausalLM.from_pretrained(head_dim_64_model, dtype=torch.float32).to("cuda").eval()
+    for run, ref in zip(ours, triton):
+        for prompt, a, b in zip(PROMPTS, run, ref):
+            a, b = a.outputs[0].token_ids, b.outputs[0].token_ids
+            if a == b:
+                continue
+            first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+            scores = hf_logprobs(hf, prompt + a[:first])[-1]
+            assert abs(scores[a[first]] - scores[b[first]]) < NEAR_TIE, (prompt, first, a, b)
 
 
 def test_flashinfer_refuses_a_kv_cache_in_another_dtype(head_dim_64_model):

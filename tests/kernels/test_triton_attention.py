@@ -56,9 +56,11 @@ def _cdiv(a: int, b: int) -> int:
 
 def _run_step(device: torch.device, dtype: torch.dtype, shape: Shape, decode_lens: list[int],
               prefill_chunks: list[tuple[int, int]], sliding_window: int | None = None,
-              num_splits: int | None = None) -> None:
+              num_splits: int | None = None, planner=None) -> None:
     """Runs one step of decodes (context lengths) then prefill chunks ((start, query_len)) through the
-    kernels and through the reference, and asserts that outputs and caches agree."""
+    kernels and through the reference, and asserts that outputs and caches agree. With a planner (the
+    FlashInfer backend's build_metadata), the step runs through the metadata it plans instead of the Triton
+    attention kernels."""
     page_size, num_kv_heads, head_dim = shape.page_size, shape.num_kv_heads, shape.head_dim
     num_q_heads = num_kv_heads * shape.group
     context_lens = decode_lens + [start + length for start, length in prefill_chunks]
@@ -92,13 +94,17 @@ def _run_step(device: torch.device, dtype: torch.dtype, shape: Shape, decode_len
         num_tokens, num_kv_heads, head_dim)
     scale = head_dim**-0.5
 
-    meta = build_metadata([(block_lists[seq], length) for seq, length in enumerate(decode_lens)],
-                          [(block_lists[num_decodes + index], start, length)
-                           for index, (start, length) in enumerate(prefill_chunks)],
-                          slots, page_size, sliding_window, device)
+    decode_contexts = [(block_lists[seq], length) for seq, length in enumerate(decode_lens)]
+    chunks = [(block_lists[num_decodes + index], start, length) for index, (start, length) in enumerate(prefill_chunks)]
+    meta = build_metadata(decode_contexts, chunks, slots, page_size, sliding_window, device)
     ref_k_cache, ref_v_cache = k_cache.float(), v_cache.float()
     expected = paged_attention(q.float(), k.float(), v.float(), ref_k_cache, ref_v_cache, meta, scale)
 
+    if planner is not None:
+        out = planner(decode_contexts, chunks, slots, page_size, sliding_window, device).attend(
+            q, k, v, k_cache, v_cache, scale)
+        _assert_step_matches(out, expected, (k_cache, v_cache), (ref_k_cache, ref_v_cache), dtype)
+        return
     write_kv_cache(k, v, k_cache, v_cache, torch.tensor(slots, dtype=torch.int64, device=device))
     out = torch.empty_like(q)
     if num_decodes:
@@ -114,7 +120,11 @@ def _run_step(device: torch.device, dtype: torch.dtype, shape: Shape, decode_len
             q[num_decodes:], k_cache, v_cache, table[num_decodes:], query_start_loc.to(device),
             seq_starts.to(device), (seq_starts + query_lens).to(device), scale, sliding_window)
 
-    assert torch.equal(k_cache.float(), ref_k_cache) and torch.equal(v_cache.float(), ref_v_cache)
+    _assert_step_matches(out, expected, (k_cache, v_cache), (ref_k_cache, ref_v_cache), dtype)
+
+
+def _assert_step_matches(out, expected, caches, ref_caches, dtype: torch.dtype) -> None:
+    assert all(torch.equal(cache.float(), ref) for cache, ref in zip(caches, ref_caches))
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
 
