@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import time
@@ -61,10 +62,27 @@ def parallel_suffix(args: argparse.Namespace) -> str:
     return "".join(f"-{name}{size}" for name, size in (("tp", args.tp), ("pp", args.pp)) if size > 1)
 
 
+# The experimental kernel switches (RAYLM_* environment variables) a result name records when they are on.
+SWITCHES = (("RAYLM_TRITON_GEMV", "gemv"), ("RAYLM_SYMM_MEM_ALLREDUCE", "symm"), ("RAYLM_PDL", "pdl"))
+
+
+def switch_suffix() -> str:
+    """'-gemv', '-symm', '-pdl' for each experimental switch that is on, and '-prefetchN' for the GEMV's L2
+    prefetch under PDL, in that order; '' with none."""
+    from raylm.kernels.dispatch import env_flag
+
+    suffix = "".join(f"-{short}" for name, short in SWITCHES if env_flag(name))
+    tiles = os.environ.get("RAYLM_GEMV_PREFETCH_TILES", "0")
+    if env_flag("RAYLM_PDL") and tiles != "0":
+        suffix += f"-prefetch{tiles}"
+    return suffix
+
+
 def run_suffix(args: argparse.Namespace) -> str:
-    """parallel_suffix, then '-<backend>' when an attention backend was chosen (part of result names)."""
+    """parallel_suffix, then '-<backend>' when an attention backend was chosen, then switch_suffix (part of
+    result names)."""
     backend = "" if args.attention_backend == "auto" else f"-{args.attention_backend}"
-    return parallel_suffix(args) + backend
+    return parallel_suffix(args) + backend + switch_suffix()
 
 
 def release_device_memory(device: str) -> None:

@@ -8,6 +8,9 @@
 #   bash benchmarks/h200.sh gemv         # the decode GEMV against cuBLAS, then 8B batch 1 with it on: latency
 #                                        # and step profile                                         (~3 min)
 #   bash benchmarks/h200.sh sweep        # throughput against batch size, SmolLM2 (with HF) and 8B   (~4 min)
+#   bash benchmarks/h200.sh pdl          # programmatic dependent launch (RAYLM_PDL=1): its GPU tests, then 8B batch 1
+#                                        # with the Triton GEMV, PDL off / on / on with the GEMV's L2 prefetch, batch 8
+#                                        # with both, and the step profile of the best batch-1 setting      (~7 min)
 #   bash benchmarks/h200.sh flashinfer   # attention_backend="flashinfer": its GPU tests, then 8B latency batch 8
 #                                        # and 8B 256 x (512, 128); needs .gpu/flashinfer.tar.xz from
 #                                        # benchmarks/flashinfer_bundle.sh (its first JIT compiles take minutes)
@@ -83,6 +86,17 @@ case "${1:-}" in
         --plot "$plot" $(output_json "batch-sweep-$name") "$@" 2>&1 | tail -14
     done
     ;;
+  pdl)
+    timeout 200 python -m pytest tests/kernels/test_pdl.py "tests/engine/test_gpu.py::test_pdl_changes_no_token_or_logprob" \
+      -q -x --tb=short -p no:cacheprovider 2>&1 | tail -15
+    export RAYLM_TRITON_GEMV=1
+    latency latency-8b-b1-gemv "$llama" 1
+    (export RAYLM_PDL=1; latency latency-8b-b1-gemv-pdl "$llama" 1
+     for tiles in 2 8; do RAYLM_GEMV_PREFETCH_TILES=$tiles latency "latency-8b-b1-gemv-pdl-prefetch$tiles" "$llama" 1; done
+     latency latency-8b-b8-gemv-pdl "$llama" 8
+     timeout 100 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
+       --kernels 8 $(output_json step-llama-3.1-8b-b1-gemv-pdl) 2>&1 | tail -18)
+    ;;
   flashinfer)
     if [ ! -f .gpu/flashinfer.tar.xz ]; then
       echo "no .gpu/flashinfer.tar.xz: run bash benchmarks/flashinfer_bundle.sh here first" >&2
@@ -118,7 +132,7 @@ case "${1:-}" in
     throughput throughput-8b-n1000-pp2 "$llama" 1000 1024 1024 256 300 --pp 2
     ;;
   *)
-    echo "usage: bash benchmarks/h200.sh check|latency|throughput|peers|gemv|sweep|flashinfer|x2-check|x2-throughput|x2-fast" >&2
+    echo "usage: bash benchmarks/h200.sh check|latency|throughput|peers|gemv|sweep|pdl|flashinfer|x2-check|x2-throughput|x2-fast" >&2
     exit 2
     ;;
 esac

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import add_model_args, build_llm, parallel_suffix, random_prompts, write_result  # noqa: E402
+from benchmarks.common import add_model_args, build_llm, random_prompts, run_suffix, write_result  # noqa: E402
 
 
 class PhaseTimer:
@@ -98,7 +98,7 @@ def profile_ranks(args: argparse.Namespace) -> None:
         {"busy_fraction": rank["busy_us"] / 1e6 / wall,
          "top_kernels": [{"name": name, "calls": calls, "ms_per_step": us / 1000 / steps}
                          for name, calls, us in rank["top"]]} for rank in ranks]}
-    name = f"step-profile-{Path(args.model or 'smollm2').name}-b{args.batch_size}-{device}{parallel_suffix(args)}"
+    name = f"step-profile-{Path(args.model or 'smollm2').name}-b{args.batch_size}-{device}{run_suffix(args)}"
     path = write_result(name, args, result)
     print(f"{steps} steps, {result['ms_per_step']:.3f} ms per step (wall)")
     for rank, entry in enumerate(result["ranks"]):
@@ -183,7 +183,7 @@ def main() -> None:
                         for e in top_kernels],
     }
     llm.shutdown()
-    name = f"step-profile-{Path(args.model or 'smollm2').name}-b{args.batch_size}-{llm.info.device}"
+    name = f"step-profile-{Path(args.model or 'smollm2').name}-b{args.batch_size}-{llm.info.device}{run_suffix(args)}"
     path = write_result(name, args, result)
     print(f"{steps} steps, {result['ms_per_step']:.3f} ms per step (wall), GPU busy "
           f"{gpu_busy if gpu_busy is None else f'{100 * gpu_busy:.0f}%'}, decode forward on the GPU "

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from raylm.kernels.pdl import pdl_options, pdl_wait
 from raylm.kernels.triton_ops import cos_sin_halves, rope_rows, rotate_heads, rotated_heads
 
 _LOG2_E = 1.4426950408889634
@@ -93,7 +94,9 @@ def _window(sliding_window: int | None) -> int:
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, num_kv_heads, head_dim,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_block, stride_slot, stride_head,
-                     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
@@ -136,7 +139,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         k, v, k_cache, v_cache, slot_mapping, num_kv_heads, head_dim,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         PAGE_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
+        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4, **pdl_options(k),
     )
 
 
@@ -146,10 +149,11 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
                             stride_q_out_t, stride_q_out_h, stride_block, stride_slot, stride_head,
                             PAGE_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                            BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+                            BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False):
     """One token: rotates its query heads into q_out, and its key heads (rotated) and value heads into its
     cache slot (none for a negative slot). Keys are rounded to k's dtype before the cache's, as rotating then
     writing them rounds them."""
+    pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     cos1, sin1, cos2, sin2 = cos_sin_halves(cos_ptr, sin_ptr, token, stride_cos, stride_sin, half, BLOCK_HALF)
     rotate_heads(q_ptr, q_out_ptr, token, cos1, sin1, cos2, sin2, num_q_heads, half, stride_qt, stride_qh,
@@ -190,7 +194,7 @@ def rotary_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             PAGE_SIZE=k_cache.shape[1], BLOCK_HQ=triton.next_power_of_2(num_q_heads),
             BLOCK_HK=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=triton.next_power_of_2(half),
-            BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
+            BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4, **pdl_options(q),
         )
     return q_out
 
@@ -209,8 +213,10 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_ob, stride_oh, stride_block, stride_slot, stride_head, stride_table,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """One (sequence, KV head, split): attends the group's query heads over the split's range of keys."""
+    pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -255,8 +261,10 @@ def _decode_split_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num_q_heads, num_splits, head_dim,
-                          stride_ob, stride_oh, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                          stride_ob, stride_oh, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                          USE_PDL: tl.constexpr = False):
     """Merges the splits of one (sequence, query head) by their log-sum-exp weights."""
+    pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -390,12 +398,13 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(config.block_m, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=config.block_n, PAGE_SIZE=page_size, DIRECT_OUTPUT=direct, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(q),
     )
     if not direct:  # one BLOCK_S for every split count up to _MAX_SPLITS: one compiled variant
         _decode_reduce_kernel[(batch, num_q_heads)](
             out, part_acc, part_max, part_sum, num_q_heads, num_splits, head_dim, out.stride(0), out.stride(1),
             BLOCK_S=triton.next_power_of_2(max(num_splits, _MAX_SPLITS)), BLOCK_D=block_d, num_warps=4,
+            **pdl_options(q),
         )
     return out
 

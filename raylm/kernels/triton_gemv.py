@@ -8,7 +8,8 @@ atomics). Tile sizes are tuned per (N, K) at the first call, which is an eager w
 is captured.
 
 Off unless RAYLM_TRITON_GEMV=1 (see dispatch.linear) until it is measured faster than cuBLAS on
-the target GPU: `python benchmarks/gemv.py`.
+the target GPU: `python benchmarks/gemv.py`. Under programmatic dependent launch (RAYLM_PDL=1, kernels/pdl.py)
+a program loads its first weight tile before it waits for the kernel before it.
 
 The small kernels before a decode GEMV (add + RMSNorm before qkv and gate_up, SiLU-mul before down) stay
 separate: folding them into this kernel's input loads was measured 3-4x slower per call on the H200 (Triton
@@ -24,6 +25,7 @@ import triton
 import triton.language as tl
 
 from raylm.kernels.dispatch import GEMV_MAX_ROWS
+from raylm.kernels.pdl import pdl_options, pdl_wait, prefetch_l2
 
 _BLOCK_M = 16  # tl.dot's smallest tile; rows past M are masked
 
@@ -40,7 +42,8 @@ def _configs() -> list[triton.Config]:
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 USE_PDL: tl.constexpr = False, PREFETCH_TILES: tl.constexpr = 0, LINE: tl.constexpr = 64):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output features = rows of W
@@ -48,8 +51,18 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, s
     col_mask = cols < N
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rows[:, None] * stride_xm
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
+    # The first weight tile (and, with PREFETCH_TILES, the next ones into L2) is requested before pdl_wait:
+    # weights are not written during a step, so under PDL they stream in while the kernel before finishes.
+    ks = tl.arange(0, BLOCK_K)
+    w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & (ks < K)[None, :], other=0.0)
+    if PREFETCH_TILES > 0:
+        lines = BLOCK_K + tl.arange(0, PREFETCH_TILES * BLOCK_K // LINE) * LINE  # one element per LINE elements
+        safe = col_mask[:, None] & (lines < K)[None, :]
+        prefetch_l2(tl.where(safe, w_rows + lines[None, :], w_ptr))
+    pdl_wait(USE_PDL)
+    x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & (ks < K)[None, :], other=0.0)
+    acc = tl.dot(x, tl.trans(w), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+    for start in range(BLOCK_K, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK]
@@ -66,6 +79,15 @@ _gemv_tuned = triton.autotune(configs=_configs(), key=["N", "K"])(_gemv_kernel)
 # The interpreter (CPU tests; read at import, as Triton does) has no device to time configurations on: it runs one.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _INTERPRETED_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 128}
+
+
+def prefetch_tiles() -> int:
+    """Weight tiles past the first that a GEMV launched with PDL pulls into L2 before it waits
+    (RAYLM_GEMV_PREFETCH_TILES, default 0: to be chosen by measurement, `bash benchmarks/h200.sh pdl`)."""
+    value = os.environ.get("RAYLM_GEMV_PREFETCH_TILES", "0")
+    if value not in ("0", "1", "2", "4", "8", "16"):
+        raise ValueError(f"RAYLM_GEMV_PREFETCH_TILES must be 0, 1, 2, 4, 8 or 16, got {value!r}")
+    return int(value)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -94,5 +116,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             _gemv_kernel[grid](*args, HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M, **_INTERPRETED_CONFIG)
         else:
             grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-            _gemv_tuned[grid](*args, HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M)
+            options = pdl_options(x)
+            if options:
+                options.update(PREFETCH_TILES=prefetch_tiles(), LINE=128 // weight.element_size())
+            _gemv_tuned[grid](*args, HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M, **options)
     return out.reshape(*x.shape[:-1], N)

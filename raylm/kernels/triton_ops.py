@@ -11,13 +11,16 @@ import torch
 import triton
 import triton.language as tl
 
+from raylm.kernels.pdl import pdl_options, pdl_wait
+
 # ------------------------------------------------------------------------------------------ RMSNorm
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden_size, eps,
                      stride_x, stride_residual, stride_out, stride_residual_out,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
@@ -61,6 +64,7 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
             x_rows, residual_rows, weight.contiguous(), out_rows, residual_out_rows, hidden_size, eps,
             x_rows.stride(0), residual_rows.stride(0), out_rows.stride(0), residual_out_rows.stride(0),
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
+            **pdl_options(x),
         )
     return out, residual_out
 
@@ -184,7 +188,9 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up_ptr, out_ptr, size, stride_in, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, size, stride_in, stride_out, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
@@ -209,5 +215,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         block = min(triton.next_power_of_2(size), 1024)
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(size, block))](
             rows, out_rows, size, rows.stride(0), out_rows.stride(0), BLOCK=block, num_warps=4,
+            **pdl_options(gate_up),
         )
     return out

@@ -68,6 +68,34 @@ def test_bf16_logprobs_within_the_stated_tolerance(tiny_model_dirs, gemv, monkey
         assert all(error < BF16_LOGPROB_TOLERANCE for error in generated)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="programmatic dependent launch needs compute capability 9.0+")
+def test_pdl_changes_no_token_or_logprob(tiny_model_dirs, monkeypatch):
+    """RAYLM_PDL=1 (kernels start before the previous one ends, kernels/pdl.py) with the Triton GEMV, decode
+    graphs on: the same tokens and the same logprob bits as without it, prompt logprobs included."""
+    from raylm.kernels import dispatch
+
+    path = tiny_model_dirs["llama"]
+    params = SamplingParams(max_tokens=NEW_TOKENS, logprobs=0, prompt_logprobs=0)
+    monkeypatch.setenv("RAYLM_TRITON_GEMV", "1")
+    dispatch.triton_gemv_enabled.cache_clear()
+    runs = []
+    try:
+        for pdl in ("0", "1"):
+            monkeypatch.setenv("RAYLM_PDL", pdl)
+            with _llm(path, dtype="bfloat16") as llm:
+                assert llm._executor.worker.runner.graphs is not None
+                runs.append(_run(llm, params))
+    finally:
+        monkeypatch.undo()
+        dispatch.triton_gemv_enabled.cache_clear()
+    for plain, pdl in zip(*runs):
+        assert pdl.outputs[0].token_ids == plain.outputs[0].token_ids
+        assert [{t: p.logprob for t, p in step.items()} for step in pdl.outputs[0].logprobs] == [
+            {t: p.logprob for t, p in step.items()} for step in plain.outputs[0].logprobs]
+        assert [{t: p.logprob for t, p in step.items()} for step in pdl.prompt_logprobs[1:]] == [
+            {t: p.logprob for t, p in step.items()} for step in plain.prompt_logprobs[1:]]
+
 def test_graphs_pad_odd_batches_and_match_eager(tiny_model_dirs):
     path = tiny_model_dirs["qwen3"]
     params = SamplingParams(max_tokens=20, ignore_eos=True)

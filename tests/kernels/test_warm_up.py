@@ -16,7 +16,8 @@ from raylm.kernels.triton_backend import build_triton_metadata  # noqa: E402
 
 def test_decode_warm_up_runs_both_attention_variants_and_writes_nothing(tiny_model_dirs, monkeypatch):
     runner, _ = tiny_runner(tiny_model_dirs["llama"], torch.float32, DEVICE)
-    runner.build_metadata = build_triton_metadata  # the CPU picks the torch path; the interpreter runs this one
+    # The CPU picks the torch path; the interpreter runs the Triton one.
+    runner.attention_backend, runner.build_metadata = "triton", build_triton_metadata
     for k_cache, v_cache in runner.kv_caches:
         k_cache[1:].fill_(0.5)
         v_cache[1:].fill_(-0.5)

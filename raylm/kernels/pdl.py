@@ -1,0 +1,67 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels of a decode step, on Hopper and later GPUs.
+
+A batch-1 decode step is ~290 kernels, and most of its time is the GEMVs streaming weights; between them run
+small kernels (RMSNorm, RoPE + KV write, attention, SiLU-mul) during which the weight stream stops, and each
+GEMV ramps up from an idle memory system. With PDL a kernel may start while the one before it in the stream is
+still running: it calls `pdl_wait` before it reads or writes anything a kernel before it touches, and lets
+the next kernel start at once. The GEMV loads its first weight tile before it waits (weights are not written
+during a step), so the next layer's weights stream in while the small kernels finish.
+
+Ordering stays that of the stream: every kernel of the chain waits in every program, before its first read of
+data an earlier kernel writes and before any write, so a kernel that has passed its wait sees every earlier
+kernel complete (the one before it has passed its own wait, and so on). Kernels launched without PDL (cuBLAS,
+torch) keep the ordinary full ordering on both sides. Under CUDA graph capture the launches become programmatic
+edges of the graph.
+
+Off unless RAYLM_PDL=1 until measured on the H200 (`bash benchmarks/h200.sh pdl`); never in the Triton
+interpreter, which has no grid dependency control.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from raylm.kernels.dispatch import env_flag
+
+_MIN_CAPABILITY = (9, 0)
+
+
+@functools.cache
+def _device_supports_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= _MIN_CAPABILITY
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether Triton kernels on `device` launch with PDL: RAYLM_PDL=1, a CUDA device of compute capability
+    9.0 or later, and compiled (not interpreted) Triton."""
+    if device.type != "cuda" or not env_flag("RAYLM_PDL") or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _device_supports_pdl(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_options(x: torch.Tensor) -> dict:
+    """Launch keywords of a PDL-aware kernel working on x: its USE_PDL switch and Triton's launch_pdl, or none
+    (the kernel's USE_PDL defaults to off)."""
+    return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(x.device) else {}
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Lets the next kernel in the stream start, then waits until every earlier kernel's writes are visible.
+    A no-op unless the kernel was launched with PDL."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Asks for the 128-byte lines at ptrs to be brought into L2: no registers are filled and nothing waits
+    for the data. Every pointer must be a valid address (point masked-out entries somewhere harmless)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)

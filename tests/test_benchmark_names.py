@@ -1,0 +1,28 @@
+"""Benchmark result names record the run's layout, attention backend and experimental kernel switches, so that
+runs with a switch on never overwrite the default run's result."""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks.common import run_suffix
+
+
+def _args(**overrides) -> argparse.Namespace:
+    return argparse.Namespace(**{"tp": 1, "pp": 1, "attention_backend": "auto", **overrides})
+
+
+def test_default_runs_have_no_suffix(monkeypatch):
+    for name in ("RAYLM_TRITON_GEMV", "RAYLM_SYMM_MEM_ALLREDUCE", "RAYLM_PDL", "RAYLM_GEMV_PREFETCH_TILES"):
+        monkeypatch.delenv(name, raising=False)
+    assert run_suffix(_args()) == ""
+
+
+def test_layout_backend_and_switches_are_named_in_order(monkeypatch):
+    monkeypatch.setenv("RAYLM_TRITON_GEMV", "1")
+    monkeypatch.setenv("RAYLM_SYMM_MEM_ALLREDUCE", "0")
+    monkeypatch.setenv("RAYLM_PDL", "1")
+    monkeypatch.setenv("RAYLM_GEMV_PREFETCH_TILES", "4")
+    assert run_suffix(_args(tp=2, attention_backend="flashinfer")) == "-tp2-flashinfer-gemv-pdl-prefetch4"
+    monkeypatch.setenv("RAYLM_PDL", "0")  # the prefetch only acts under PDL
+    assert run_suffix(_args()) == "-gemv"
