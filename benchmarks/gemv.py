@@ -1,5 +1,6 @@
 """The decode GEMV (kernels/triton_gemv.py) against cuBLAS (F.linear) on the Llama-3.1-8B layer shapes: time
-per call and weight bandwidth for 1–8 rows, and the sum over one decode step (32 layers + the LM head).
+per call and weight bandwidth for 1–8 rows, and the sum over one decode step (32 layers + the LM head); then the
+gate / up GEMV followed by the SiLU-mul kernel against gemv_silu_mul, which applies SiLU-mul in its epilogue.
 
     python benchmarks/gemv.py               # one GPU's shapes
     python benchmarks/gemv.py --tp 2        # the shard of each rank at tensor-parallel size 2
@@ -39,6 +40,26 @@ def time_calls(fn, x: torch.Tensor, weights: list[torch.Tensor], replays: int = 
     return graph_call_us(body, len(weights), replays)
 
 
+def time_gate_up_silu(rows: int, tp: int, dtype: torch.dtype) -> dict:
+    """The gate / up GEMV followed by the SiLU-mul kernel against gemv_silu_mul (the SiLU-mul in its epilogue)."""
+    from raylm.kernels.triton_gemv import gemv, gemv_silu_mul
+    from raylm.kernels.triton_ops import silu_and_mul
+
+    n, k, _ = LLAMA_8B["gate_up"]
+    n //= tp
+    copies = max(2, math.ceil(2**30 / (n * k * 2)))
+    weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
+    x = torch.randn(rows, k, device="cuda", dtype=dtype)
+    torch.testing.assert_close(gemv_silu_mul(x, weights[0]), silu_and_mul(gemv(x, weights[0])), atol=2e-2, rtol=2e-2)
+    entry = {"separate_us": time_calls(lambda x, w: silu_and_mul(gemv(x, w)), x, weights),
+             "fused_us": time_calls(gemv_silu_mul, x, weights)}
+    print(f"rows {rows} gate_up + SiLU-mul [{n} x {k}]: GEMV then SiLU-mul {entry['separate_us']:.1f} us, "
+          f"SiLU-mul in the GEMV's epilogue {entry['fused_us']:.1f} us", flush=True)
+    del weights
+    torch.cuda.empty_cache()
+    return entry
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -75,6 +96,7 @@ def main() -> None:
         result[str(rows)]["decode_step_ms"] = {impl: us / 1000 for impl, us in per_step.items()}
         print(f"rows {rows}: linear layers of one decode step: " + ", ".join(
             f"{impl} {us / 1000:.3f} ms" for impl, us in per_step.items()), flush=True)
+        result[str(rows)]["gate_up_silu_mul"] = time_gate_up_silu(rows, args.tp, dtype)
     suffix = f"-tp{args.tp}" if args.tp > 1 else ""
     path = write_result(f"gemv-llama-3.1-8b{suffix}", args, result)
     print(f"wrote {path}")

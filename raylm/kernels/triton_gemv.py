@@ -11,9 +11,11 @@ Off unless RAYLM_TRITON_GEMV=1 (see dispatch.linear) until it is measured faster
 the target GPU: `python benchmarks/gemv.py`. Under programmatic dependent launch (RAYLM_PDL=1, kernels/pdl.py)
 a program loads its first weight tile before it waits for the kernel before it.
 
-The small kernels before a decode GEMV (add + RMSNorm before qkv and gate_up, SiLU-mul before down) stay
-separate: folding them into this kernel's input loads was measured 3-4x slower per call on the H200 (Triton
-3.6: 51.6 us against 17.5 for norm + GEMV at qkv, 129.5 against 31.8 for SiLU-mul + down; docs/benchmarks.md).
+The SiLU-mul after the gate / up projection runs in that GEMV's epilogue (gemv_silu_mul: each program owns
+matching gate and up rows, so the activation needs nothing from other programs). The add + RMSNorm before qkv
+and gate_up stay separate kernels: folded into the GEMV's input loads (as was SiLU-mul into down's) they were
+measured 3-4x slower per call on the H200 (Triton 3.6: 51.6 us against 17.5 for norm + GEMV at qkv, 129.5
+against 31.8 for SiLU-mul + down; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -41,6 +43,28 @@ def _configs() -> list[triton.Config]:
 
 
 @triton.jit
+def _w_tile(w_rows, ks, col_mask, K):
+    """One [BLOCK_N, BLOCK_K] tile of weight rows."""
+    return tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & (ks < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _x_tile(x_rows, ks, row_mask, K):
+    """One [BLOCK_M, BLOCK_K] tile of the input rows."""
+    return tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & (ks < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _prefetch_w(w_ptr, w_rows, col_mask, K, BLOCK_K: tl.constexpr, PREFETCH_TILES: tl.constexpr,
+                LINE: tl.constexpr):
+    """Pulls the PREFETCH_TILES weight tiles after the first into L2: one request per LINE elements."""
+    if PREFETCH_TILES > 0:
+        lines = BLOCK_K + tl.arange(0, PREFETCH_TILES * BLOCK_K // LINE) * LINE
+        inside = col_mask[:, None] & (lines < K)[None, :]
+        prefetch_l2(tl.where(inside, w_rows + lines[None, :], w_ptr))
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  USE_PDL: tl.constexpr = False, PREFETCH_TILES: tl.constexpr = 0, LINE: tl.constexpr = 64):
@@ -54,28 +78,62 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, s
     # The first weight tile (and, with PREFETCH_TILES, the next ones into L2) is requested before pdl_wait:
     # weights are not written during a step, so under PDL they stream in while the kernel before finishes.
     ks = tl.arange(0, BLOCK_K)
-    w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & (ks < K)[None, :], other=0.0)
-    if PREFETCH_TILES > 0:
-        lines = BLOCK_K + tl.arange(0, PREFETCH_TILES * BLOCK_K // LINE) * LINE  # one element per LINE elements
-        safe = col_mask[:, None] & (lines < K)[None, :]
-        prefetch_l2(tl.where(safe, w_rows + lines[None, :], w_ptr))
+    w = _w_tile(w_rows, ks, col_mask, K)
+    _prefetch_w(w_ptr, w_rows, col_mask, K, BLOCK_K, PREFETCH_TILES, LINE)
     pdl_wait(USE_PDL)
-    x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & (ks < K)[None, :], other=0.0)
-    acc = tl.dot(x, tl.trans(w), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+    acc = tl.dot(_x_tile(x_rows, ks, row_mask, K), tl.trans(w), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
     for start in range(BLOCK_K, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)  # [BN, BK]
-        x = tl.load(x_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # [BM, BK]
-        acc = tl.dot(x, tl.trans(w), acc)
+        acc = tl.dot(_x_tile(x_rows, ks, row_mask, K), tl.trans(_w_tile(w_rows, ks, col_mask, K)), acc)
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0)
-        acc += bias.to(tl.float32)[None, :]
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
+@triton.jit
+def _gemv_silu_mul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False, PREFETCH_TILES: tl.constexpr = 0,
+                          LINE: tl.constexpr = 64):
+    """silu(x W_gate^T) * (x W_up^T) for W = [W_gate; W_up] ([2N, K]): each program takes BLOCK_N gate rows and
+    the matching up rows, and rounds as linear followed by silu_and_mul does (each projection to y's dtype,
+    then the activation, then the product)."""
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < M
+    col_mask = cols < N
+    gate_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    up_rows = gate_rows + N.to(tl.int64) * stride_wn
+    x_rows = x_ptr + rows[:, None] * stride_xm
+    ks = tl.arange(0, BLOCK_K)
+    w_gate = _w_tile(gate_rows, ks, col_mask, K)
+    w_up = _w_tile(up_rows, ks, col_mask, K)
+    _prefetch_w(w_ptr, gate_rows, col_mask, K, BLOCK_K, PREFETCH_TILES, LINE)
+    _prefetch_w(w_ptr, up_rows, col_mask, K, BLOCK_K, PREFETCH_TILES, LINE)
+    pdl_wait(USE_PDL)
+    x = _x_tile(x_rows, ks, row_mask, K)
+    acc_gate = tl.dot(x, tl.trans(w_gate), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+    acc_up = tl.dot(x, tl.trans(w_up), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+    for start in range(BLOCK_K, K, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        x = _x_tile(x_rows, ks, row_mask, K)
+        acc_gate = tl.dot(x, tl.trans(_w_tile(gate_rows, ks, col_mask, K)), acc_gate)
+        acc_up = tl.dot(x, tl.trans(_w_tile(up_rows, ks, col_mask, K)), acc_up)
+    if HAS_BIAS:
+        acc_gate += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    gate = acc_gate.to(y_ptr.dtype.element_ty).to(tl.float32)
+    up = acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty)
+    out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+    tl.store(out, (activated.to(tl.float32) * up).to(y_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
 _gemv_tuned = triton.autotune(configs=_configs(), key=["N", "K"])(_gemv_kernel)
+_gemv_silu_mul_tuned = triton.autotune(configs=_configs(), key=["N", "K"])(_gemv_silu_mul_kernel)
 # The interpreter (CPU tests; read at import, as Triton does) has no device to time configurations on: it runs one.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _INTERPRETED_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 128}
@@ -90,34 +148,59 @@ def prefetch_tiles() -> int:
     return int(value)
 
 
+def _input_rows(x: torch.Tensor, weight: torch.Tensor, name: str) -> torch.Tensor:
+    """x as [M, K] rows with a contiguous last dimension, after checking x and weight for a GEMV."""
+    if weight.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"{name} takes a float16 or bfloat16 weight, got {weight.dtype}")
+    K = weight.shape[1]
+    if x.shape[-1] != K or x.dtype != weight.dtype:
+        raise ValueError(f"x of shape {list(x.shape)} and dtype {x.dtype} does not fit a weight of shape "
+                         f"{list(weight.shape)} and dtype {weight.dtype}")
+    rows = x.reshape(-1, K)
+    if rows.shape[0] > GEMV_MAX_ROWS:
+        raise ValueError(f"{name} takes at most {GEMV_MAX_ROWS} rows, got {rows.shape[0]}")
+    if weight.stride(-1) != 1:
+        raise ValueError(f"{name} needs a weight whose rows are contiguous")
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+            N: int) -> None:
+    """Runs a GEMV kernel over N output features of out [M, N]: tuned per (N, K), or with the interpreter's
+    one configuration; with PDL where it is on."""
+    M, K = rows.shape
+    if not M:
+        return
+    args = (rows, weight, bias if bias is not None else weight, out, M, N, K, rows.stride(0), weight.stride(0),
+            out.stride(0))
+    if _INTERPRETED:
+        grid = (triton.cdiv(N, _INTERPRETED_CONFIG["BLOCK_N"]),)
+        kernel[grid](*args, HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M, **_INTERPRETED_CONFIG)
+        return
+    options = pdl_options(rows)
+    if options:
+        options.update(PREFETCH_TILES=prefetch_tiles(), LINE=128 // weight.element_size())
+    tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M,
+                                                           **options)
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x of at most GEMV_MAX_ROWS rows (any leading shape) and a half-precision
     weight [N, K] with contiguous rows."""
-    if weight.dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"gemv takes a float16 or bfloat16 weight, got {weight.dtype}")
-    N, K = weight.shape
-    if x.shape[-1] != K or x.dtype != weight.dtype:
-        raise ValueError(f"x of shape {list(x.shape)} and dtype {x.dtype} does not fit a weight of shape "
-                         f"{[N, K]} and dtype {weight.dtype}")
-    rows = x.reshape(-1, K)
-    M = rows.shape[0]
-    if M > GEMV_MAX_ROWS:
-        raise ValueError(f"gemv takes at most {GEMV_MAX_ROWS} rows, got {M}")
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    if weight.stride(-1) != 1:
-        raise ValueError("gemv needs a weight whose rows are contiguous")
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    if M:
-        args = (rows, weight, bias if bias is not None else weight, out, M, N, K, rows.stride(0), weight.stride(0),
-                out.stride(0))
-        if _INTERPRETED:
-            grid = (triton.cdiv(N, _INTERPRETED_CONFIG["BLOCK_N"]),)
-            _gemv_kernel[grid](*args, HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M, **_INTERPRETED_CONFIG)
-        else:
-            grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-            options = pdl_options(x)
-            if options:
-                options.update(PREFETCH_TILES=prefetch_tiles(), LINE=128 // weight.element_size())
-            _gemv_tuned[grid](*args, HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M, **options)
+    rows = _input_rows(x, weight, "gemv")
+    N = weight.shape[0]
+    out = torch.empty((rows.shape[0], N), dtype=x.dtype, device=x.device)
+    _launch(_gemv_kernel, _gemv_tuned, rows, weight, bias, out, N)
+    return out.reshape(*x.shape[:-1], N)
+
+
+def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu_and_mul(F.linear(x, weight, bias)) in one kernel, for x as gemv takes it and a merged gate / up
+    weight [2I, K] (gate rows, then up rows; bias likewise): returns [..., I], rounded as the two steps round."""
+    rows = _input_rows(x, weight, "gemv_silu_mul")
+    if weight.shape[0] % 2:
+        raise ValueError(f"gemv_silu_mul needs gate and up rows of one size, got {weight.shape[0]} rows")
+    N = weight.shape[0] // 2
+    out = torch.empty((rows.shape[0], N), dtype=x.dtype, device=x.device)
+    _launch(_gemv_silu_mul_kernel, _gemv_silu_mul_tuned, rows, weight, bias, out, N)
     return out.reshape(*x.shape[:-1], N)

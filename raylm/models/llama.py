@@ -15,6 +15,7 @@ from torch import nn
 
 from raylm.kernels.activation import gated_activation
 from raylm.kernels.attention import AttentionMetadata
+from raylm.kernels.dispatch import gemv_applies
 from raylm.kernels.norm import RMSNorm
 from raylm.kernels.rotary import RotaryEmbedding, rope_inv_freq
 from raylm.models.arch import ArchConfig
@@ -66,9 +67,15 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [size, size], arch.mlp_bias, ctx)
         self.down_proj = RowParallelLinear(size, arch.hidden_size, arch.mlp_bias, ctx)
         self.act = gated_activation(arch.hidden_act)
+        self.silu = arch.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        if self.silu and gemv_applies(x, gate_up.weight):  # decode-sized: SiLU-mul in the GEMV's epilogue
+            from raylm.kernels.triton_gemv import gemv_silu_mul
+
+            return self.down_proj(gemv_silu_mul(x, gate_up.weight, gate_up.bias))
+        return self.down_proj(self.act(gate_up(x)))
 
 
 class DecoderLayer(nn.Module):

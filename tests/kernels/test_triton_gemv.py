@@ -10,7 +10,8 @@ from tests.kernels import GPU_ONLY, MODULE_MARKS, kernel_device
 
 DEVICE = kernel_device()
 
-from raylm.kernels.triton_gemv import GEMV_MAX_ROWS, gemv  # noqa: E402
+from raylm.kernels.triton_gemv import GEMV_MAX_ROWS, gemv, gemv_silu_mul  # noqa: E402
+from raylm.kernels.triton_ops import silu_and_mul  # noqa: E402
 
 pytestmark = MODULE_MARKS
 
@@ -45,3 +46,26 @@ def test_gemv_keeps_leading_dimensions_and_refuses_what_it_cannot_do():
         gemv(x.float(), weight.float())
     with pytest.raises(ValueError, match="does not fit"):
         gemv(torch.randn(1, 63).to(DEVICE, torch.float16), weight)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, GEMV_MAX_ROWS])
+@pytest.mark.parametrize(("n", "k"), [(64, 128), (100, 300)], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_gemv_silu_mul_matches_gemv_then_silu_and_mul(dtype, rows, n, k, with_bias):
+    """The SiLU-mul epilogue rounds as the two kernels do: each projection, then the activation, then the
+    product. The two GEMVs' sums may run in different tile orders: about one unit in the last place."""
+    generator = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=generator).to(DEVICE, dtype)
+    weight = (torch.randn(2 * n, k, generator=generator) / k**0.5).to(DEVICE, dtype)
+    bias = torch.randn(2 * n, generator=generator).to(DEVICE, dtype) if with_bias else None
+    expected = silu_and_mul(gemv(x, weight, bias))
+    got = gemv_silu_mul(x, weight, bias)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    tolerance = 2 * TOLERANCE[dtype]
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+
+
+def test_gemv_silu_mul_refuses_an_odd_merged_weight():
+    with pytest.raises(ValueError, match="gate and up rows"):
+        gemv_silu_mul(torch.randn(1, 64).to(DEVICE, torch.float16), torch.randn(33, 64).to(DEVICE, torch.float16))
