@@ -11,7 +11,9 @@ Ordering stays that of the stream: every kernel of the chain waits in every prog
 data an earlier kernel writes and before any write, so a kernel that has passed its wait sees every earlier
 kernel complete (the one before it has passed its own wait, and so on). Kernels launched without PDL (cuBLAS,
 torch) keep the ordinary full ordering on both sides. Under CUDA graph capture the launches become programmatic
-edges of the graph.
+edges of the graph. The GEMV's early weight loads are safe because weights are written only between steps (at
+load, or by a worker extension's weight update through collective_rpc), and every step begins with work launched
+without PDL (the input copies, the embedding lookup), which starts only once those writes are complete.
 
 Off unless RAYLM_PDL=1 until measured on the H200 (`bash benchmarks/h200.sh pdl`); never in the Triton
 interpreter, which has no grid dependency control.
