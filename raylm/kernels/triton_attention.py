@@ -205,17 +205,36 @@ def rotary_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
 # Arguments that change from step to step (batch composition, the widest block table) are not specialized on
 # (Triton would otherwise compile a variant per value class: 1, a multiple of 16, other), so a new batch shape
 # never stops a running engine to compile.
+@triton.jit
+def _rotate_rows(x_ptr, rows_offset, dims, mask, cos, sin, half):
+    """NeoX rotation of rows of x (each [.., D] along `dims`), in float32, in the natural dimension order:
+    x[d] cos[d] - x[d + half] sin[d] for d < half, x[d] cos[d] + x[d - half] sin[d] beyond. The two
+    expressions are those of triton_ops.rotated_heads, so that both compile to the same arithmetic."""
+    lower = dims < half
+    partner = tl.where(lower, dims + half, dims - half)
+    x = tl.load(x_ptr + rows_offset + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    other = tl.load(x_ptr + rows_offset + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tl.where(lower[None, :], x * cos - other * sin, x * cos + other * sin)
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_table"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     qk_scale, window, num_q_heads, num_splits, head_dim,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_block, stride_slot, stride_head, stride_table,
+    k_ptr, v_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
+    stride_sin,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    ROPE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
-    """One (sequence, KV head, split): attends the group's query heads over the split's range of keys."""
+    """One (sequence, KV head, split): attends the group's query heads over the split's range of keys.
+
+    With ROPE, q holds the step's unrotated queries, and the kernel does what rotary_write_kv_cache does
+    before it: it rotates the group's queries and, in the program whose split holds the newest key, stores
+    the rotated key and the value (k, v) at the sequence's slot (none for a negative slot), then reads them
+    back from the cache like every other key, after a barrier of the program's threads."""
     pdl_wait(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -232,8 +251,28 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + groups
     head_mask = groups < GROUP
     dim_mask = dims < head_dim
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-                mask=head_mask[:, None] & dim_mask[None, :], other=0.0)
+    q_offsets = seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    q_mask = head_mask[:, None] & dim_mask[None, :]
+    if ROPE:
+        half = head_dim // 2
+        cos = tl.load(cos_ptr + seq.to(tl.int64) * stride_cos + dims, mask=dim_mask, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + seq.to(tl.int64) * stride_sin + dims, mask=dim_mask, other=0.0).to(tl.float32)
+        q = _rotate_rows(q_ptr, q_offsets, dims, q_mask, cos[None, :], sin[None, :], half)
+        q = q.to(q_ptr.dtype.element_ty)
+        newest = context_len - 1
+        slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+        if (newest >= split_start) & (newest < split_end) & (slot >= 0):
+            kv_mask = dim_mask[None, :]
+            cache_row = (slot // PAGE_SIZE) * stride_block + (slot % PAGE_SIZE) * stride_slot + kv_head * stride_head
+            key = _rotate_rows(k_ptr, seq.to(tl.int64) * stride_kt + kv_head * stride_kh, dims, kv_mask,
+                               cos[None, :], sin[None, :], half)
+            tl.store(k_cache_ptr + cache_row + dims[None, :],
+                     key.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+            value = tl.load(v_ptr + seq.to(tl.int64) * stride_vt + kv_head * stride_vh + dims[None, :], mask=kv_mask)
+            tl.store(v_cache_ptr + cache_row + dims[None, :], value.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.debug_barrier()
+    else:
+        q = tl.load(q_ptr + q_offsets + dims[None, :], mask=q_mask, other=0.0)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -359,6 +398,43 @@ def paged_decode_attention(
     hides keys at positions < context_len - sliding_window. A sequence with context_len 0 gets zeros.
     num_splits partitions each context for split-K (chosen from the shapes when None; 1 disables it).
     """
+    return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, None)
+
+
+def rotary_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """rotary_write_kv_cache then paged_decode_attention in one kernel launch (two with split-K): q, k [B, H, D]
+    are the step's unrotated queries and keys, v its values, cos / sin one row per sequence; the rotated keys
+    and the values are stored at slot_mapping's slots (not for negative slots), and the result is the
+    attention of the rotated queries over the contexts, the new keys included."""
+    batch, _, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    cos_rows, sin_rows = rope_rows(q, k, cos, sin)
+    _check_cache_write(k, v, k_cache, v_cache, slot_mapping)
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("k and v must be contiguous in their last dimension")
+    if k_cache.shape[2] != num_kv_heads:
+        raise ValueError(f"k has {num_kv_heads} heads, the cache {k_cache.shape[2]}")
+    rope = (k, v, cos_rows, sin_rows, slot_mapping)
+    return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope)
+
+
+def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope):
+    """The decode attention launch of paged_decode_attention, and of rotary_decode_attention with rope =
+    (k, v, cos_rows, sin_rows, slot_mapping)."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     _check_cache("k_cache", k_cache, num_kv_heads, head_dim)
@@ -371,7 +447,7 @@ def paged_decode_attention(
                          f"{list(block_tables.shape)} and {list(context_lens.shape)}")
     if q.stride(2) != 1 or block_tables.stride(1) != 1:
         raise ValueError("q and block_tables must be contiguous in their last dimension")
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
     window = _window(sliding_window)
@@ -391,14 +467,19 @@ def paged_decode_attention(
         part_acc = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_max = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
+    if rope is None:  # the rotation's arguments are unused: any tensors
+        k, v, cos, sin, slots = q, q, q, q, context_lens
+    else:
+        k, v, cos, sin, slots = rope
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_max, part_sum,
         scale * _LOG2_E, window, num_q_heads, num_splits, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k, v, cos, sin, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         GROUP=group, BLOCK_G=max(config.block_m, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=config.block_n, PAGE_SIZE=page_size, DIRECT_OUTPUT=direct, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(q),
+        ROPE=rope is not None, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(q),
     )
     if not direct:  # one BLOCK_S for every split count up to _MAX_SPLITS: one compiled variant
         _decode_reduce_kernel[(batch, num_q_heads)](

@@ -29,30 +29,38 @@ class TritonAttentionMetadata:
     def attend(self, q, k, v, k_cache, v_cache, scale: float,
                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Attention of q over the cache after storing k and v at their slots; with rope = (cos, sin), q and k
-        are rotated first, in the same kernel that stores them."""
+        are rotated first, in the kernel that stores them: for decode tokens, their attention kernel."""
         from raylm.kernels.triton_attention import (
             paged_decode_attention,
             paged_prefill_attention,
+            rotary_decode_attention,
             rotary_write_kv_cache,
             write_kv_cache,
         )
 
+        decodes = self.num_decodes
+        prefill_queries = q[decodes:]
         if rope is None:
             write_kv_cache(k, v, k_cache, v_cache, self.slot_mapping)
-        else:
-            q = rotary_write_kv_cache(q, k, v, rope[0], rope[1], k_cache, v_cache, self.slot_mapping)
-        decodes = self.num_decodes
-        if self.prefill_block_tables is None:
-            return paged_decode_attention(q, k_cache, v_cache, self.decode_block_tables, self.decode_context_lens,
-                                          scale, self.sliding_window)
-        out = torch.empty_like(q)
+        elif self.prefill_block_tables is not None:  # decode tokens are rotated and stored by their attention
+            tail = slice(decodes, None)
+            prefill_queries = rotary_write_kv_cache(q[tail], k[tail], v[tail], rope[0][tail], rope[1][tail], k_cache,
+                                                    v_cache, self.slot_mapping[tail])
         if decodes:
-            out[:decodes] = paged_decode_attention(q[:decodes], k_cache, v_cache, self.decode_block_tables,
-                                                   self.decode_context_lens, scale, self.sliding_window)
-        out[decodes:] = paged_prefill_attention(q[decodes:], k_cache, v_cache, self.prefill_block_tables,
-                                                self.query_start_loc, self.seq_starts, self.prefill_context_lens,
-                                                scale, self.sliding_window)
-        return out
+            head = slice(0, decodes)
+            if rope is None:
+                decoded = paged_decode_attention(q[head], k_cache, v_cache, self.decode_block_tables,
+                                                 self.decode_context_lens, scale, self.sliding_window)
+            else:
+                decoded = rotary_decode_attention(q[head], k[head], v[head], rope[0][head], rope[1][head], k_cache,
+                                                  v_cache, self.slot_mapping[head], self.decode_block_tables,
+                                                  self.decode_context_lens, scale, self.sliding_window)
+            if self.prefill_block_tables is None:
+                return decoded
+        prefilled = paged_prefill_attention(prefill_queries, k_cache, v_cache, self.prefill_block_tables,
+                                            self.query_start_loc, self.seq_starts, self.prefill_context_lens, scale,
+                                            self.sliding_window)
+        return torch.cat([decoded, prefilled]) if decodes else prefilled
 
 
 def build_triton_metadata(

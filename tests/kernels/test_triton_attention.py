@@ -22,6 +22,7 @@ from raylm.kernels.triton_attention import (  # noqa: E402
     choose_num_splits,
     paged_decode_attention,
     paged_prefill_attention,
+    rotary_decode_attention,
     rotary_write_kv_cache,
     write_kv_cache,
 )
@@ -225,6 +226,52 @@ def test_decode_matches_reference_over_a_large_batch(device, dtype):
     torch.manual_seed(4)
     lengths = torch.randint(1, 4097, (64,)).tolist()
     _run_step(device, dtype, Shape(16, 8, 4, 128), decode_lens=lengths, prefill_chunks=[])
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("shape", [Shape(16, 2, 4, 64), Shape(16, 2, 7, 80), Shape(32, 1, 8, 128)], ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_rotary_decode_attention_equals_rotary_write_then_decode(device, dtype, shape, num_splits):
+    """Rotating and storing the new keys inside the decode kernel gives the cache of rotary_write_kv_cache bit for
+    bit, and its attention; q, k and v are strided views of one qkv tensor, as the model passes them; one
+    sequence's slot is negative (graph padding: nothing stored, its newest key read from the null block)."""
+    from raylm.kernels.rotary import RotaryEmbedding, rope_inv_freq
+
+    torch.manual_seed(10)
+    page, kv_heads, head_dim = shape.page_size, shape.num_kv_heads, shape.head_dim
+    q_heads = kv_heads * shape.group
+    lengths = [1, 17, 300, 64]
+    counts = [_cdiv(length, page) for length in lengths]
+    ids = (torch.randperm(sum(counts)) + 1).tolist()
+    tables = []
+    for count in counts:
+        tables.append(ids[:count] + [0] * (max(counts) - count))
+        ids = ids[count:]
+    table = torch.tensor(tables, dtype=torch.int32, device=device)
+    slots = [tables[seq][(length - 1) // page] * page + (length - 1) % page for seq, length in enumerate(lengths)]
+    slots[1] = -1
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+    context_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    batch = len(lengths)
+    qkv = torch.randn(batch, (q_heads + 2 * kv_heads) * head_dim, device=device).to(dtype)
+    q, k, v = (t.view(batch, -1, head_dim) for t in qkv.split([q_heads * head_dim, kv_heads * head_dim,
+                                                               kv_heads * head_dim], dim=-1))
+    cos, sin = RotaryEmbedding(head_dim, 512, rope_inv_freq(head_dim, 10000.0)).to(device).cos_sin(
+        context_lens.long() - 1, dtype)
+    base = torch.randn(sum(counts) + 1, page, kv_heads, head_dim).to(device, dtype)
+    base[0] = 0  # the null block
+    caches = [base.clone() for _ in range(4)]
+
+    rotated = rotary_write_kv_cache(q, k, v, cos, sin, caches[0], caches[1], slot_mapping)
+    expected = paged_decode_attention(rotated, caches[0], caches[1], table, context_lens, head_dim**-0.5,
+                                      num_splits=num_splits)
+    got = rotary_decode_attention(q, k, v, cos, sin, caches[2], caches[3], slot_mapping, table, context_lens,
+                                  head_dim**-0.5, num_splits=num_splits)
+
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+    assert got.is_contiguous()
 
 
 # ------------------------------------------------------------------------------------------ prefill

@@ -24,7 +24,7 @@ def test_decode_warm_up_runs_both_attention_variants_and_writes_nothing(tiny_mod
     before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
 
     splits = []
-    decode = triton_attention.paged_decode_attention
+    decode = triton_attention._decode  # every decode attention launch, with or without the fused rotation
 
     def counting(*args, **kwargs):
         block_tables = args[3]
@@ -32,7 +32,7 @@ def test_decode_warm_up_runs_both_attention_variants_and_writes_nothing(tiny_mod
                                                          block_tables.shape[1] * args[1].shape[1], DEVICE))
         return decode(*args, **kwargs)
 
-    monkeypatch.setattr(triton_attention, "paged_decode_attention", counting)
+    monkeypatch.setattr(triton_attention, "_decode", counting)
     runner.warm_up_decode(max_seq_len=512)
 
     assert splits and min(splits) == 1 and max(splits) > 1  # the single-pass and the split-K kernel
