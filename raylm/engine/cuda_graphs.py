@@ -66,8 +66,12 @@ class BlockTableStaging:
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches, batch_sizes: list[int], max_blocks: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device, sliding_window: int | None):
+                 dtype: torch.dtype, device: torch.device, sliding_window: int | None, flashinfer=None):
+        """flashinfer: the FlashInfer backend's FlashInferDecodeGraphs, whose wrappers the graphs then attend
+        through (planned before each replay); None for the Triton kernels (block tables and context lengths
+        in static buffers)."""
         self.model = model
+        self.flashinfer = flashinfer
         self.kv_caches = kv_caches
         self.batch_sizes = sorted(batch_sizes)
         self.max_batch = self.batch_sizes[-1]
@@ -93,7 +97,9 @@ class DecodeGraphs:
         self.hidden_size = hidden_size
         self.dtype = dtype
 
-    def _metadata(self, batch: int) -> TritonAttentionMetadata:
+    def _metadata(self, batch: int):
+        if self.flashinfer is not None:
+            return self.flashinfer.metadata(batch, self.slot_mapping[:batch])
         return TritonAttentionMetadata(
             slot_mapping=self.slot_mapping[:batch], num_decodes=batch,
             decode_block_tables=self.block_tables[:batch], decode_context_lens=self.context_lens[:batch],
@@ -110,6 +116,8 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for batch in reversed(self.batch_sizes):  # the largest first, so the others reuse its memory
+                if self.flashinfer is not None:
+                    self.flashinfer.plan(batch, [])  # padding rows only: the buffers hold the null block
                 for _ in range(2):  # warm-up: compile and tune kernels outside the capture
                     self._forward(batch)
                 graph = torch.cuda.CUDAGraph()
@@ -147,6 +155,8 @@ class DecodeGraphs:
         self.block_tables[:batch, :width].copy_(host_table[:batch, :width], non_blocking=True)
         if feed is not None:
             self.input_ids.index_copy_(0, *feed)
+        if self.flashinfer is not None:
+            self.flashinfer.plan(batch, contexts)
         if batch in self.graphs:
             self.graphs[batch].replay()
             return self.outputs[batch][:count]

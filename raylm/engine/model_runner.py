@@ -280,11 +280,17 @@ class ModelRunner:
         """Captures decode CUDA graphs (when the device, the kernels and the model allow them)."""
         from raylm.engine.cuda_graphs import DecodeGraphs, graph_ladder_fits
 
-        if self.attention_backend != "triton" or not graph_ladder_fits(self.arch, pp_size):
+        if self.attention_backend not in ("triton", "flashinfer") or not graph_ladder_fits(self.arch, pp_size):
             return
         max_blocks = -(-max_seq_len // self.block_size)
+        flashinfer = None
+        if self.attention_backend == "flashinfer":
+            from raylm.kernels.flashinfer_backend import FlashInferDecodeGraphs
+
+            flashinfer = FlashInferDecodeGraphs(self.build_metadata, batch_sizes, max_blocks, self.block_size,
+                                                self.arch.sliding_window, self.device)
         graphs = DecodeGraphs(self.model, self.kv_caches, batch_sizes, max_blocks, self.arch.hidden_size,
-                              self.dtype, self.device, self.arch.sliding_window)
+                              self.dtype, self.device, self.arch.sliding_window, flashinfer)
         graphs.capture()
         self.graphs = graphs
 

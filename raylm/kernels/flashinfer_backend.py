@@ -13,7 +13,9 @@ device read host buffers that the next plan of the same wrapper rewrites. So pla
 of wrappers: a set is planned again only two steps later, after the engine has waited for the step that used
 it. All sets share one float workspace: kernels of successive steps run in stream order.
 
-Decode steps run eagerly on this backend (the decode CUDA graphs are the Triton path's).
+Decode steps of a captured batch size replay a CUDA graph (FlashInferDecodeGraphs): a decode wrapper per size in
+FlashInfer's CUDA-graph mode keeps its page arrays in fixed device buffers, and is planned again before each
+replay; other steps run eagerly on the rotating wrappers.
 """
 
 from __future__ import annotations
@@ -100,13 +102,19 @@ class FlashInferPlanner:
         self.scale = scale
         self.dtype = dtype
         # FlashInfer asks for a workspace that is zero at its first use.
-        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         # Grouped-query heads (4 or more queries per KV head) decode faster on the tensor-core kernels.
-        tensor_cores = num_qo_heads // num_kv_heads >= 4
-        self.sets = [(flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores),
-                      flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD"))
+        self.tensor_cores = num_qo_heads // num_kv_heads >= 4
+        self.sets = [(flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                                    use_tensor_cores=self.tensor_cores),
+                      flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD"))
                      for _ in range(PLAN_SETS)]
         self.steps = 0
+
+    def options(self, sliding_window: int | None) -> dict:
+        """The keywords of every plan: window, softmax scale, dtypes."""
+        return dict(window_left=sliding_window - 1 if sliding_window else -1, sm_scale=self.scale,
+                    q_data_type=self.dtype, kv_data_type=self.dtype)
 
     def __call__(self, decode_contexts: list[tuple[list[int], int]],
                  prefill_chunks: list[tuple[list[int], int, int]], slot_mapping: list[int], block_size: int,
@@ -114,8 +122,7 @@ class FlashInferPlanner:
         """The same inputs as attention.build_metadata; plans the step's FlashInfer kernels."""
         decode, prefill = self.sets[self.steps % PLAN_SETS]
         self.steps += 1
-        common = dict(window_left=sliding_window - 1 if sliding_window else -1, sm_scale=self.scale,
-                      q_data_type=self.dtype, kv_data_type=self.dtype)
+        common = self.options(sliding_window)
         meta = FlashInferAttentionMetadata(
             slot_mapping=torch.from_numpy(np.asarray(slot_mapping, dtype=np.int64)).to(device, non_blocking=True),
             scale=self.scale, num_decodes=len(decode_contexts))
@@ -133,3 +140,57 @@ class FlashInferPlanner:
                          self.head_dim, block_size, causal=True, **common)
             meta.prefill = prefill
         return meta
+
+
+class FlashInferDecodeGraphs:
+    """The FlashInfer side of the decode CUDA graphs (engine/cuda_graphs.py): one decode wrapper per captured
+    batch size in FlashInfer's CUDA-graph mode, whose page arrays live in device buffers shared by all sizes
+    (a replay reads them; a plan rewrites them by copies queued behind the step before). Padding rows attend to
+    one key of the null block.
+
+    A plan also stages its work split in the wrapper's pinned host buffer and queues a copy from it; the next
+    plan of the same wrapper first waits for that copy (an event recorded after the plan), which has normally
+    long finished, since the engine runs at most one step ahead.
+    """
+
+    def __init__(self, planner: FlashInferPlanner, batch_sizes: list[int], max_blocks: int, block_size: int,
+                 sliding_window: int | None, device: torch.device):
+        import flashinfer
+
+        self.planner = planner
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.device = device
+        max_batch = max(batch_sizes)
+        self.indptr = torch.zeros(max_batch + 1, dtype=torch.int32, device=device)
+        self.indices = torch.zeros(max_batch * max_blocks, dtype=torch.int32, device=device)
+        self.last_page_len = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.wrappers = {
+            batch: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                planner.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=planner.tensor_cores,
+                paged_kv_indptr_buffer=self.indptr[: batch + 1], paged_kv_indices_buffer=self.indices,
+                paged_kv_last_page_len_buffer=self.last_page_len[:batch], backend="fa2")
+            for batch in batch_sizes}
+        self.planned: dict[int, torch.cuda.Event] = {}
+
+    def metadata(self, batch: int, slot_mapping: torch.Tensor) -> FlashInferAttentionMetadata:
+        """The attention metadata a graph of `batch` rows is captured with (slot_mapping: the graph's buffer)."""
+        return FlashInferAttentionMetadata(slot_mapping=slot_mapping, scale=self.planner.scale, num_decodes=batch,
+                                           decode=self.wrappers[batch])
+
+    def plan(self, batch: int, contexts: list[tuple[list[int], int]]) -> None:
+        """Plans the wrapper of `batch` rows for these (block ids, context length) decodes, padded to the batch."""
+        padded = contexts + [([0], 1)] * (batch - len(contexts))
+        indptr, indices, last_page_len = paged_kv_arrays(padded, self.block_size)
+        previous = self.planned.get(batch)
+        if previous is not None:
+            previous.synchronize()
+        # Indices go to the device first: FlashInfer copies host indices into its buffer synchronously.
+        device_indices = torch.from_numpy(indices).to(self.device, non_blocking=True)
+        self.wrappers[batch].plan(torch.from_numpy(indptr), device_indices, torch.from_numpy(last_page_len),
+                                  self.planner.num_qo_heads, self.planner.num_kv_heads, self.planner.head_dim,
+                                  self.block_size, **self.planner.options(self.sliding_window))
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self.planned[batch] = event

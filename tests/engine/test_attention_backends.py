@@ -145,3 +145,50 @@ def test_flashinfer_metadata_writes_the_cache_then_attends_each_part(fake_flashi
 def test_flashinfer_takes_half_precision_only(fake_flashinfer):
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         _planner(dtype=torch.float32)
+
+
+def test_flashinfer_graph_wrappers_are_planned_per_batch_size_with_padding(fake_flashinfer):
+    from raylm.kernels.flashinfer_backend import FlashInferDecodeGraphs
+
+    planner = _planner()
+    graphs = FlashInferDecodeGraphs(planner, [1, 4], max_blocks=8, block_size=16, sliding_window=None,
+                                    device=torch.device("cpu"))
+    wrapper = graphs.wrappers[4]
+    assert wrapper.options["use_cuda_graph"] and wrapper.options["backend"] == "fa2"
+    assert [len(wrapper.options[name]) for name in ("paged_kv_indptr_buffer", "paged_kv_indices_buffer",
+                                                    "paged_kv_last_page_len_buffer")] == [5, 32, 4]
+    assert wrapper.options["paged_kv_indptr_buffer"].data_ptr() == graphs.wrappers[1].options[
+        "paged_kv_indptr_buffer"].data_ptr()  # one set of page buffers for every size
+    graphs.plan(4, [([3, 4], 20)])
+    (indptr, indices, last, *shape), options = wrapper.plans[-1]
+    # the real decode, then three padding rows on the null block's first key
+    assert (indptr.tolist(), indices.tolist(), last.tolist()) == ([0, 2, 3, 4, 5], [3, 4, 0, 0, 0], [4, 1, 1, 1])
+    assert shape == [8, 2, 64, 16] and options == planner.options(None)
+    slots = torch.tensor([7, -1, -1, -1])
+    meta = graphs.metadata(4, slots)
+    assert (meta.decode, meta.num_decodes, meta.prefill, meta.slot_mapping) == (wrapper, 4, None, slots)
+
+
+def test_decode_graphs_plan_flashinfer_before_every_step(fake_flashinfer, tiny_model_dirs):
+    """On the CPU the graphs run uncaptured over their buffers: each step plans the wrapper of its padded size
+    and attends through it."""
+    from raylm.engine.cuda_graphs import DecodeGraphs
+    from raylm.kernels.flashinfer_backend import FlashInferDecodeGraphs
+    from tests.kernels import tiny_runner
+
+    runner, loaded = tiny_runner(tiny_model_dirs["llama"], torch.float32, torch.device("cpu"))
+    attention = loaded.model.local_layers[0].self_attn
+    planner = _planner(num_qo_heads=attention.num_heads, num_kv_heads=attention.num_kv_heads,
+                       head_dim=loaded.arch.head_dim, scale=attention.scale)
+    flashinfer = FlashInferDecodeGraphs(planner, [1, 4], 8, 16, None, torch.device("cpu"))
+    graphs = DecodeGraphs(loaded.model, runner.kv_caches, [1, 4], 8, loaded.arch.hidden_size, torch.float32,
+                          torch.device("cpu"), None, flashinfer)
+    for step in range(2):
+        hidden = graphs.run([5, 9], [19, 4], [2 * 16 + 3, 3 * 16 + 4], [([1, 2], 20 + step), ([3], 5 + step)])
+        assert hidden.shape == (2, loaded.arch.hidden_size)
+        indptr, indices, last = flashinfer.wrappers[4].plans[-1][0][:3]
+        assert (indptr.tolist(), indices.tolist(), last.tolist()) == ([0, 2, 3, 4, 5], [1, 2, 3, 0, 0],
+                                                                       [4 + step, 5 + step, 1, 1])
+    assert len(flashinfer.wrappers[4].plans) == 2 and not flashinfer.wrappers[1].plans
+    # every layer stored its keys at the step's slots, rotated, then attended through the wrapper
+    assert fake_flashinfer[-1] == ("rotate", [2 * 16 + 3, 3 * 16 + 4, -1, -1])

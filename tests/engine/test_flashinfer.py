@@ -1,5 +1,6 @@
-"""attention_backend="flashinfer" on the GPU against HF transformers and the Triton backend: decode, chunked
-prefill over a cached prefix, mixed steps, prefix-cache hits. Runs where CUDA and flashinfer are available."""
+"""attention_backend="flashinfer" on the GPU against HF transformers and the Triton backend: decode (in CUDA
+graphs, and eagerly beside prefill chunks), chunked prefill over a cached prefix, mixed steps, prefix-cache hits.
+Runs where CUDA and flashinfer are available."""
 
 from __future__ import annotations
 
@@ -47,7 +48,9 @@ def _generate(path, backend: str, params: SamplingParams, **kwargs):
     with LLM(str(path), device="cuda", dtype="bfloat16", skip_tokenizer_init=True, attention_backend=backend,
              kv_cache_config=KvCacheConfig(max_tokens=8192, tokens_per_block=16), max_seq_len=1024,
              max_num_tokens=48, **kwargs) as llm:
-        assert llm._executor.worker.runner.attention_backend == backend
+        runner = llm._executor.worker.runner
+        assert runner.attention_backend == backend
+        assert (runner.graphs is not None) == ("cuda_graph_config" not in kwargs)  # decode steps in CUDA graphs
         return [llm.generate(prompts, params, use_tqdm=False) for _ in range(2)]
 
 
