@@ -49,7 +49,8 @@ throughput() {  # name model prompts input output max_batch seconds [extra...]
 
 case "${1:-}" in
   check)
-    timeout 560 python -m pytest tests/kernels tests/engine/test_gpu.py tests/engine/test_overlap.py -q \
+    # The PDL tests run in their own part (pdl).
+    timeout 560 python -m pytest tests/kernels tests/engine/test_gpu.py tests/engine/test_overlap.py -q -k "not pdl" \
       -p no:cacheprovider --durations=5 2>&1 | tail -15
     ;;
   latency)
