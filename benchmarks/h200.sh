@@ -126,6 +126,8 @@ case "${1:-}" in
      timeout 120 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
        --tp 2 --kernels 12 $(output_json step-llama-3.1-8b-b1-tp2-symm) 2>&1 | grep -v "^(RayWorker" | tail -30)
     (export RAYLM_SYMM_MEM_ALLREDUCE=1 RAYLM_TRITON_GEMV=1; latency latency-8b-b1-tp2-symm-gemv "$llama" 1 --tp 2)
+    (export RAYLM_SYMM_MEM_ALLREDUCE=1 RAYLM_TRITON_GEMV=1 RAYLM_PDL=1
+     latency latency-8b-b1-tp2-symm-gemv-pdl "$llama" 1 --tp 2)
     (export RAYLM_SYMM_MEM_ALLREDUCE=1 RAYLM_TRITON_GEMV=1; latency latency-8b-b8-tp2-symm-gemv "$llama" 8 --tp 2)
     ;;
   x2-throughput)
