@@ -68,7 +68,7 @@ class FlashInferAttentionMetadata:
                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Attention of q over the cache after storing k and v at their slots; with rope = (cos, sin), q and k
         are rotated first, in the same kernel that stores them."""
-        from raylm.kernels.triton_attention import rotary_write_kv_cache, write_kv_cache
+        from raylm.kernels.triton_kv_cache import rotary_write_kv_cache, write_kv_cache
 
         if scale != self.scale:
             raise ValueError(f"this step was planned for softmax scale {self.scale}, the layer uses {scale}")

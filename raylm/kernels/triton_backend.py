@@ -34,9 +34,8 @@ class TritonAttentionMetadata:
             paged_decode_attention,
             paged_prefill_attention,
             rotary_decode_attention,
-            rotary_write_kv_cache,
-            write_kv_cache,
         )
+        from raylm.kernels.triton_kv_cache import rotary_write_kv_cache, write_kv_cache
 
         decodes = self.num_decodes
         prefill_queries = q[decodes:]

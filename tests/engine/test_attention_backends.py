@@ -85,7 +85,7 @@ def fake_flashinfer(monkeypatch):
     writes = []
     monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
         BatchDecodeWithPagedKVCacheWrapper=_FakeDecode, BatchPrefillWithPagedKVCacheWrapper=_FakePrefill))
-    monkeypatch.setitem(sys.modules, "raylm.kernels.triton_attention", types.SimpleNamespace(
+    monkeypatch.setitem(sys.modules, "raylm.kernels.triton_kv_cache", types.SimpleNamespace(
         write_kv_cache=lambda k, v, k_cache, v_cache, slots: writes.append(("write", slots.tolist())),
         rotary_write_kv_cache=lambda q, k, v, cos, sin, k_cache, v_cache, slots: writes.append(
             ("rotate", slots.tolist())) or q + 10))

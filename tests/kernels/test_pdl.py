@@ -11,8 +11,9 @@ import torch
 pytest.importorskip("triton")
 
 from raylm.kernels.pdl import pdl_enabled, pdl_options  # noqa: E402
-from raylm.kernels.triton_attention import paged_decode_attention, rotary_write_kv_cache  # noqa: E402
+from raylm.kernels.triton_attention import paged_decode_attention  # noqa: E402
 from raylm.kernels.triton_gemv import gemv, prefetch_tiles  # noqa: E402
+from raylm.kernels.triton_kv_cache import rotary_write_kv_cache  # noqa: E402
 from raylm.kernels.triton_ops import fused_add_rms_norm, silu_and_mul  # noqa: E402
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)

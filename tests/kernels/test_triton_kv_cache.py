@@ -1,0 +1,62 @@
+"""The KV-cache write kernels (kernels/triton_kv_cache.py): plain and with the rotation fused, against
+storing by index and triton_ops.rotary_embedding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels import GPU_ONLY, MODULE_MARKS, kernel_device
+
+DEVICE = kernel_device()
+
+from raylm.kernels.triton_kv_cache import rotary_write_kv_cache, write_kv_cache  # noqa: E402
+
+pytestmark = MODULE_MARKS
+
+ALL_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, marks=GPU_ONLY, id="bf16"),
+              pytest.param(torch.float16, marks=GPU_ONLY, id="fp16")]
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return DEVICE
+
+
+def test_write_kv_cache_stores_at_slots_and_skips_negative_slots(device):
+    torch.manual_seed(0)
+    k_cache = torch.zeros(4, 16, 2, 64, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    k, v = torch.randn(3, 2, 64, device=device), torch.randn(3, 2, 64, device=device)
+    write_kv_cache(k, v, k_cache, v_cache, torch.tensor([17, -1, 63], dtype=torch.int32, device=device))
+    torch.testing.assert_close(k_cache[1, 1], k[0], atol=0, rtol=0)
+    torch.testing.assert_close(v_cache[3, 15], v[2], atol=0, rtol=0)
+    assert k_cache.count_nonzero() == k[0].count_nonzero() + k[2].count_nonzero()
+    assert v_cache.count_nonzero() == v[0].count_nonzero() + v[2].count_nonzero()
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [(4, 2, 64), (3, 1, 80)], ids=str)
+def test_rotary_write_kv_cache_equals_rotary_then_write(device, dtype, q_heads, kv_heads, head_dim):
+    """The fused kernel gives the same queries and cache, bit for bit, as triton_ops.rotary_embedding followed by
+    write_kv_cache; k and v are strided views of one qkv tensor, as the model passes them."""
+    from raylm.kernels.rotary import RotaryEmbedding, rope_inv_freq
+    from raylm.kernels.triton_ops import rotary_embedding
+
+    torch.manual_seed(3)
+    tokens = 5
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, device=device).to(dtype)
+    q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
+    positions = torch.tensor([0, 7, 19, 3, 40], device=device)
+    cos, sin = RotaryEmbedding(head_dim, 64, rope_inv_freq(head_dim, 10000.0)).to(device).cos_sin(positions, dtype)
+    slots = torch.tensor([17, -1, 63, 34, 40], dtype=torch.int64, device=device)
+    caches = [torch.zeros(4, 16, kv_heads, head_dim, device=device, dtype=dtype) for _ in range(4)]
+
+    expected_q, rotated_k = rotary_embedding(q, k, cos, sin)
+    write_kv_cache(rotated_k, v, caches[0], caches[1], slots)
+    got_q = rotary_write_kv_cache(q, k, v, cos, sin, caches[2], caches[3], slots)
+
+    assert torch.equal(got_q, expected_q)
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    assert caches[2][1, 1].count_nonzero() > 0 and caches[2][0].count_nonzero() == 0  # slot 17 written, -1 not
