@@ -38,10 +38,16 @@ def _device_supports_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= _MIN_CAPABILITY
 
 
+@functools.cache
+def pdl_requested() -> bool:
+    """RAYLM_PDL=1 outside the Triton interpreter; read once per process (cache_clear() to read it again)."""
+    return env_flag("RAYLM_PDL") and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def pdl_enabled(device: torch.device) -> bool:
     """Whether Triton kernels on `device` launch with PDL: RAYLM_PDL=1, a CUDA device of compute capability
     9.0 or later, and compiled (not interpreted) Triton."""
-    if device.type != "cuda" or not env_flag("RAYLM_PDL") or os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type != "cuda" or not pdl_requested():
         return False
     return _device_supports_pdl(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -20,6 +20,7 @@ against 31.8 for SiLU-mul + down; docs/benchmarks.md).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -139,9 +140,11 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _INTERPRETED_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 128}
 
 
+@functools.cache
 def prefetch_tiles() -> int:
     """Weight tiles past the first that a GEMV launched with PDL pulls into L2 before it waits
-    (RAYLM_GEMV_PREFETCH_TILES, default 0: to be chosen by measurement, `bash benchmarks/h200.sh pdl`)."""
+    (RAYLM_GEMV_PREFETCH_TILES, default 0: to be chosen by measurement, `bash benchmarks/h200.sh pdl`); read
+    once per process."""
     value = os.environ.get("RAYLM_GEMV_PREFETCH_TILES", "0")
     if value not in ("0", "1", "2", "4", "8", "16"):
         raise ValueError(f"RAYLM_GEMV_PREFETCH_TILES must be 0, 1, 2, 4, 8 or 16, got {value!r}")

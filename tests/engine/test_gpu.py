@@ -73,7 +73,7 @@ def test_bf16_logprobs_within_the_stated_tolerance(tiny_model_dirs, gemv, monkey
 def test_pdl_changes_no_token_or_logprob(tiny_model_dirs, monkeypatch):
     """RAYLM_PDL=1 (kernels start before the previous one ends, kernels/pdl.py) with the Triton GEMV, decode
     graphs on: the same tokens and the same logprob bits as without it, prompt logprobs included."""
-    from raylm.kernels import dispatch
+    from raylm.kernels import dispatch, pdl
 
     path = tiny_model_dirs["llama"]
     params = SamplingParams(max_tokens=NEW_TOKENS, logprobs=0, prompt_logprobs=0)
@@ -81,19 +81,22 @@ def test_pdl_changes_no_token_or_logprob(tiny_model_dirs, monkeypatch):
     dispatch.triton_gemv_enabled.cache_clear()
     runs = []
     try:
-        for pdl in ("0", "1"):
-            monkeypatch.setenv("RAYLM_PDL", pdl)
+        for switch in ("0", "1"):
+            monkeypatch.setenv("RAYLM_PDL", switch)
+            pdl.pdl_requested.cache_clear()
             with _llm(path, dtype="bfloat16") as llm:
                 assert llm._executor.worker.runner.graphs is not None
+                assert pdl.pdl_enabled(torch.device("cuda")) == (switch == "1")
                 runs.append(_run(llm, params))
     finally:
         monkeypatch.undo()
         dispatch.triton_gemv_enabled.cache_clear()
-    for plain, pdl in zip(*runs):
-        assert pdl.outputs[0].token_ids == plain.outputs[0].token_ids
-        assert [{t: p.logprob for t, p in step.items()} for step in pdl.outputs[0].logprobs] == [
+        pdl.pdl_requested.cache_clear()
+    for plain, with_pdl in zip(*runs):
+        assert with_pdl.outputs[0].token_ids == plain.outputs[0].token_ids
+        assert [{t: p.logprob for t, p in step.items()} for step in with_pdl.outputs[0].logprobs] == [
             {t: p.logprob for t, p in step.items()} for step in plain.outputs[0].logprobs]
-        assert [{t: p.logprob for t, p in step.items()} for step in pdl.prompt_logprobs[1:]] == [
+        assert [{t: p.logprob for t, p in step.items()} for step in with_pdl.prompt_logprobs[1:]] == [
             {t: p.logprob for t, p in step.items()} for step in plain.prompt_logprobs[1:]]
 
 def test_graphs_pad_odd_batches_and_match_eager(tiny_model_dirs):

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from raylm.kernels.pdl import pdl_enabled, pdl_options  # noqa: E402
+from raylm.kernels.pdl import pdl_enabled, pdl_options, pdl_requested  # noqa: E402
 from raylm.kernels.triton_attention import paged_decode_attention  # noqa: E402
 from raylm.kernels.triton_gemv import gemv, prefetch_tiles  # noqa: E402
 from raylm.kernels.triton_kv_cache import rotary_write_kv_cache  # noqa: E402
@@ -19,13 +19,26 @@ from raylm.kernels.triton_ops import fused_add_rms_norm, silu_and_mul  # noqa: E
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
 
+@pytest.fixture(autouse=True)
+def fresh_settings():
+    """The switches are read once per process: each test reads them afresh, and leaves them unread."""
+    pdl_requested.cache_clear()
+    prefetch_tiles.cache_clear()
+    yield
+    pdl_requested.cache_clear()
+    prefetch_tiles.cache_clear()
+
+
 def test_pdl_is_off_unless_asked_for_and_never_on_the_cpu(monkeypatch):
     cpu = torch.zeros(1)
     monkeypatch.delenv("RAYLM_PDL", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # set by the interpreted kernel tests
     assert not pdl_enabled(torch.device("cpu")) and pdl_options(cpu) == {}
     monkeypatch.setenv("RAYLM_PDL", "1")
-    assert pdl_options(cpu) == {}
+    pdl_requested.cache_clear()
+    assert pdl_requested() and pdl_options(cpu) == {}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pdl_requested.cache_clear()
     assert not pdl_enabled(torch.device("cuda", 0))
 
 
@@ -34,6 +47,7 @@ def test_gemv_prefetch_setting_is_checked(monkeypatch):
     assert prefetch_tiles() == 4
     for bad in ("3", "32", "-1", "x"):
         monkeypatch.setenv("RAYLM_GEMV_PREFETCH_TILES", bad)
+        prefetch_tiles.cache_clear()
         with pytest.raises(ValueError, match="RAYLM_GEMV_PREFETCH_TILES"):
             prefetch_tiles()
 
@@ -41,9 +55,12 @@ def test_gemv_prefetch_setting_is_checked(monkeypatch):
 def _both(monkeypatch, run):
     """run() without PDL, then with it (and the GEMV's L2 prefetch), on one stream."""
     monkeypatch.setenv("RAYLM_PDL", "0")
+    pdl_requested.cache_clear()
     plain = run()
     monkeypatch.setenv("RAYLM_PDL", "1")
     monkeypatch.setenv("RAYLM_GEMV_PREFETCH_TILES", "4")
+    pdl_requested.cache_clear()
+    prefetch_tiles.cache_clear()
     return plain, run()
 
 
