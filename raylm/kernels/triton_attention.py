@@ -22,7 +22,7 @@ import triton.language as tl
 
 from raylm.kernels.pdl import pdl_options, pdl_wait
 from raylm.kernels.triton_kv_cache import check_cache, check_cache_write
-from raylm.kernels.triton_ops import rope_rows
+from raylm.kernels.triton_ops import cos_sin_row, rope_rows, rotated_rows
 
 _LOG2_E = 1.4426950408889634
 # Stands for "no sliding window": larger than any context, small enough that position - window fits int32.
@@ -88,18 +88,6 @@ def _window(sliding_window: int | None) -> int:
 # Arguments that change from step to step (batch composition, the widest block table) are not specialized on
 # (Triton would otherwise compile a variant per value class: 1, a multiple of 16, other), so a new batch shape
 # never stops a running engine to compile.
-@triton.jit
-def _rotate_rows(x_ptr, rows_offset, dims, mask, cos, sin, half):
-    """NeoX rotation of rows of x (each [.., D] along `dims`), in float32, in the natural dimension order:
-    x[d] cos[d] - x[d + half] sin[d] for d < half, x[d] cos[d] + x[d - half] sin[d] beyond. The two
-    expressions are those of triton_ops.rotated_heads, so that both compile to the same arithmetic."""
-    lower = dims < half
-    partner = tl.where(lower, dims + half, dims - half)
-    x = tl.load(x_ptr + rows_offset + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-    other = tl.load(x_ptr + rows_offset + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    return tl.where(lower[None, :], x * cos - other * sin, x * cos + other * sin)
-
-
 @triton.jit(do_not_specialize=["num_splits", "stride_table"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
@@ -138,17 +126,15 @@ def _decode_split_kernel(
     q_mask = head_mask[:, None] & dim_mask[None, :]
     if ROPE:
         half = head_dim // 2
-        cos = tl.load(cos_ptr + seq.to(tl.int64) * stride_cos + dims, mask=dim_mask, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + seq.to(tl.int64) * stride_sin + dims, mask=dim_mask, other=0.0).to(tl.float32)
-        q = _rotate_rows(q_ptr, q_offsets, dims, q_mask, cos[None, :], sin[None, :], half)
-        q = q.to(q_ptr.dtype.element_ty)
+        cos, sin = cos_sin_row(cos_ptr, sin_ptr, seq.to(tl.int64), stride_cos, stride_sin, dims, dim_mask)
+        q = rotated_rows(q_ptr, q_offsets, dims, q_mask, cos, sin, half).to(q_ptr.dtype.element_ty)
         newest = context_len - 1
         slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
         if (newest >= split_start) & (newest < split_end) & (slot >= 0):
             kv_mask = dim_mask[None, :]
             cache_row = (slot // PAGE_SIZE) * stride_block + (slot % PAGE_SIZE) * stride_slot + kv_head * stride_head
-            key = _rotate_rows(k_ptr, seq.to(tl.int64) * stride_kt + kv_head * stride_kh, dims, kv_mask,
-                               cos[None, :], sin[None, :], half)
+            key = rotated_rows(k_ptr, seq.to(tl.int64) * stride_kt + kv_head * stride_kh, dims, kv_mask, cos, sin,
+                               half)
             tl.store(k_cache_ptr + cache_row + dims[None, :],
                      key.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
             value = tl.load(v_ptr + seq.to(tl.int64) * stride_vt + kv_head * stride_vh + dims[None, :], mask=kv_mask)

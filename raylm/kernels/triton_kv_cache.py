@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from raylm.kernels.pdl import pdl_options, pdl_wait
-from raylm.kernels.triton_ops import cos_sin_halves, rope_rows, rotate_heads, rotated_heads
+from raylm.kernels.triton_ops import cos_sin_row, rope_rows, rotate_heads, rotated_rows
 
 
 def check_cache(name: str, cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
@@ -80,34 +80,33 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 @triton.jit
 def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-                            slot_mapping_ptr, num_q_heads, num_kv_heads, half, head_dim,
+                            slot_mapping_ptr, num_q_heads, num_kv_heads, head_dim,
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
                             stride_q_out_t, stride_q_out_h, stride_block, stride_slot, stride_head,
                             PAGE_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                            BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False):
+                            BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False):
     """One token: rotates its query heads into q_out, and its key heads (rotated) and value heads into its
     cache slot (none for a negative slot). Keys are rounded to k's dtype before the cache's, as rotating then
     writing them rounds them."""
     pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
-    cos1, sin1, cos2, sin2 = cos_sin_halves(cos_ptr, sin_ptr, token, stride_cos, stride_sin, half, BLOCK_HALF)
-    rotate_heads(q_ptr, q_out_ptr, token, cos1, sin1, cos2, sin2, num_q_heads, half, stride_qt, stride_qh,
-                 stride_q_out_t, stride_q_out_h, BLOCK_HQ, BLOCK_HALF)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    half = head_dim // 2
+    cos, sin = cos_sin_row(cos_ptr, sin_ptr, token, stride_cos, stride_sin, dims, dim_mask)
+    rotate_heads(q_ptr, q_out_ptr, token, cos, sin, num_q_heads, half, dims, dim_mask, stride_qt, stride_qh,
+                 stride_q_out_t, stride_q_out_h, BLOCK_HQ)
 
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    slot_base = (slot // PAGE_SIZE) * stride_block + (slot % PAGE_SIZE) * stride_slot
-    first, second, mask = rotated_heads(k_ptr, token, cos1, sin1, cos2, sin2, num_kv_heads, half, stride_kt,
-                                        stride_kh, BLOCK_HK, BLOCK_HALF)
+    kv_heads = tl.arange(0, BLOCK_HK)[:, None]
+    mask = (kv_heads < num_kv_heads) & dim_mask[None, :]
+    key = rotated_rows(k_ptr, token * stride_kt + kv_heads * stride_kh, dims, mask, cos, sin, half)
     mask = mask & (slot >= 0)
-    kv_heads, dims = tl.arange(0, BLOCK_HK)[:, None], tl.arange(0, BLOCK_HALF)[None, :]
-    k_out = k_cache_ptr + slot_base + kv_heads * stride_head + dims
-    tl.store(k_out, first.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(k_out + half, second.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty), mask=mask)
-    all_dims = tl.arange(0, BLOCK_D)[None, :]
-    v_mask = (slot >= 0) & (kv_heads < num_kv_heads) & (all_dims < head_dim)
-    v = tl.load(v_ptr + token * stride_vt + kv_heads * stride_vh + all_dims, mask=v_mask)
-    tl.store(v_cache_ptr + slot_base + kv_heads * stride_head + all_dims, v.to(v_cache_ptr.dtype.element_ty),
-             mask=v_mask)
+    cache_rows = (slot // PAGE_SIZE) * stride_block + (slot % PAGE_SIZE) * stride_slot + kv_heads * stride_head
+    tl.store(k_cache_ptr + cache_rows + dims[None, :],
+             key.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + kv_heads * stride_vh + dims[None, :], mask=mask)
+    tl.store(v_cache_ptr + cache_rows + dims[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def rotary_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -121,14 +120,13 @@ def rotary_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
     q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_tokens:
-        half = head_dim // 2
         _rotary_write_kv_kernel[(num_tokens,)](
-            q, k, v, cos_rows, sin_rows, q_out, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads, half,
+            q, k, v, cos_rows, sin_rows, q_out, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads,
             head_dim, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cos_rows.stride(0), sin_rows.stride(0), q_out.stride(0), q_out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             PAGE_SIZE=k_cache.shape[1], BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-            BLOCK_HK=triton.next_power_of_2(num_kv_heads), BLOCK_HALF=triton.next_power_of_2(half),
-            BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4, **pdl_options(q),
+            BLOCK_HK=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
+            **pdl_options(q),
         )
     return q_out

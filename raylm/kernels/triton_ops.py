@@ -91,54 +91,51 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 @triton.jit
-def cos_sin_halves(cos_ptr, sin_ptr, token, stride_cos, stride_sin, half, BLOCK_HALF: tl.constexpr):
-    """One token's cos and sin rows, each as its two halves [1, BLOCK_HALF] in float32."""
-    dims = tl.arange(0, BLOCK_HALF)[None, :]
-    dim_mask = dims < half
-    cos1 = tl.load(cos_ptr + token * stride_cos + dims, mask=dim_mask, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + token * stride_cos + half + dims, mask=dim_mask, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + token * stride_sin + dims, mask=dim_mask, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + token * stride_sin + half + dims, mask=dim_mask, other=0.0).to(tl.float32)
-    return cos1, sin1, cos2, sin2
+def cos_sin_row(cos_ptr, sin_ptr, token, stride_cos, stride_sin, dims, dim_mask):
+    """One token's cos and sin rows, each [1, BLOCK_D] in float32."""
+    cos = tl.load(cos_ptr + token * stride_cos + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + token * stride_sin + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    return cos[None, :], sin[None, :]
 
 
 @triton.jit
-def rotated_heads(x_ptr, token, cos1, sin1, cos2, sin2, num_heads, half, stride_t, stride_h,
-                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """NeoX rotate-half for every head of one token, in float32: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin].
-    Returns both halves [BLOCK_H, BLOCK_HALF] and the mask of real heads and dimensions."""
+def rotated_rows(x_ptr, offsets, dims, mask, cos, sin, half):
+    """NeoX rotate-half of the rows of x at `offsets` ([R, 1]; each row D values along `dims`), in float32:
+    x[d] cos[d] - x[d + half] sin[d] for d < half, x[d] cos[d] + x[d - half] sin[d] beyond. Every kernel that
+    rotates (here, the cache write, the decode attention) goes through this one expression, so that they all
+    round alike."""
+    lower = dims < half
+    partner = tl.where(lower, dims + half, dims - half)
+    x = tl.load(x_ptr + offsets + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    other = tl.load(x_ptr + offsets + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tl.where(lower[None, :], x * cos - other * sin, x * cos + other * sin)
+
+
+@triton.jit
+def rotate_heads(x_ptr, out_ptr, token, cos, sin, num_heads, half, dims, dim_mask, stride_t, stride_h,
+                 stride_out_t, stride_out_h, BLOCK_H: tl.constexpr):
+    """Stores the rotated heads of one token (rotated_rows) at out, rounded to out's dtype."""
     heads = tl.arange(0, BLOCK_H)[:, None]
-    dims = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (heads < num_heads) & (dims < half)
-    first = x_ptr + token * stride_t + heads * stride_h + dims
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
-    return x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2, mask
+    mask = (heads < num_heads) & dim_mask[None, :]
+    rotated = rotated_rows(x_ptr, token * stride_t + heads * stride_h, dims, mask, cos, sin, half)
+    tl.store(out_ptr + token * stride_out_t + heads * stride_out_h + dims[None, :],
+             rotated.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def rotate_heads(x_ptr, out_ptr, token, cos1, sin1, cos2, sin2, num_heads, half, stride_t, stride_h,
-                 stride_out_t, stride_out_h, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Stores the rotated heads of one token (rotated_heads) at out, rounded to out's dtype."""
-    first, second, mask = rotated_heads(x_ptr, token, cos1, sin1, cos2, sin2, num_heads, half, stride_t, stride_h,
-                                        BLOCK_H, BLOCK_HALF)
-    heads, dims = tl.arange(0, BLOCK_H)[:, None], tl.arange(0, BLOCK_HALF)[None, :]
-    out = out_ptr + token * stride_out_t + heads * stride_out_h + dims
-    tl.store(out, first.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out + half, second.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, num_q_heads, num_k_heads, half,
+def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, num_q_heads, num_k_heads, head_dim,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
                    stride_q_out_t, stride_q_out_h, stride_k_out_t, stride_k_out_h,
-                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                   BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    cos1, sin1, cos2, sin2 = cos_sin_halves(cos_ptr, sin_ptr, token, stride_cos, stride_sin, half, BLOCK_HALF)
-    rotate_heads(q_ptr, q_out_ptr, token, cos1, sin1, cos2, sin2, num_q_heads, half, stride_qt, stride_qh,
-                  stride_q_out_t, stride_q_out_h, BLOCK_HQ, BLOCK_HALF)
-    rotate_heads(k_ptr, k_out_ptr, token, cos1, sin1, cos2, sin2, num_k_heads, half, stride_kt, stride_kh,
-                  stride_k_out_t, stride_k_out_h, BLOCK_HK, BLOCK_HALF)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    half = head_dim // 2
+    cos, sin = cos_sin_row(cos_ptr, sin_ptr, token, stride_cos, stride_sin, dims, dim_mask)
+    rotate_heads(q_ptr, q_out_ptr, token, cos, sin, num_q_heads, half, dims, dim_mask, stride_qt, stride_qh,
+                 stride_q_out_t, stride_q_out_h, BLOCK_HQ)
+    rotate_heads(k_ptr, k_out_ptr, token, cos, sin, num_k_heads, half, dims, dim_mask, stride_kt, stride_kh,
+                 stride_k_out_t, stride_k_out_h, BLOCK_HK)
 
 
 def rope_rows(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -173,13 +170,12 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
     if num_tokens:
-        half = head_dim // 2
         _rotary_kernel[(num_tokens,)](
-            q, k, cos_rows, sin_rows, q_out, k_out, num_q_heads, num_k_heads, half,
+            q, k, cos_rows, sin_rows, q_out, k_out, num_q_heads, num_k_heads, head_dim,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_rows.stride(0), sin_rows.stride(0),
             q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
             BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(num_k_heads),
-            BLOCK_HALF=triton.next_power_of_2(half), num_warps=4,
+            BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
         )
     return q_out, k_out
 
