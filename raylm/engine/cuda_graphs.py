@@ -150,13 +150,14 @@ class DecodeGraphs:
         vectors[2, count:batch] = -1
         vectors[3, :count] = [length for _, length in contexts]
         vectors[3, count:batch] = 1
-        width = table_staging.fill(contexts, batch)
         self.vectors.copy_(host_vectors, non_blocking=True)  # whole rows: one contiguous copy of 32 B per slot
-        self.block_tables[:batch, :width].copy_(host_table[:batch, :width], non_blocking=True)
+        if self.flashinfer is None:  # the Triton kernels read block tables; FlashInfer its planned pages
+            width = table_staging.fill(contexts, batch)
+            self.block_tables[:batch, :width].copy_(host_table[:batch, :width], non_blocking=True)
+        else:
+            self.flashinfer.plan(batch, contexts)
         if feed is not None:
             self.input_ids.index_copy_(0, *feed)
-        if self.flashinfer is not None:
-            self.flashinfer.plan(batch, contexts)
         if batch in self.graphs:
             self.graphs[batch].replay()
             return self.outputs[batch][:count]
