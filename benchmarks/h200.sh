@@ -8,9 +8,9 @@
 #   bash benchmarks/h200.sh gemv         # the decode GEMV against cuBLAS, then 8B batch 1 with it on: latency
 #                                        # and step profile                                         (~3 min)
 #   bash benchmarks/h200.sh sweep        # throughput against batch size, SmolLM2 (with HF) and 8B   (~4 min)
-#   bash benchmarks/h200.sh pdl          # programmatic dependent launch (RAYLM_PDL=1): its GPU tests, then 8B batch 1
-#                                        # with the Triton GEMV, PDL off / on / on with the GEMV's L2 prefetch, batch 8
-#                                        # with both, and the step profile of the best batch-1 setting      (~7 min)
+#   bash benchmarks/h200.sh pdl          # programmatic dependent launch (RAYLM_PDL): its GPU tests, then 8B batch 1
+#                                        # with the Triton GEMV, PDL off and in each trigger mode, and the step
+#                                        # profile with the trigger at exit                                (~6 min)
 #   bash benchmarks/h200.sh flashinfer   # attention_backend="flashinfer": its GPU tests, then 8B latency batch 8
 #                                        # and 8B 256 x (512, 128); needs .gpu/flashinfer.tar.xz from
 #                                        # benchmarks/flashinfer_bundle.sh (its first JIT compiles take minutes)
@@ -30,6 +30,9 @@ output_json() {  # name
   [ -n "${OUT:-}" ] && echo "--output_json $OUT/results/$1.json"
 }
 dummy=(--load_format dummy)
+pdl_name() {  # RAYLM_PDL value -> its part of a result name (as benchmarks/common.switch_suffix)
+  case "$1" in after_wait|exit|tail) echo "-$1" ;; esac
+}
 llama=benchmarks/configs/llama-3.1-8b
 smol=benchmarks/configs/smollm2-135m
 
@@ -92,11 +95,10 @@ case "${1:-}" in
       -q -x --tb=short -p no:cacheprovider 2>&1 | tail -15
     export RAYLM_TRITON_GEMV=1
     latency latency-8b-b1-gemv "$llama" 1
-    (export RAYLM_PDL=1; latency latency-8b-b1-gemv-pdl "$llama" 1
-     for tiles in 2 8; do RAYLM_GEMV_PREFETCH_TILES=$tiles latency "latency-8b-b1-gemv-pdl-prefetch$tiles" "$llama" 1; done
-     latency latency-8b-b8-gemv-pdl "$llama" 8
-     timeout 100 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
-       --kernels 8 $(output_json step-llama-3.1-8b-b1-gemv-pdl) 2>&1 | tail -18)
+    # PDL's trigger modes (kernels/pdl.py); the GEMV's L2 prefetch (RAYLM_GEMV_PREFETCH_TILES) measured slower
+    for mode in 1 after_wait exit tail; do RAYLM_PDL=$mode latency "latency-8b-b1-gemv-pdl$(pdl_name $mode)" "$llama" 1; done
+    RAYLM_PDL=exit timeout 100 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 \
+      --batch_size 1 --kernels 8 $(output_json step-llama-3.1-8b-b1-gemv-pdl-exit) 2>&1 | tail -18
     ;;
   flashinfer)
     if [ ! -f .gpu/flashinfer.tar.xz ]; then

@@ -15,7 +15,13 @@ edges of the graph. The GEMV's early weight loads are safe because weights are w
 load, or by a worker extension's weight update through collective_rpc), and every step begins with work launched
 without PDL (the input copies, the embedding lookup), which starts only once those writes are complete.
 
-Off unless RAYLM_PDL=1 until measured on the H200 (`bash benchmarks/h200.sh pdl`); never in the Triton
+When a kernel lets the next one start is RAYLM_PDL's value: `1` (or `start`) at the start of each program, so
+the next kernel's programs become resident and wait while this one runs; `after_wait` once each program has
+passed its own wait; `exit` only as each program exits (the hardware's implicit trigger), which overlaps just the
+next kernel's launch with this one's tail; `tail`: the GEMVs once each program has issued its last weight load
+(`pdl_trigger_at_tail`), the other kernels after their wait, so that a GEMV's programs start (and request their
+first weight tile) during the small kernels before them, yet never take an SM from a GEMV still streaming. Off
+unless RAYLM_PDL is set, until measured on the H200 (`bash benchmarks/h200.sh pdl`); never in the Triton
 interpreter, which has no grid dependency control.
 """
 
@@ -28,8 +34,6 @@ import torch
 import triton
 import triton.language as tl
 
-from raylm.kernels.dispatch import env_flag
-
 _MIN_CAPABILITY = (9, 0)
 
 
@@ -38,14 +42,22 @@ def _device_supports_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= _MIN_CAPABILITY
 
 
+# RAYLM_PDL's values and the trigger mode each selects (the kernels' USE_PDL constexpr; 0 is off).
+_TRIGGERS = {"0": 0, "": 0, "1": 1, "start": 1, "after_wait": 2, "exit": 3, "tail": 4}
+
+
 @functools.cache
-def pdl_requested() -> bool:
-    """RAYLM_PDL=1 outside the Triton interpreter; read once per process (cache_clear() to read it again)."""
-    return env_flag("RAYLM_PDL") and os.environ.get("TRITON_INTERPRET") != "1"
+def pdl_requested() -> int:
+    """The trigger mode RAYLM_PDL asks for (0: off; always 0 in the Triton interpreter); read once per process
+    (cache_clear() to read it again)."""
+    value = os.environ.get("RAYLM_PDL", "0").strip().lower()
+    if value not in _TRIGGERS:
+        raise ValueError(f"RAYLM_PDL must be one of {sorted(k for k in _TRIGGERS if k)} or unset, got {value!r}")
+    return 0 if os.environ.get("TRITON_INTERPRET") == "1" else _TRIGGERS[value]
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether Triton kernels on `device` launch with PDL: RAYLM_PDL=1, a CUDA device of compute capability
+    """Whether Triton kernels on `device` launch with PDL: RAYLM_PDL set, a CUDA device of compute capability
     9.0 or later, and compiled (not interpreted) Triton."""
     if device.type != "cuda" or not pdl_requested():
         return False
@@ -55,16 +67,28 @@ def pdl_enabled(device: torch.device) -> bool:
 def pdl_options(x: torch.Tensor) -> dict:
     """Launch keywords of a PDL-aware kernel working on x: its USE_PDL switch and Triton's launch_pdl, or none
     (the kernel's USE_PDL defaults to off)."""
-    return {"USE_PDL": True, "launch_pdl": True} if pdl_enabled(x.device) else {}
+    return {"USE_PDL": pdl_requested(), "launch_pdl": True} if pdl_enabled(x.device) else {}
 
 
 @triton.jit
-def pdl_wait(USE_PDL: tl.constexpr):
-    """Lets the next kernel in the stream start, then waits until every earlier kernel's writes are visible.
-    A no-op unless the kernel was launched with PDL."""
-    if USE_PDL:
+def pdl_wait(USE_PDL: tl.constexpr, TRIGGER_AT_TAIL: tl.constexpr = False):
+    """Waits until every earlier kernel's writes are visible, and lets the next kernel in the stream start
+    before (USE_PDL 1), after (2, and 4 unless TRIGGER_AT_TAIL: the kernel calls pdl_trigger_at_tail) or not at
+    all (3: it starts as this kernel's programs exit). A no-op unless the kernel was launched with PDL
+    (USE_PDL 0)."""
+    if USE_PDL == 1:
         tl.extra.cuda.gdc_launch_dependents()
+    if USE_PDL:
         tl.extra.cuda.gdc_wait()
+    if USE_PDL == 2 or (USE_PDL == 4 and not TRIGGER_AT_TAIL):
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_trigger_at_tail(USE_PDL: tl.constexpr):
+    """Lets the next kernel start (USE_PDL 4, `tail`), called by a kernel once it has issued its last large load."""
+    if USE_PDL == 4:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit

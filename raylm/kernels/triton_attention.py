@@ -98,7 +98,7 @@ def _decode_split_kernel(
     stride_sin,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ROPE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    ROPE: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
 ):
     """One (sequence, KV head, split): attends the group's query heads over the split's range of keys.
 
@@ -170,7 +170,7 @@ def _decode_split_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num_q_heads, num_splits, head_dim,
                           stride_ob, stride_oh, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                          USE_PDL: tl.constexpr = False):
+                          USE_PDL: tl.constexpr = 0):
     """Merges the splits of one (sequence, query head) by their log-sum-exp weights."""
     pdl_wait(USE_PDL)
     seq = tl.program_id(0)

@@ -8,7 +8,7 @@ atomics). Tile sizes are tuned per (N, K) at the first call, which is an eager w
 is captured.
 
 Off unless RAYLM_TRITON_GEMV=1 (see dispatch.linear) until it is measured faster than cuBLAS on
-the target GPU: `python benchmarks/gemv.py`. Under programmatic dependent launch (RAYLM_PDL=1, kernels/pdl.py)
+the target GPU: `python benchmarks/gemv.py`. Under programmatic dependent launch (RAYLM_PDL, kernels/pdl.py)
 a program loads its first weight tile before it waits for the kernel before it.
 
 The SiLU-mul after the gate / up projection runs in that GEMV's epilogue (gemv_silu_mul: each program owns
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from raylm.kernels.dispatch import GEMV_MAX_ROWS
-from raylm.kernels.pdl import pdl_options, pdl_wait, prefetch_l2
+from raylm.kernels.pdl import pdl_options, pdl_trigger_at_tail, pdl_wait, prefetch_l2
 
 _BLOCK_M = 16  # tl.dot's smallest tile; rows past M are masked
 
@@ -68,7 +68,7 @@ def _prefetch_w(w_ptr, w_rows, col_mask, K, BLOCK_K: tl.constexpr, PREFETCH_TILE
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 USE_PDL: tl.constexpr = False, PREFETCH_TILES: tl.constexpr = 0, LINE: tl.constexpr = 64):
+                 USE_PDL: tl.constexpr = 0, PREFETCH_TILES: tl.constexpr = 0, LINE: tl.constexpr = 64):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output features = rows of W
@@ -81,11 +81,12 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, s
     ks = tl.arange(0, BLOCK_K)
     w = _w_tile(w_rows, ks, col_mask, K)
     _prefetch_w(w_ptr, w_rows, col_mask, K, BLOCK_K, PREFETCH_TILES, LINE)
-    pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL, TRIGGER_AT_TAIL=True)
     acc = tl.dot(_x_tile(x_rows, ks, row_mask, K), tl.trans(w), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
     for start in range(BLOCK_K, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         acc = tl.dot(_x_tile(x_rows, ks, row_mask, K), tl.trans(_w_tile(w_rows, ks, col_mask, K)), acc)
+    pdl_trigger_at_tail(USE_PDL)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
@@ -95,7 +96,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, s
 @triton.jit
 def _gemv_silu_mul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False, PREFETCH_TILES: tl.constexpr = 0,
+                          BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0, PREFETCH_TILES: tl.constexpr = 0,
                           LINE: tl.constexpr = 64):
     """silu(x W_gate^T) * (x W_up^T) for W = [W_gate; W_up] ([2N, K]): each program takes BLOCK_N gate rows and
     the matching up rows, and rounds as linear followed by silu_and_mul does (each projection to y's dtype,
@@ -113,7 +114,7 @@ def _gemv_silu_mul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, str
     w_up = _w_tile(up_rows, ks, col_mask, K)
     _prefetch_w(w_ptr, gate_rows, col_mask, K, BLOCK_K, PREFETCH_TILES, LINE)
     _prefetch_w(w_ptr, up_rows, col_mask, K, BLOCK_K, PREFETCH_TILES, LINE)
-    pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL, TRIGGER_AT_TAIL=True)
     x = _x_tile(x_rows, ks, row_mask, K)
     acc_gate = tl.dot(x, tl.trans(w_gate), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
     acc_up = tl.dot(x, tl.trans(w_up), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
@@ -122,6 +123,7 @@ def _gemv_silu_mul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, str
         x = _x_tile(x_rows, ks, row_mask, K)
         acc_gate = tl.dot(x, tl.trans(_w_tile(gate_rows, ks, col_mask, K)), acc_gate)
         acc_up = tl.dot(x, tl.trans(_w_tile(up_rows, ks, col_mask, K)), acc_up)
+    pdl_trigger_at_tail(USE_PDL)
     if HAS_BIAS:
         acc_gate += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         acc_up += tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]

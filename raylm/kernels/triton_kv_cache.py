@@ -29,7 +29,7 @@ def check_cache(name: str, cache: torch.Tensor, num_kv_heads: int, head_dim: int
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, num_kv_heads, head_dim,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_block, stride_slot, stride_head,
                      PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                     USE_PDL: tl.constexpr = False):
+                     USE_PDL: tl.constexpr = 0):
     pdl_wait(USE_PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -84,7 +84,7 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
                             stride_q_out_t, stride_q_out_h, stride_block, stride_slot, stride_head,
                             PAGE_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                            BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False):
+                            BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = 0):
     """One token: rotates its query heads into q_out, and its key heads (rotated) and value heads into its
     cache slot (none for a negative slot). Keys are rounded to k's dtype before the cache's, as rotating then
     writing them rounds them."""

@@ -42,6 +42,18 @@ def test_pdl_is_off_unless_asked_for_and_never_on_the_cpu(monkeypatch):
     assert not pdl_enabled(torch.device("cuda", 0))
 
 
+def test_pdl_trigger_modes_are_named_and_checked(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for value, mode in (("0", 0), ("1", 1), ("start", 1), ("after_wait", 2), ("EXIT", 3), ("tail", 4)):
+        monkeypatch.setenv("RAYLM_PDL", value)
+        pdl_requested.cache_clear()
+        assert pdl_requested() == mode
+    monkeypatch.setenv("RAYLM_PDL", "sometimes")
+    pdl_requested.cache_clear()
+    with pytest.raises(ValueError, match="RAYLM_PDL"):
+        pdl_requested()
+
+
 def test_gemv_prefetch_setting_is_checked(monkeypatch):
     monkeypatch.setenv("RAYLM_GEMV_PREFETCH_TILES", "4")
     assert prefetch_tiles() == 4
@@ -52,12 +64,12 @@ def test_gemv_prefetch_setting_is_checked(monkeypatch):
             prefetch_tiles()
 
 
-def _both(monkeypatch, run):
-    """run() without PDL, then with it (and the GEMV's L2 prefetch), on one stream."""
+def _both(monkeypatch, run, mode="1"):
+    """run() without PDL, then with it (trigger mode `mode`, and the GEMV's L2 prefetch), on one stream."""
     monkeypatch.setenv("RAYLM_PDL", "0")
     pdl_requested.cache_clear()
     plain = run()
-    monkeypatch.setenv("RAYLM_PDL", "1")
+    monkeypatch.setenv("RAYLM_PDL", mode)
     monkeypatch.setenv("RAYLM_GEMV_PREFETCH_TILES", "4")
     pdl_requested.cache_clear()
     prefetch_tiles.cache_clear()
@@ -111,7 +123,8 @@ def test_rope_cache_write_and_decode_attention_give_the_same_bits_with_pdl(monke
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_HOPPER, reason="needs a CUDA device of capability 9.0+")
-def test_a_graphed_chain_reads_inputs_written_just_before_it(monkeypatch):
+@pytest.mark.parametrize("mode", ["start", "after_wait", "exit", "tail"])
+def test_a_graphed_chain_reads_inputs_written_just_before_it(monkeypatch, mode):
     """norm -> GEMV -> SiLU-mul -> GEMV launched with PDL in one CUDA graph, after a long matmul that writes the
     chain's input in the same graph: every replay, with new data, must equal the chain without PDL."""
     torch.manual_seed(2)
@@ -142,6 +155,6 @@ def test_a_graphed_chain_reads_inputs_written_just_before_it(monkeypatch):
         torch.cuda.synchronize()
         return torch.stack(results)
 
-    plain, pdl = _both(monkeypatch, replays)
+    plain, pdl = _both(monkeypatch, replays, mode)
     assert torch.equal(plain, pdl)
     assert not torch.equal(plain[0], plain[1])  # the replays saw new inputs
