@@ -1,6 +1,7 @@
-"""The decode GEMV (kernels/triton_gemv.py) against cuBLAS (F.linear) on the Llama-3.1-8B layer shapes: time
-per call and weight bandwidth for 1–8 rows, and the sum over one decode step (32 layers + the LM head); then the
-gate / up GEMV followed by the SiLU-mul kernel against gemv_silu_mul, which applies SiLU-mul in its epilogue.
+"""The decode GEMV (kernels/triton_gemv.py) against cuBLAS (F.linear) on the Llama-3.1-8B layer shapes: time per call
+and weight bandwidth for 1–8 rows, the tiles the GEMV's tuning chose (a split of K among them), and the sum over
+one decode step (32 layers + the LM head); then the gate / up GEMV followed by the SiLU-mul kernel against
+gemv_silu_mul, which applies SiLU-mul in its epilogue.
 
     python benchmarks/gemv.py               # one GPU's shapes
     python benchmarks/gemv.py --tp 2        # the shard of each rank at tensor-parallel size 2
@@ -38,6 +39,15 @@ def time_calls(fn, x: torch.Tensor, weights: list[torch.Tensor], replays: int = 
             fn(x, w)
 
     return graph_call_us(body, len(weights), replays)
+
+
+def tuned_config() -> str:
+    """The tile configuration the GEMV's tuning chose for its last call (BLOCK_N, BLOCK_K, SPLIT_K if split)."""
+    from raylm.kernels import triton_gemv
+
+    config = triton_gemv._gemv_tuned.best_config
+    tiles = ", ".join(f"{key} {value}" for key, value in config.kwargs.items())
+    return f"{tiles}, warps {config.num_warps}, stages {config.num_stages}"
 
 
 def time_gate_up_silu(rows: int, tp: int, dtype: torch.dtype) -> dict:
@@ -87,9 +97,10 @@ def main() -> None:
                 micros = time_calls(fn, x, weights)
                 entry[impl] = {"us": micros, "tb_per_s": nbytes / micros / 1e6}
                 per_step[impl] += micros * (1 if name == "lm_head" else LAYERS)
+            entry["triton"]["config"] = tuned_config()
             result.setdefault(str(rows), {})[name] = entry
             timings = ", ".join(f"{impl} {entry[impl]['us']:.1f} us ({entry[impl]['tb_per_s']:.2f} TB/s)"
-                                for impl in impls)
+                                for impl in impls) + f" [{entry['triton']['config']}]"
             print(f"rows {rows} {name:<8} [{n} x {k}]: {timings}", flush=True)
             del weights
             torch.cuda.empty_cache()

@@ -3,9 +3,16 @@
 At batch 1–8 a decode step reads every weight once and does almost no arithmetic per byte, so a linear layer
 is as fast as it streams W from memory. Each program owns BLOCK_N rows of W (output features) and walks K in
 BLOCK_K tiles, K being W's contiguous dimension; the few rows of x (padded to 16 for the tensor-core dot)
-come from L2. Accumulation is in float32, in a fixed order: results do not depend on timing (no split-K
-atomics). Tile sizes are tuned per (N, K) at the first call, which is an eager warm-up before any CUDA graph
-is captured.
+come from L2. Accumulation is in float32, in a fixed order: results do not depend on timing. Tile sizes are
+tuned per (N, K) at the first call, which is an eager warm-up before any CUDA graph is captured.
+
+Split K: a layer with few output features (the o and qkv projections: 256-400 programs of 16 rows) streams its
+weight in programs of 64-128 KiB each, and its last wave and ramp-up leave the memory system part idle (measured
+2.8-3.1 TB/s against ~4.2 for the large layers). With SPLIT_K > 1 each output tile is shared by SPLIT_K programs,
+each taking a contiguous 1/SPLIT_K of K: they write float32 partial sums to a workspace and bump the tile's
+arrival counter; the program that arrives last adds the partials in split order (a fixed order: no atomics on
+the data, so the result is the same whichever program finishes first), writes y and resets the counter for the
+next call. Splits are among the tuned configurations, chosen only where they time faster.
 
 Off unless RAYLM_TRITON_GEMV=1 (see dispatch.linear) until it is measured faster than cuBLAS on
 the target GPU: `python benchmarks/gemv.py`. Under programmatic dependent launch (RAYLM_PDL, kernels/pdl.py)
@@ -31,16 +38,31 @@ from raylm.kernels.dispatch import GEMV_MAX_ROWS
 from raylm.kernels.pdl import pdl_options, pdl_trigger_at_tail, pdl_wait, prefetch_l2
 
 _BLOCK_M = 16  # tl.dot's smallest tile; rows past M are masked
+_MIN_BLOCK_N = 16  # the narrowest output tile of any configuration: one arrival counter per such tile
+_SPLITS = (2, 4)  # the split-K factors tuned
+_MAX_SPLIT_N = 16384  # split K only for layers of at most this many output features (enough programs above)
 
 
-def _configs() -> list[triton.Config]:
-    """Tile shapes to time per (N, K); Triton's timing clears the L2 between runs, as a real step finds it."""
+def _configs(split: bool = False) -> list[triton.Config]:
+    """Tile shapes to time per (N, K), with split-K ones if `split`; Triton's timing clears the L2 between runs,
+    as a real step finds it."""
     configs = [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=4, num_stages=stages)
                for block_n in (16, 32, 64) for block_k in (128, 256) for stages in (3, 4)]
     # Wider K tiles with more warps keep more bytes of W in flight per SM when there are few programs.
     configs += [triton.Config({"BLOCK_N": block_n, "BLOCK_K": 512}, num_warps=8, num_stages=stages)
                 for block_n in (16, 32) for stages in (2, 3)]
+    if split:
+        configs += [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k}, num_warps=4,
+                                  num_stages=3)
+                    for block_n in (_MIN_BLOCK_N, 32) for block_k in (128, 256) for split_k in _SPLITS]
     return configs
+
+
+def _without_splits_for_wide_layers(configs: list[triton.Config], named_args: dict, **_) -> list[triton.Config]:
+    """The autotuner's pruning: split-K configurations only for layers of at most _MAX_SPLIT_N features."""
+    if named_args["N"] <= _MAX_SPLIT_N:
+        return configs
+    return [config for config in configs if config.kwargs.get("SPLIT_K", 1) == 1]
 
 
 @triton.jit
@@ -66,31 +88,58 @@ def _prefetch_w(w_ptr, w_rows, col_mask, K, BLOCK_K: tl.constexpr, PREFETCH_TILE
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 USE_PDL: tl.constexpr = 0, PREFETCH_TILES: tl.constexpr = 0, LINE: tl.constexpr = 64):
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, partial_ptr, arrivals_ptr, M, N, K, stride_xm, stride_wn,
+                 stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0,
+                 PREFETCH_TILES: tl.constexpr = 0, LINE: tl.constexpr = 64):
+    """Program (i, s) computes output features [i BLOCK_N, (i + 1) BLOCK_N) over split s of K (the whole of K
+    when SPLIT_K is 1); with SPLIT_K > 1, partial_ptr is a float32 workspace of at least [SPLIT_K, M, N] and
+    arrivals_ptr one int32 counter per output tile, zero between calls."""
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output features = rows of W
     row_mask = rows < M
     col_mask = cols < N
+    out_mask = row_mask[:, None] & col_mask[None, :]
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + rows[:, None] * stride_xm
+    # This program's part of K: whole tiles, the last split taking what is left (possibly nothing).
+    chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = split * chunk
+    k_end = tl.minimum(K, k_start + chunk)
     # The first weight tile (and, with PREFETCH_TILES, the next ones into L2) is requested before pdl_wait:
     # weights are not written during a step, so under PDL they stream in while the kernel before finishes.
-    ks = tl.arange(0, BLOCK_K)
-    w = _w_tile(w_rows, ks, col_mask, K)
-    _prefetch_w(w_ptr, w_rows, col_mask, K, BLOCK_K, PREFETCH_TILES, LINE)
+    ks = k_start + tl.arange(0, BLOCK_K)
+    w = _w_tile(w_rows, ks, col_mask, k_end)
+    _prefetch_w(w_ptr, w_rows + k_start, col_mask, k_end - k_start, BLOCK_K, PREFETCH_TILES, LINE)
     pdl_wait(USE_PDL, TRIGGER_AT_TAIL=True)
-    acc = tl.dot(_x_tile(x_rows, ks, row_mask, K), tl.trans(w), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
-    for start in range(BLOCK_K, K, BLOCK_K):
+    acc = tl.dot(_x_tile(x_rows, ks, row_mask, k_end), tl.trans(w), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+    for start in range(k_start + BLOCK_K, k_end, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
-        acc = tl.dot(_x_tile(x_rows, ks, row_mask, K), tl.trans(_w_tile(w_rows, ks, col_mask, K)), acc)
+        acc = tl.dot(_x_tile(x_rows, ks, row_mask, k_end), tl.trans(_w_tile(w_rows, ks, col_mask, k_end)), acc)
     pdl_trigger_at_tail(USE_PDL)
+    if SPLIT_K > 1:
+        tile = rows[:, None] * N + cols[None, :]
+        tl.store(partial_ptr + split * M * N + tile, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the arrival is announced
+        arrived = tl.atomic_add(arrivals_ptr + pid, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:  # the last program of the tile sums the partials, in split order
+            acc = tl.load(partial_ptr + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+            for other in tl.static_range(1, SPLIT_K):
+                acc += tl.load(partial_ptr + other * M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+            _gemv_store(acc, bias_ptr, y_ptr, rows, cols, col_mask, out_mask, stride_ym, HAS_BIAS)
+            tl.atomic_xchg(arrivals_ptr + pid, 0)  # ready for the next call
+    else:
+        _gemv_store(acc, bias_ptr, y_ptr, rows, cols, col_mask, out_mask, stride_ym, HAS_BIAS)
+
+
+@triton.jit
+def _gemv_store(acc, bias_ptr, y_ptr, rows, cols, col_mask, out_mask, stride_ym, HAS_BIAS: tl.constexpr):
+    """y = acc (+ bias), rounded to y's dtype."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    out = y_ptr + rows[:, None] * stride_ym + cols[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -135,11 +184,25 @@ def _gemv_silu_mul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, str
              mask=row_mask[:, None] & col_mask[None, :])
 
 
-_gemv_tuned = triton.autotune(configs=_configs(), key=["N", "K"])(_gemv_kernel)
+_gemv_tuned = triton.autotune(configs=_configs(split=True), key=["N", "K"],
+                              prune_configs_by={"early_config_prune": _without_splits_for_wide_layers})(_gemv_kernel)
 _gemv_silu_mul_tuned = triton.autotune(configs=_configs(), key=["N", "K"])(_gemv_silu_mul_kernel)
 # The interpreter (CPU tests; read at import, as Triton does) has no device to time configurations on: it runs one.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _INTERPRETED_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 128}
+# Split-K workspaces per (device, N): float32 partials for up to max(_SPLITS) splits of GEMV_MAX_ROWS rows, and
+# the output tiles' arrival counters (zero between calls: the last program of a tile resets its counter). Calls
+# on one device share them, so GEMVs of one device run on one stream at a time (as the engine's forward does).
+_workspaces: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_workspace(device: torch.device, N: int) -> tuple[torch.Tensor, torch.Tensor]:
+    workspace = _workspaces.get((device, N))
+    if workspace is None:
+        partial = torch.empty(max(_SPLITS) * GEMV_MAX_ROWS * N, dtype=torch.float32, device=device)
+        arrivals = torch.zeros(triton.cdiv(N, _MIN_BLOCK_N), dtype=torch.int32, device=device)
+        workspace = _workspaces[(device, N)] = (partial, arrivals)
+    return workspace
 
 
 @functools.cache
@@ -170,42 +233,57 @@ def _input_rows(x: torch.Tensor, weight: torch.Tensor, name: str) -> torch.Tenso
 
 
 def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            N: int) -> None:
-    """Runs a GEMV kernel over N output features of out [M, N]: tuned per (N, K), or with the interpreter's
-    one configuration; with PDL where it is on."""
+            N: int, config: dict | None = None) -> None:
+    """Runs a GEMV kernel over N output features of out [M, N]: tuned per (N, K), or with `config` (the
+    interpreter's one configuration when none is given there); with PDL where it is on. The plain GEMV
+    (kernel _gemv_kernel) also takes the split-K workspace."""
     M, K = rows.shape
     if not M:
         return
-    args = (rows, weight, bias if bias is not None else weight, out, M, N, K, rows.stride(0), weight.stride(0),
-            out.stride(0))
-    if _INTERPRETED:
-        grid = (triton.cdiv(N, _INTERPRETED_CONFIG["BLOCK_N"]),)
-        kernel[grid](*args, HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M, **_INTERPRETED_CONFIG)
-        return
+    args = [rows, weight, bias if bias is not None else weight, out, M, N, K, rows.stride(0), weight.stride(0),
+            out.stride(0)]
+    splittable = kernel is _gemv_kernel
+    if splittable:
+        args[4:4] = _split_workspace(rows.device, N) if N <= _MAX_SPLIT_N else (out, out)
+    if _INTERPRETED and config is None:
+        config = _INTERPRETED_CONFIG
     options = pdl_options(rows)
     if options:
         options.update(PREFETCH_TILES=prefetch_tiles(), LINE=128 // weight.element_size())
-    tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M,
-                                                           **options)
+    if config is not None:
+        config = dict(config)
+        split_k = config.get("SPLIT_K", 1)
+        if split_k > 1 and not (splittable and split_k <= max(_SPLITS) and N <= _MAX_SPLIT_N):
+            raise ValueError(f"SPLIT_K={split_k} needs the plain GEMV, at most {max(_SPLITS)} splits and at most "
+                             f"{_MAX_SPLIT_N} output features")
+        grid = (triton.cdiv(N, config["BLOCK_N"]), split_k)
+        kernel[grid](*args, HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M, **config, **options)
+        return
+    tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta.get("SPLIT_K", 1))](
+        *args, HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M, **options)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+         config: dict | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x of at most GEMV_MAX_ROWS rows (any leading shape) and a half-precision
-    weight [N, K] with contiguous rows."""
+    weight [N, K] with contiguous rows. `config` fixes the tiles ({"BLOCK_N", "BLOCK_K"[, "SPLIT_K"]}, and
+    Triton's num_warps / num_stages) instead of tuning them: for tests and benchmarks."""
     rows = _input_rows(x, weight, "gemv")
     N = weight.shape[0]
     out = torch.empty((rows.shape[0], N), dtype=x.dtype, device=x.device)
-    _launch(_gemv_kernel, _gemv_tuned, rows, weight, bias, out, N)
+    _launch(_gemv_kernel, _gemv_tuned, rows, weight, bias, out, N, config)
     return out.reshape(*x.shape[:-1], N)
 
 
-def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  config: dict | None = None) -> torch.Tensor:
     """silu_and_mul(F.linear(x, weight, bias)) in one kernel, for x as gemv takes it and a merged gate / up
-    weight [2I, K] (gate rows, then up rows; bias likewise): returns [..., I], rounded as the two steps round."""
+    weight [2I, K] (gate rows, then up rows; bias likewise): returns [..., I], rounded as the two steps round.
+    `config` as gemv takes it, without SPLIT_K (the gate / up layer is wide enough not to need it)."""
     rows = _input_rows(x, weight, "gemv_silu_mul")
     if weight.shape[0] % 2:
         raise ValueError(f"gemv_silu_mul needs gate and up rows of one size, got {weight.shape[0]} rows")
     N = weight.shape[0] // 2
     out = torch.empty((rows.shape[0], N), dtype=x.dtype, device=x.device)
-    _launch(_gemv_silu_mul_kernel, _gemv_silu_mul_tuned, rows, weight, bias, out, N)
+    _launch(_gemv_silu_mul_kernel, _gemv_silu_mul_tuned, rows, weight, bias, out, N, config)
     return out.reshape(*x.shape[:-1], N)

@@ -10,6 +10,7 @@ from tests.kernels import GPU_ONLY, MODULE_MARKS, kernel_device
 
 DEVICE = kernel_device()
 
+from raylm.kernels import triton_gemv  # noqa: E402
 from raylm.kernels.triton_gemv import GEMV_MAX_ROWS, gemv, gemv_silu_mul  # noqa: E402
 from raylm.kernels.triton_ops import silu_and_mul  # noqa: E402
 
@@ -34,6 +35,56 @@ def test_gemv_matches_linear(dtype, rows, n, k, with_bias):
     assert got.shape == (rows, n) and got.dtype == dtype
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_k", [2, 3, 4])
+@pytest.mark.parametrize("rows", [1, GEMV_MAX_ROWS])
+@pytest.mark.parametrize(("n", "k"), [(100, 300), (48, 1030)], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_split_k_gemv_matches_linear_and_resets_its_counters(dtype, split_k, rows, n, k, with_bias):
+    """Split K (K = 300 in 128-wide tiles over 4 splits leaves the last split empty): the partials' sum against
+    F.linear, the same bits on a second call, and every arrival counter back at zero."""
+    generator = torch.Generator().manual_seed(split_k * 100 + rows + n)
+    x = torch.randn(rows, k, generator=generator).to(DEVICE, dtype)
+    weight = (torch.randn(n, k, generator=generator) / k**0.5).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=generator).to(DEVICE, dtype) if with_bias else None
+    config = {"BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": split_k}
+    expected = F.linear(x.float(), weight.float(), bias.float() if bias is not None else None).to(dtype)
+    got = gemv(x, weight, bias, config=config)
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+    assert torch.equal(gemv(x, weight, bias, config=config), got)
+    _, arrivals = triton_gemv._split_workspace(x.device, n)
+    assert not arrivals.any()
+
+
+def test_split_k_is_refused_where_it_has_no_workspace():
+    x, weight = torch.randn(1, 64).to(DEVICE, torch.float16), torch.randn(32, 64).to(DEVICE, torch.float16)
+    with pytest.raises(ValueError, match="SPLIT_K=8"):
+        gemv(x, weight, config={"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 8})
+    with pytest.raises(ValueError, match="SPLIT_K=2"):
+        gemv_silu_mul(x, weight, config={"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": 2})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device")
+def test_split_k_gemv_in_a_cuda_graph_gives_the_same_bits_every_replay():
+    """The arrival counters reset inside the graph: every replay, on new input, equals the eager call; the
+    tuned GEMV (which may pick a split) matches F.linear on the o-projection shape."""
+    torch.manual_seed(3)
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    config = {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 4}
+    gemv(x, weight, config=config)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv(x, weight, config=config)
+    for _ in range(4):
+        x.normal_()
+        graph.replay()
+        assert torch.equal(out, gemv(x, weight, config=config))
+    torch.testing.assert_close(gemv(x, weight), F.linear(x, weight), atol=1.6e-2, rtol=1.6e-2)
 
 
 def test_gemv_keeps_leading_dimensions_and_refuses_what_it_cannot_do():
