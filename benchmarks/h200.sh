@@ -63,7 +63,7 @@ case "${1:-}" in
     for spec in "$smol 1" "$llama 1" "$llama 8"; do
       set -- $spec
       timeout 100 python benchmarks/step_profile.py --model "$1" "${dummy[@]}" --max_batch_size "$2" --batch_size "$2" \
-        --kernels 8 $(output_json "step-$(basename "$1")-b$2") 2>&1 | tail -18
+        --kernels 8 --gaps 8 $(output_json "step-$(basename "$1")-b$2") 2>&1 | tail -27
     done
     ;;
   throughput)
@@ -78,7 +78,7 @@ case "${1:-}" in
     timeout 150 python benchmarks/gemv.py $(output_json gemv-llama-3.1-8b) 2>&1 | tail -25
     (export RAYLM_TRITON_GEMV=1; latency latency-8b-b1-gemv "$llama" 1
      timeout 100 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
-       --kernels 12 $(output_json step-llama-3.1-8b-b1-gemv) 2>&1 | tail -22)
+       --kernels 12 --gaps 8 $(output_json step-llama-3.1-8b-b1-gemv) 2>&1 | tail -31)
     ;;
   sweep)
     for spec in "$smol smollm2-135m --peer hf" "$llama llama-3.1-8b"; do
@@ -104,7 +104,7 @@ case "${1:-}" in
     done
     RAYLM_PDL=tail latency latency-8b-b8-gemv-pdl-tail "$llama" 8
     RAYLM_PDL=tail timeout 100 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 \
-      --batch_size 1 --kernels 8 $(output_json step-llama-3.1-8b-b1-gemv-pdl-tail) 2>&1 | tail -18
+      --batch_size 1 --kernels 8 --gaps 8 $(output_json step-llama-3.1-8b-b1-gemv-pdl-tail) 2>&1 | tail -27
     ;;
   flashinfer)
     if [ ! -f .gpu/flashinfer.tar.xz ]; then
@@ -132,7 +132,7 @@ case "${1:-}" in
     timeout 90 python benchmarks/allreduce.py $(output_json allreduce-2gpu) 2>&1 | tail -8
     (export RAYLM_SYMM_MEM_ALLREDUCE=1; latency latency-8b-b1-tp2-symm "$llama" 1 --tp 2
      timeout 120 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
-       --tp 2 --kernels 12 $(output_json step-llama-3.1-8b-b1-tp2-symm) 2>&1 | grep -v "^(RayWorker" | tail -30)
+       --tp 2 --kernels 12 --gaps 8 $(output_json step-llama-3.1-8b-b1-tp2-symm) 2>&1 | grep -v "^(RayWorker" | tail -48)
     (export RAYLM_SYMM_MEM_ALLREDUCE=1 RAYLM_TRITON_GEMV=1; latency latency-8b-b1-tp2-symm-gemv "$llama" 1 --tp 2)
     (export RAYLM_SYMM_MEM_ALLREDUCE=1 RAYLM_TRITON_GEMV=1 RAYLM_PDL=1
      latency latency-8b-b1-tp2-symm-gemv-pdl "$llama" 1 --tp 2)

@@ -1,6 +1,7 @@
 """Where a decode step's time goes: host time per engine phase (schedule, plan, forward launch, logits,
 sampling, progress) measured on the engine thread, the GPU time of the decode forward alone (CUDA events
-around graph replays), and the GPU busy fraction over a whole generate call.
+around graph replays), and the GPU busy fraction over a whole generate call; with --gaps N, where the GPU sits idle:
+the N pairs of neighbouring GPU activities (kernel, copy) with the most idle time between them.
 
     python benchmarks/step_profile.py --model benchmarks/configs/smollm2-135m --load_format dummy --batch_size 1
     python benchmarks/step_profile.py --model benchmarks/configs/llama-3.1-8b --load_format dummy --batch_size 8
@@ -57,15 +58,61 @@ class KernelProfile:
         self._kernel_profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
         self._kernel_profile.__enter__()
 
-    def stop_kernel_profile(self, top: int) -> dict:
-        """Total kernel time (us) and the `top` kernels: (name, calls, total us)."""
+    def stop_kernel_profile(self, top: int, steps: int = 1, gaps: int = 0) -> dict:
+        """Total kernel time (us), the `top` kernels: (name, calls, total us), and with `gaps` the idle
+        analysis over `steps` steps (idle_gaps)."""
         torch.cuda.synchronize(self.device)
         self._kernel_profile.__exit__(None, None, None)
         averages = self._kernel_profile.key_averages()
+        idle = idle_gaps(gpu_activities(self._kernel_profile), steps, gaps) if gaps else None
         del self._kernel_profile
         ranked = sorted(averages, key=lambda e: e.self_device_time_total, reverse=True)
         return {"busy_us": sum(e.self_device_time_total for e in averages),
-                "top": [(e.key, e.count, e.self_device_time_total) for e in ranked[:top]]}
+                "top": [(e.key, e.count, e.self_device_time_total) for e in ranked[:top]], "idle": idle}
+
+
+def short_kernel_name(name: str) -> str:
+    """A kernel's name without its template and argument lists."""
+    return name.split("<")[0].split("(")[0].strip()[:60] or name[:60]
+
+
+def idle_gaps(activities: list[tuple[str, float, float]], steps: int, top: int) -> dict:
+    """Idle time of a GPU over a timeline of (name, start µs, end µs) activities: the total per step and the
+    `top` (before, after) pairs of neighbouring activities with the most idle time between them, per step. An
+    activity that overlaps the ones before it (under programmatic dependent launch, or on another stream) idles
+    nothing; 'before' is the activity that ended last before the gap."""
+    timeline = sorted(activities, key=lambda activity: activity[1])
+    if not timeline:
+        return {"idle_us_per_step": 0.0, "gaps": []}
+    pairs: dict[tuple[str, str], list] = collections.defaultdict(lambda: [0.0, 0])
+    idle = 0.0
+    last_name, last_end = timeline[0][0], timeline[0][2]
+    for name, start, end in timeline[1:]:
+        if start > last_end:
+            pair = pairs[(short_kernel_name(last_name), short_kernel_name(name))]
+            pair[0] += start - last_end
+            pair[1] += 1
+            idle += start - last_end
+        if end > last_end:
+            last_name, last_end = name, end
+    worst = sorted(pairs.items(), key=lambda item: item[1][0], reverse=True)[:top]
+    return {"idle_us_per_step": idle / steps,
+            "gaps": [{"before": before, "after": after, "us_per_step": us / steps, "per_step": count / steps}
+                     for (before, after), (us, count) in worst]}
+
+
+def print_gaps(idle: dict | None) -> None:
+    if idle is not None:
+        print(f"  GPU idle {idle['idle_us_per_step']:.1f} us/step; the most between:")
+        for gap in idle["gaps"]:
+            print(f"  idle {gap['us_per_step']:7.1f} us/step {gap['per_step']:6.1f}x  "
+                  f"{gap['before']} -> {gap['after']}")
+
+
+def gpu_activities(profiler) -> list[tuple[str, float, float]]:
+    """(name, start µs, end µs) of every kernel, copy and memset the profiler saw on the GPU."""
+    return [(event.name, event.time_range.start, event.time_range.end) for event in profiler.events()
+            if event.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def warmed_up_workload(args: argparse.Namespace, llm) -> tuple[list, object]:
@@ -90,14 +137,14 @@ def profile_ranks(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
-    ranks = llm.collective_rpc("stop_kernel_profile", (max(args.kernels, 12),))
+    steps = args.output_len  # one prefill step, then a decode step per token after the first
+    ranks = llm.collective_rpc("stop_kernel_profile", (max(args.kernels, 12), steps, args.gaps))
     device = llm.info.device
     llm.shutdown()
-    steps = args.output_len  # one prefill step, then a decode step per token after the first
     result = {"steps": steps, "wall_s": wall, "ms_per_step": 1000 * wall / steps, "ranks": [
         {"busy_fraction": rank["busy_us"] / 1e6 / wall,
          "top_kernels": [{"name": name, "calls": calls, "ms_per_step": us / 1000 / steps}
-                         for name, calls, us in rank["top"]]} for rank in ranks]}
+                         for name, calls, us in rank["top"]], "idle": rank["idle"]} for rank in ranks]}
     name = f"step-profile-{Path(args.model or 'smollm2').name}-b{args.batch_size}-{device}{run_suffix(args)}"
     path = write_result(name, args, result)
     print(f"{steps} steps, {result['ms_per_step']:.3f} ms per step (wall)")
@@ -105,6 +152,7 @@ def profile_ranks(args: argparse.Namespace) -> None:
         print(f"rank {rank}: device busy {100 * entry['busy_fraction']:.0f}%")
         for kernel in entry["top_kernels"]:
             print(f"  {kernel['ms_per_step']:8.3f} ms/step {kernel['calls']:7d} calls  {kernel['name'][:90]}")
+        print_gaps(entry["idle"])
     print(f"wrote {path}")
 
 
@@ -135,6 +183,8 @@ def main() -> None:
     parser.add_argument("--output_len", type=int, default=128)
     parser.add_argument("--kernels", type=int, default=0, metavar="N",
                         help="also print the N GPU kernels with the most time over the profiled generate call")
+    parser.add_argument("--gaps", type=int, default=0, metavar="N",
+                        help="also print the N pairs of neighbouring GPU activities with the most idle time between")
     args = parser.parse_args()
     if args.tp * args.pp > 1:
         profile_ranks(args)
@@ -164,7 +214,7 @@ def main() -> None:
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
-    gpu_busy, top_kernels = None, []
+    gpu_busy, top_kernels, gaps = None, [], None
     if profiler is not None:
         torch.cuda.synchronize()
         profiler.__exit__(None, None, None)
@@ -173,6 +223,8 @@ def main() -> None:
         gpu_busy = kernel_us / 1e6 / wall
         top_kernels = sorted(averages, key=lambda e: e.self_device_time_total, reverse=True)[:args.kernels]
     steps = len(timer.totals["step (all)"])
+    if profiler is not None and args.gaps:
+        gaps = idle_gaps(gpu_activities(profiler), steps, args.gaps)
     phases = timer.summary(steps)
     result = {
         "steps": steps, "wall_s": wall, "ms_per_step": 1000 * wall / steps, "host_ms_per_step": phases,
@@ -181,6 +233,7 @@ def main() -> None:
         "engine_step_median_ms": 1000 * statistics.median(timer.totals["step (all)"]),
         "top_kernels": [{"name": e.key, "calls": e.count, "ms_per_step": e.self_device_time_total / 1000 / steps}
                         for e in top_kernels],
+        "idle": gaps,
     }
     llm.shutdown()
     name = f"step-profile-{Path(args.model or 'smollm2').name}-b{args.batch_size}-{llm.info.device}{run_suffix(args)}"
@@ -192,6 +245,7 @@ def main() -> None:
         print(f"  {phase:<28}{ms:8.3f} ms/step")
     for kernel in result["top_kernels"]:
         print(f"  GPU {kernel['ms_per_step']:8.3f} ms/step {kernel['calls']:7d} calls  {kernel['name'][:90]}")
+    print_gaps(gaps)
     print(f"wrote {path}")
 
 

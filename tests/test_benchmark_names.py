@@ -26,3 +26,13 @@ def test_layout_backend_and_switches_are_named_in_order(monkeypatch):
     assert run_suffix(_args(tp=2, attention_backend="flashinfer")) == "-tp2-flashinfer-gemv-pdl-prefetch4"
     monkeypatch.setenv("RAYLM_PDL", "0")  # the prefetch only acts under PDL
     assert run_suffix(_args()) == "-gemv"
+
+
+def test_pdl_trigger_modes_other_than_the_default_are_named(monkeypatch):
+    monkeypatch.delenv("RAYLM_TRITON_GEMV", raising=False)
+    monkeypatch.delenv("RAYLM_SYMM_MEM_ALLREDUCE", raising=False)
+    monkeypatch.setenv("RAYLM_GEMV_PREFETCH_TILES", "16")
+    for mode, suffix in (("start", "-pdl-prefetch16"), ("exit", "-pdl-exit-prefetch16"),
+                         ("tail", "-pdl-tail-prefetch16"), ("after_wait", "-pdl-after_wait-prefetch16")):
+        monkeypatch.setenv("RAYLM_PDL", mode)
+        assert run_suffix(_args()) == suffix
