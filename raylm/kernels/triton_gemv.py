@@ -233,18 +233,16 @@ def _input_rows(x: torch.Tensor, weight: torch.Tensor, name: str) -> torch.Tenso
 
 
 def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            N: int, config: dict | None = None) -> None:
+            N: int, config: dict | None = None, workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Runs a GEMV kernel over N output features of out [M, N]: tuned per (N, K), or with `config` (the
-    interpreter's one configuration when none is given there); with PDL where it is on. The plain GEMV
-    (kernel _gemv_kernel) also takes the split-K workspace."""
+    interpreter's one configuration when none is given there); with PDL where it is on. A kernel that may split
+    K takes its (partials, arrivals) `workspace` after out."""
     M, K = rows.shape
     if not M:
         return
-    args = [rows, weight, bias if bias is not None else weight, out, M, N, K, rows.stride(0), weight.stride(0),
-            out.stride(0)]
-    splittable = kernel is _gemv_kernel
-    if splittable:
-        args[4:4] = _split_workspace(rows.device, N) if N <= _MAX_SPLIT_N else (out, out)
+    splittable = workspace is not None
+    args = (rows, weight, bias if bias is not None else weight, out, *(workspace or ()), M, N, K, rows.stride(0),
+            weight.stride(0), out.stride(0))
     if _INTERPRETED and config is None:
         config = _INTERPRETED_CONFIG
     options = pdl_options(rows)
@@ -271,7 +269,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     rows = _input_rows(x, weight, "gemv")
     N = weight.shape[0]
     out = torch.empty((rows.shape[0], N), dtype=x.dtype, device=x.device)
-    _launch(_gemv_kernel, _gemv_tuned, rows, weight, bias, out, N, config)
+    # Layers too wide to split pass out twice in the workspace's place: the kernel never touches it unsplit.
+    workspace = _split_workspace(rows.device, N) if N <= _MAX_SPLIT_N else (out, out)
+    _launch(_gemv_kernel, _gemv_tuned, rows, weight, bias, out, N, config, workspace)
     return out.reshape(*x.shape[:-1], N)
 
 
