@@ -70,11 +70,11 @@ def switch_suffix() -> str:
     """'-gemv', '-symm', '-pdl' for each experimental switch that is on, then PDL's trigger mode when not the
     default ('-after_wait', '-exit', '-tail') and '-prefetchN' for the GEMV's L2 prefetch under PDL, in that order; ''
     with none."""
-    from raylm.kernels.dispatch import env_flag
+    from raylm.kernels.dispatch import PDL_TRIGGERS, env_flag
 
     suffix = "".join(f"-{short}" for name, short in SWITCHES if env_flag(name))
     mode = os.environ.get("RAYLM_PDL", "0").strip().lower()
-    if mode in ("after_wait", "exit", "tail"):
+    if PDL_TRIGGERS.get(mode, 0) > PDL_TRIGGERS["start"]:
         suffix += f"-{mode}"
     tiles = os.environ.get("RAYLM_GEMV_PREFETCH_TILES", "0")
     if env_flag("RAYLM_PDL") and tiles != "0":

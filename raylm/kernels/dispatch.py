@@ -13,6 +13,8 @@ import torch.nn.functional as F
 # The most rows (tokens) the decode GEMV kernel takes; larger inputs are matmuls, left to cuBLAS.
 GEMV_MAX_ROWS = 8
 _HALF = (torch.float16, torch.bfloat16)
+# RAYLM_PDL's values and the trigger mode each selects (kernels/pdl.py; the kernels' USE_PDL constexpr, 0 is off).
+PDL_TRIGGERS = {"0": 0, "": 0, "1": 1, "start": 1, "after_wait": 2, "exit": 3, "tail": 4}
 
 
 def env_flag(name: str) -> bool:

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from raylm.kernels.dispatch import PDL_TRIGGERS
+
 _MIN_CAPABILITY = (9, 0)
 
 
@@ -42,18 +44,14 @@ def _device_supports_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= _MIN_CAPABILITY
 
 
-# RAYLM_PDL's values and the trigger mode each selects (the kernels' USE_PDL constexpr; 0 is off).
-_TRIGGERS = {"0": 0, "": 0, "1": 1, "start": 1, "after_wait": 2, "exit": 3, "tail": 4}
-
-
 @functools.cache
 def pdl_requested() -> int:
     """The trigger mode RAYLM_PDL asks for (0: off; always 0 in the Triton interpreter); read once per process
     (cache_clear() to read it again)."""
     value = os.environ.get("RAYLM_PDL", "0").strip().lower()
-    if value not in _TRIGGERS:
-        raise ValueError(f"RAYLM_PDL must be one of {sorted(k for k in _TRIGGERS if k)} or unset, got {value!r}")
-    return 0 if os.environ.get("TRITON_INTERPRET") == "1" else _TRIGGERS[value]
+    if value not in PDL_TRIGGERS:
+        raise ValueError(f"RAYLM_PDL must be one of {sorted(k for k in PDL_TRIGGERS if k)} or unset, got {value!r}")
+    return 0 if os.environ.get("TRITON_INTERPRET") == "1" else PDL_TRIGGERS[value]
 
 
 def pdl_enabled(device: torch.device) -> bool:
