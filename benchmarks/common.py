@@ -62,17 +62,24 @@ def parallel_suffix(args: argparse.Namespace) -> str:
     return "".join(f"-{name}{size}" for name, size in (("tp", args.tp), ("pp", args.pp)) if size > 1)
 
 
-# The experimental kernel switches (RAYLM_* environment variables) a result name records when they are on.
+# The kernel switches (RAYLM_* environment variables) a result name records when they are set: '-<short>' on, and
+# for the switches whose default depends on the model (kernels/dispatch.py) '-no<short>' off.
 SWITCHES = (("RAYLM_TRITON_GEMV", "gemv"), ("RAYLM_SYMM_MEM_ALLREDUCE", "symm"), ("RAYLM_PDL", "pdl"))
+_MODEL_DEFAULTS = ("RAYLM_TRITON_GEMV", "RAYLM_PDL")
 
 
 def switch_suffix() -> str:
-    """'-gemv', '-symm', '-pdl' for each experimental switch that is on, then PDL's trigger mode when not the
-    default ('-after_wait', '-exit', '-tail') and '-prefetchN' for the GEMV's L2 prefetch under PDL, in that order; ''
-    with none."""
+    """'-gemv', '-symm', '-pdl' for each switch set on ('-nogemv', '-nopdl' for the model-dependent ones set off),
+    then PDL's trigger mode when not `start` ('-after_wait', '-exit', '-tail') and '-prefetchN' for the GEMV's L2
+    prefetch under PDL, in that order; '' with none set."""
     from raylm.kernels.dispatch import PDL_TRIGGERS, env_flag
 
-    suffix = "".join(f"-{short}" for name, short in SWITCHES if env_flag(name))
+    suffix = ""
+    for name, short in SWITCHES:
+        if env_flag(name):
+            suffix += f"-{short}"
+        elif name in _MODEL_DEFAULTS and name in os.environ:
+            suffix += f"-no{short}"
     mode = os.environ.get("RAYLM_PDL", "0").strip().lower()
     if PDL_TRIGGERS.get(mode, 0) > PDL_TRIGGERS["start"]:
         suffix += f"-{mode}"

@@ -133,10 +133,11 @@ case "${1:-}" in
     (export RAYLM_SYMM_MEM_ALLREDUCE=1; latency latency-8b-b1-tp2-symm "$llama" 1 --tp 2
      timeout 120 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
        --tp 2 --kernels 12 --gaps 8 $(output_json step-llama-3.1-8b-b1-tp2-symm) 2>&1 | grep -v "^(RayWorker" | tail -48)
-    (export RAYLM_SYMM_MEM_ALLREDUCE=1 RAYLM_TRITON_GEMV=1; latency latency-8b-b1-tp2-symm-gemv "$llama" 1 --tp 2)
-    (export RAYLM_SYMM_MEM_ALLREDUCE=1 RAYLM_TRITON_GEMV=1 RAYLM_PDL=1
-     latency latency-8b-b1-tp2-symm-gemv-pdl "$llama" 1 --tp 2)
-    (export RAYLM_SYMM_MEM_ALLREDUCE=1 RAYLM_TRITON_GEMV=1; latency latency-8b-b8-tp2-symm-gemv "$llama" 8 --tp 2)
+    (export RAYLM_SYMM_MEM_ALLREDUCE=1 RAYLM_TRITON_GEMV=1; latency latency-8b-b1-tp2-symm-gemv "$llama" 1 --tp 2
+     RAYLM_PDL=tail latency latency-8b-b1-tp2-symm-gemv-pdl-tail "$llama" 1 --tp 2
+     RAYLM_PDL=tail timeout 120 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 \
+       --batch_size 1 --tp 2 --kernels 12 --gaps 8 $(output_json step-llama-3.1-8b-b1-tp2-symm-gemv-pdl-tail) 2>&1 \
+       | grep -v "^(RayWorker" | tail -48)
     ;;
   x2-throughput)
     throughput throughput-8b-n1000-tp2 "$llama" 1000 1024 1024 256 240 --tp 2

@@ -25,7 +25,17 @@ def test_layout_backend_and_switches_are_named_in_order(monkeypatch):
     monkeypatch.setenv("RAYLM_GEMV_PREFETCH_TILES", "4")
     assert run_suffix(_args(tp=2, attention_backend="flashinfer")) == "-tp2-flashinfer-gemv-pdl-prefetch4"
     monkeypatch.setenv("RAYLM_PDL", "0")  # the prefetch only acts under PDL
-    assert run_suffix(_args()) == "-gemv"
+    assert run_suffix(_args()) == "-gemv-nopdl"
+
+
+def test_switches_set_off_against_a_model_dependent_default_are_named(monkeypatch):
+    """The GEMV and PDL are on by default for weight-streaming models (kernels/dispatch.py): a run that turns
+    them off must not overwrite the default run's result; the symmetric all-reduce is off by default."""
+    monkeypatch.setenv("RAYLM_TRITON_GEMV", "0")
+    monkeypatch.setenv("RAYLM_SYMM_MEM_ALLREDUCE", "0")
+    monkeypatch.setenv("RAYLM_PDL", "0")
+    monkeypatch.delenv("RAYLM_GEMV_PREFETCH_TILES", raising=False)
+    assert run_suffix(_args()) == "-nogemv-nopdl"
 
 
 def test_pdl_trigger_modes_other_than_the_default_are_named(monkeypatch):

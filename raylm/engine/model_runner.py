@@ -18,6 +18,7 @@ from raylm.engine.messages import TokenLogprob
 from raylm.engine.request import PLACEHOLDER
 from raylm.engine.sampler import PendingSamples, Sampler, SampleResult, SamplingRow, to_device
 from raylm.engine.scheduler import ScheduledSequence, SchedulerOutput
+from raylm.kernels import dispatch
 from raylm.kernels.attention import build_metadata
 from raylm.kernels.dispatch import use_triton
 from raylm.models.arch import ArchConfig
@@ -186,6 +187,12 @@ def resolve_attention_backend(requested: str, device: torch.device) -> str:
     return requested
 
 
+def weight_bytes_per_layer(model: nn.Module) -> float:
+    """The bytes of this rank's weights (embeddings and LM head included) per decoder layer it holds."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total / max(1, model.num_local_layers)
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, arch: ArchConfig, device: torch.device, dtype: torch.dtype,
                  block_size: int, seed: int = 0, attention_backend: str = "auto"):
@@ -199,6 +206,8 @@ class ModelRunner:
         self.num_kv_heads = model.local_layers[0].self_attn.num_kv_heads
         self.num_local_layers = model.num_local_layers
         self.graphs = None
+        if device.type == "cuda":  # the decode kernels' default for this process (kernels/dispatch.py)
+            dispatch.set_weight_streaming(dispatch.streams_weights(weight_bytes_per_layer(model)))
         self.attention_backend = resolve_attention_backend(attention_backend, device)
         self.build_metadata = build_metadata
         if self.attention_backend == "triton":

@@ -1,6 +1,11 @@
 """Which kernels run: the Triton ones for CUDA tensors when Triton imports (unless RAYLM_DISABLE_TRITON=1),
-the torch reference otherwise. Linear layers use cuBLAS (F.linear), or for decode-sized inputs the Triton GEMV
-when RAYLM_TRITON_GEMV=1."""
+the torch reference otherwise. Linear layers use cuBLAS (F.linear), or for decode-sized inputs the Triton GEMV.
+
+The decode GEMV and programmatic dependent launch (kernels/pdl.py) pay off where a decode step streams its weights
+(Llama-3.1-8B on the H200: 4.63 -> 4.45-4.47 ms/token at batch 1, level at batch 8) and cost where it waits on the
+host (SmolLM2-135M: 1.13 -> 1.59 ms/token). So by default the model runner turns both on for models of at least
+WEIGHT_STREAMING_BYTES of weights per layer and rank (`set_weight_streaming`); RAYLM_TRITON_GEMV=0/1 and
+RAYLM_PDL=0/<mode> override that choice. The choice is per process: the runner constructed last sets it."""
 
 from __future__ import annotations
 
@@ -15,6 +20,12 @@ GEMV_MAX_ROWS = 8
 _HALF = (torch.float16, torch.bfloat16)
 # RAYLM_PDL's values and the trigger mode each selects (kernels/pdl.py; the kernels' USE_PDL constexpr, 0 is off).
 PDL_TRIGGERS = {"0": 0, "": 0, "1": 1, "start": 1, "after_wait": 2, "exit": 3, "tail": 4}
+# Weights per decoder layer (and rank) from which a decode step counts as weight streaming (Llama-3.1-8B: ~500 MB
+# at TP=1, ~250 MB at TP=2; SmolLM2-135M: ~9 MB).
+WEIGHT_STREAMING_BYTES = 64 << 20
+# The trigger mode of weight-streaming models (measured best on the H200, docs/benchmarks.md).
+STREAMING_PDL_MODE = PDL_TRIGGERS["tail"]
+_weight_streaming = False
 
 
 def env_flag(name: str) -> bool:
@@ -37,14 +48,36 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and triton_available()
 
 
+def set_weight_streaming(on: bool) -> None:
+    """The model runner's default for this process: whether decode steps stream weights (see the module's
+    docstring), which turns on the decode GEMV and PDL unless RAYLM_TRITON_GEMV / RAYLM_PDL say otherwise."""
+    global _weight_streaming
+    _weight_streaming = on
+
+
+def weight_streaming() -> bool:
+    return _weight_streaming
+
+
+def streams_weights(weight_bytes_per_layer: float) -> bool:
+    return weight_bytes_per_layer >= WEIGHT_STREAMING_BYTES
+
+
 @functools.cache
+def gemv_switch() -> bool | None:
+    """RAYLM_TRITON_GEMV when set (read once per process; cache_clear() to read it again), else None."""
+    value = os.environ.get("RAYLM_TRITON_GEMV")
+    return None if value is None else value not in ("", "0")
+
+
 def triton_gemv_enabled() -> bool:
-    return env_flag("RAYLM_TRITON_GEMV") and triton_available()
+    switch = gemv_switch()
+    return (_weight_streaming if switch is None else switch) and triton_available()
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x (at most GEMV_MAX_ROWS rows of half-precision input on CUDA) goes to the Triton GEMV, when
-    RAYLM_TRITON_GEMV=1."""
+    it is on (triton_gemv_enabled)."""
     return (x.is_cuda and weight.dtype in _HALF and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]
             and x.dtype == weight.dtype and triton_gemv_enabled())
 

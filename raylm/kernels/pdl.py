@@ -20,9 +20,9 @@ the next kernel's programs become resident and wait while this one runs; `after_
 passed its own wait; `exit` only as each program exits (the hardware's implicit trigger), which overlaps just the
 next kernel's launch with this one's tail; `tail`: the GEMVs once each program has issued its last weight load
 (`pdl_trigger_at_tail`), the other kernels after their wait, so that a GEMV's programs start (and request their
-first weight tile) during the small kernels before them, yet never take an SM from a GEMV still streaming. Off
-unless RAYLM_PDL is set, until measured on the H200 (`bash benchmarks/h200.sh pdl`); never in the Triton
-interpreter, which has no grid dependency control.
+first weight tile) during the small kernels before them, yet never take an SM from a GEMV still streaming. Unless
+RAYLM_PDL is set, `tail` for models whose decode steps stream weights and off otherwise (dispatch.py, measured with
+`bash benchmarks/h200.sh pdl`); never in the Triton interpreter, which has no grid dependency control.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from raylm.kernels import dispatch
 from raylm.kernels.dispatch import PDL_TRIGGERS
 
 _MIN_CAPABILITY = (9, 0)
@@ -45,18 +46,29 @@ def _device_supports_pdl(index: int) -> bool:
 
 
 @functools.cache
-def pdl_requested() -> int:
-    """The trigger mode RAYLM_PDL asks for (0: off; always 0 in the Triton interpreter); read once per process
-    (cache_clear() to read it again)."""
-    value = os.environ.get("RAYLM_PDL", "0").strip().lower()
-    if value not in PDL_TRIGGERS:
+def pdl_switch() -> int | None:
+    """The trigger mode RAYLM_PDL asks for (0: off; always 0 in the Triton interpreter), None when it is unset;
+    read once per process (cache_clear() to read it again)."""
+    value = os.environ.get("RAYLM_PDL")
+    if value is not None and value.strip().lower() not in PDL_TRIGGERS:
         raise ValueError(f"RAYLM_PDL must be one of {sorted(k for k in PDL_TRIGGERS if k)} or unset, got {value!r}")
-    return 0 if os.environ.get("TRITON_INTERPRET") == "1" else PDL_TRIGGERS[value]
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return 0
+    return None if value is None else PDL_TRIGGERS[value.strip().lower()]
+
+
+def pdl_requested() -> int:
+    """The trigger mode in force: RAYLM_PDL's, or when it is unset the model runner's default (`tail` for models
+    whose decode steps stream weights, dispatch.set_weight_streaming; else off)."""
+    switch = pdl_switch()
+    if switch is not None:
+        return switch
+    return dispatch.STREAMING_PDL_MODE if dispatch.weight_streaming() else 0
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether Triton kernels on `device` launch with PDL: RAYLM_PDL set, a CUDA device of compute capability
-    9.0 or later, and compiled (not interpreted) Triton."""
+    """Whether Triton kernels on `device` launch with PDL: a trigger mode in force (pdl_requested), a CUDA device
+    of compute capability 9.0 or later, and compiled (not interpreted) Triton."""
     if device.type != "cuda" or not pdl_requested():
         return False
     return _device_supports_pdl(device.index if device.index is not None else torch.cuda.current_device())

@@ -14,9 +14,10 @@ arrival counter; the program that arrives last adds the partials in split order 
 the data, so the result is the same whichever program finishes first), writes y and resets the counter for the
 next call. Splits are among the tuned configurations, chosen only where they time faster.
 
-Off unless RAYLM_TRITON_GEMV=1 (see dispatch.linear) until it is measured faster than cuBLAS on
-the target GPU: `python benchmarks/gemv.py`. Under programmatic dependent launch (RAYLM_PDL, kernels/pdl.py)
-a program loads its first weight tile before it waits for the kernel before it.
+On by default for models whose decode steps stream weights, with programmatic dependent launch (kernels/dispatch.py:
+alone it is level with cuBLAS, `python benchmarks/gemv.py`; with PDL's `tail` it is faster end to end);
+RAYLM_TRITON_GEMV=0/1 overrides. Under PDL (kernels/pdl.py) a program loads its first weight tile before it waits
+for the kernel before it.
 
 The SiLU-mul after the gate / up projection runs in that GEMV's epilogue (gemv_silu_mul: each program owns
 matching gate and up rows, so the activation needs nothing from other programs). The add + RMSNorm before qkv

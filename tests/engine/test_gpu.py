@@ -54,14 +54,14 @@ def test_bf16_logprobs_within_the_stated_tolerance(tiny_model_dirs, gemv, monkey
     from raylm.kernels import dispatch
 
     monkeypatch.setenv("RAYLM_TRITON_GEMV", "1" if gemv else "0")
-    dispatch.triton_gemv_enabled.cache_clear()
+    dispatch.gemv_switch.cache_clear()
     path = tiny_model_dirs["llama"]
     try:
         with _llm(path, dtype="bfloat16") as llm:
             outputs = _run(llm, SamplingParams(max_tokens=8, logprobs=0))
     finally:
         monkeypatch.undo()
-        dispatch.triton_gemv_enabled.cache_clear()
+        dispatch.gemv_switch.cache_clear()
     hf = _hf_cuda(path)
     for prompt, output in zip(PROMPTS, outputs):
         generated, _ = logprob_errors(hf, prompt, output)
@@ -78,20 +78,20 @@ def test_pdl_changes_no_token_or_logprob(tiny_model_dirs, monkeypatch):
     path = tiny_model_dirs["llama"]
     params = SamplingParams(max_tokens=NEW_TOKENS, logprobs=0, prompt_logprobs=0)
     monkeypatch.setenv("RAYLM_TRITON_GEMV", "1")
-    dispatch.triton_gemv_enabled.cache_clear()
+    dispatch.gemv_switch.cache_clear()
     runs = []
     try:
         for switch in ("0", "1"):
             monkeypatch.setenv("RAYLM_PDL", switch)
-            pdl.pdl_requested.cache_clear()
+            pdl.pdl_switch.cache_clear()
             with _llm(path, dtype="bfloat16") as llm:
                 assert llm._executor.worker.runner.graphs is not None
                 assert pdl.pdl_enabled(torch.device("cuda")) == (switch == "1")
                 runs.append(_run(llm, params))
     finally:
         monkeypatch.undo()
-        dispatch.triton_gemv_enabled.cache_clear()
-        pdl.pdl_requested.cache_clear()
+        dispatch.gemv_switch.cache_clear()
+        pdl.pdl_switch.cache_clear()
     for plain, with_pdl in zip(*runs):
         assert with_pdl.outputs[0].token_ids == plain.outputs[0].token_ids
         assert [{t: p.logprob for t, p in step.items()} for step in with_pdl.outputs[0].logprobs] == [

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from raylm.kernels.pdl import pdl_enabled, pdl_options, pdl_requested  # noqa: E402
+from raylm.kernels.pdl import pdl_enabled, pdl_options, pdl_requested, pdl_switch  # noqa: E402
 from raylm.kernels.triton_attention import paged_decode_attention  # noqa: E402
 from raylm.kernels.triton_gemv import gemv, prefetch_tiles  # noqa: E402
 from raylm.kernels.triton_kv_cache import rotary_write_kv_cache  # noqa: E402
@@ -22,10 +22,10 @@ ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() >= 
 @pytest.fixture(autouse=True)
 def fresh_settings():
     """The switches are read once per process: each test reads them afresh, and leaves them unread."""
-    pdl_requested.cache_clear()
+    pdl_switch.cache_clear()
     prefetch_tiles.cache_clear()
     yield
-    pdl_requested.cache_clear()
+    pdl_switch.cache_clear()
     prefetch_tiles.cache_clear()
 
 
@@ -35,21 +35,42 @@ def test_pdl_is_off_unless_asked_for_and_never_on_the_cpu(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # set by the interpreted kernel tests
     assert not pdl_enabled(torch.device("cpu")) and pdl_options(cpu) == {}
     monkeypatch.setenv("RAYLM_PDL", "1")
-    pdl_requested.cache_clear()
+    pdl_switch.cache_clear()
     assert pdl_requested() and pdl_options(cpu) == {}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    pdl_requested.cache_clear()
+    pdl_switch.cache_clear()
     assert not pdl_enabled(torch.device("cuda", 0))
+
+
+def test_pdl_defaults_to_tail_for_weight_streaming_models(monkeypatch):
+    """Unset, RAYLM_PDL follows the model runner's default (kernels/dispatch.py); set, it overrides it."""
+    from raylm.kernels import dispatch
+
+    monkeypatch.delenv("RAYLM_PDL", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    try:
+        assert pdl_requested() == 0
+        dispatch.set_weight_streaming(True)
+        assert pdl_requested() == 4  # tail
+        monkeypatch.setenv("RAYLM_PDL", "0")
+        pdl_switch.cache_clear()
+        assert pdl_requested() == 0
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.delenv("RAYLM_PDL")
+        pdl_switch.cache_clear()
+        assert pdl_requested() == 0  # never interpreted
+    finally:
+        dispatch.set_weight_streaming(False)
 
 
 def test_pdl_trigger_modes_are_named_and_checked(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for value, mode in (("0", 0), ("1", 1), ("start", 1), ("after_wait", 2), ("EXIT", 3), ("tail", 4)):
         monkeypatch.setenv("RAYLM_PDL", value)
-        pdl_requested.cache_clear()
+        pdl_switch.cache_clear()
         assert pdl_requested() == mode
     monkeypatch.setenv("RAYLM_PDL", "sometimes")
-    pdl_requested.cache_clear()
+    pdl_switch.cache_clear()
     with pytest.raises(ValueError, match="RAYLM_PDL"):
         pdl_requested()
 
@@ -67,11 +88,11 @@ def test_gemv_prefetch_setting_is_checked(monkeypatch):
 def _both(monkeypatch, run, mode="1"):
     """run() without PDL, then with it (trigger mode `mode`, and the GEMV's L2 prefetch), on one stream."""
     monkeypatch.setenv("RAYLM_PDL", "0")
-    pdl_requested.cache_clear()
+    pdl_switch.cache_clear()
     plain = run()
     monkeypatch.setenv("RAYLM_PDL", mode)
     monkeypatch.setenv("RAYLM_GEMV_PREFETCH_TILES", "4")
-    pdl_requested.cache_clear()
+    pdl_switch.cache_clear()
     prefetch_tiles.cache_clear()
     return plain, run()
 
