@@ -17,9 +17,9 @@
 # and the multi-GPU issue's, on two H200s (nvidia-h200-x2):
 #   bash benchmarks/h200.sh x2-check       # 2-GPU tests, 8B TP=2 vs TP=1 parity, 8B latency at TP=2 (~7 min)
 #   bash benchmarks/h200.sh x2-throughput  # 8B 1000 x (1024, 1024) at TP=2 and at PP=2              (~8 min)
-#   bash benchmarks/h200.sh x2-fast        # all-reduce latency NCCL vs symmetric memory; 8B TP=2 batch 1 with
-#                                          # the symmetric all-reduce and/or the Triton GEMV on, and the
-#                                          # per-rank kernel profile of that step                      (~6 min)
+#   bash benchmarks/h200.sh x2-fast        # the fused all-reduce + RMSNorm's 2-GPU test; all-reduce latency NCCL vs
+#                                          # symmetric memory; 8B TP=2 with the symmetric all-reduce, then with the
+#                                          # fused all-reduce + RMSNorm (batch 1, 8) and its per-rank profile (~6 min)
 # Results go to benchmarks/results/ under the scripts' own names, or to $OUT/results/NAME.json when OUT is set (as
 # on the device machine, whose $OUT comes back).
 set -uo pipefail
@@ -129,15 +129,16 @@ case "${1:-}" in
     latency latency-8b-b8-tp2 "$llama" 8 --tp 2
     ;;
   x2-fast)
+    timeout 60 python -m pytest tests/actors/test_multi_gpu.py -q -x -k fused_all_reduce_norm -p no:cacheprovider \
+      2>&1 | tail -3
     timeout 90 python benchmarks/allreduce.py $(output_json allreduce-2gpu) 2>&1 | tail -8
-    (export RAYLM_SYMM_MEM_ALLREDUCE=1; latency latency-8b-b1-tp2-symm "$llama" 1 --tp 2
+    export RAYLM_SYMM_MEM_ALLREDUCE=1
+    latency latency-8b-b1-tp2-symm "$llama" 1 --tp 2
+    (export RAYLM_ALLREDUCE_NORM=1; latency latency-8b-b1-tp2-symm-norm "$llama" 1 --tp 2
+     latency latency-8b-b8-tp2-symm-norm "$llama" 8 --tp 2
      timeout 120 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
-       --tp 2 --kernels 12 --gaps 8 $(output_json step-llama-3.1-8b-b1-tp2-symm) 2>&1 | grep -v "^(RayWorker" | tail -48)
-    (export RAYLM_SYMM_MEM_ALLREDUCE=1 RAYLM_TRITON_GEMV=1; latency latency-8b-b1-tp2-symm-gemv "$llama" 1 --tp 2
-     RAYLM_PDL=tail latency latency-8b-b1-tp2-symm-gemv-pdl-tail "$llama" 1 --tp 2
-     RAYLM_PDL=tail timeout 120 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 \
-       --batch_size 1 --tp 2 --kernels 12 --gaps 8 $(output_json step-llama-3.1-8b-b1-tp2-symm-gemv-pdl-tail) 2>&1 \
-       | grep -v "^(RayWorker" | tail -48)
+       --tp 2 --kernels 12 --gaps 8 $(output_json step-llama-3.1-8b-b1-tp2-symm-norm) 2>&1 | grep -v "^(RayWorker" \
+       | tail -48)
     ;;
   x2-throughput)
     throughput throughput-8b-n1000-tp2 "$llama" 1000 1024 1024 256 240 --tp 2

@@ -13,7 +13,8 @@ def _args(**overrides) -> argparse.Namespace:
 
 
 def test_default_runs_have_no_suffix(monkeypatch):
-    for name in ("RAYLM_TRITON_GEMV", "RAYLM_SYMM_MEM_ALLREDUCE", "RAYLM_PDL", "RAYLM_GEMV_PREFETCH_TILES"):
+    for name in ("RAYLM_TRITON_GEMV", "RAYLM_SYMM_MEM_ALLREDUCE", "RAYLM_ALLREDUCE_NORM", "RAYLM_PDL",
+                 "RAYLM_GEMV_PREFETCH_TILES"):
         monkeypatch.delenv(name, raising=False)
     assert run_suffix(_args()) == ""
 
@@ -21,10 +22,12 @@ def test_default_runs_have_no_suffix(monkeypatch):
 def test_layout_backend_and_switches_are_named_in_order(monkeypatch):
     monkeypatch.setenv("RAYLM_TRITON_GEMV", "1")
     monkeypatch.setenv("RAYLM_SYMM_MEM_ALLREDUCE", "0")
+    monkeypatch.setenv("RAYLM_ALLREDUCE_NORM", "1")
     monkeypatch.setenv("RAYLM_PDL", "1")
     monkeypatch.setenv("RAYLM_GEMV_PREFETCH_TILES", "4")
-    assert run_suffix(_args(tp=2, attention_backend="flashinfer")) == "-tp2-flashinfer-gemv-pdl-prefetch4"
+    assert run_suffix(_args(tp=2, attention_backend="flashinfer")) == "-tp2-flashinfer-gemv-norm-pdl-prefetch4"
     monkeypatch.setenv("RAYLM_PDL", "0")  # the prefetch only acts under PDL
+    monkeypatch.delenv("RAYLM_ALLREDUCE_NORM")
     assert run_suffix(_args()) == "-gemv-nopdl"
 
 
@@ -33,6 +36,7 @@ def test_switches_set_off_against_a_model_dependent_default_are_named(monkeypatc
     them off must not overwrite the default run's result; the symmetric all-reduce is off by default."""
     monkeypatch.setenv("RAYLM_TRITON_GEMV", "0")
     monkeypatch.setenv("RAYLM_SYMM_MEM_ALLREDUCE", "0")
+    monkeypatch.delenv("RAYLM_ALLREDUCE_NORM", raising=False)
     monkeypatch.setenv("RAYLM_PDL", "0")
     monkeypatch.delenv("RAYLM_GEMV_PREFETCH_TILES", raising=False)
     assert run_suffix(_args()) == "-nogemv-nopdl"
@@ -41,6 +45,7 @@ def test_switches_set_off_against_a_model_dependent_default_are_named(monkeypatc
 def test_pdl_trigger_modes_other_than_the_default_are_named(monkeypatch):
     monkeypatch.delenv("RAYLM_TRITON_GEMV", raising=False)
     monkeypatch.delenv("RAYLM_SYMM_MEM_ALLREDUCE", raising=False)
+    monkeypatch.delenv("RAYLM_ALLREDUCE_NORM", raising=False)
     monkeypatch.setenv("RAYLM_GEMV_PREFETCH_TILES", "16")
     for mode, suffix in (("start", "-pdl-prefetch16"), ("exit", "-pdl-exit-prefetch16"),
                          ("tail", "-pdl-tail-prefetch16"), ("after_wait", "-pdl-after_wait-prefetch16")):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from raylm.engine.model_runner import LaunchedStep, ModelOutput, ModelRunner, StepPlan, plan_step, to_device
 from raylm.engine.scheduler import SchedulerOutput
-from raylm.kernels.dispatch import env_flag
+from raylm.kernels.dispatch import env_flag, triton_available
 from raylm.models.parallel import ParallelContext
 
 logger = logging.getLogger(__name__)
@@ -148,8 +148,58 @@ class SymmetricAllReduce:
         return out.view(tensor.shape)
 
 
+class SymmetricAllReduceNorm:
+    """All-reduce + residual add + RMSNorm in one kernel (kernels/triton_allreduce.py) for up to MAX_ROWS rows of
+    `hidden_size`: this rank's exchange buffer and flags (symmetric allocations that every rank of the group
+    maps) and its call counter. Experimental: on when RAYLM_ALLREDUCE_NORM=1."""
+
+    MAX_ROWS = 128
+
+    def __init__(self, group, device: torch.device, dtype: torch.dtype, hidden_size: int):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.dtype = dtype
+        self.hidden_size = hidden_size
+        data = symm_mem.empty(2 * world * self.MAX_ROWS * hidden_size, dtype=dtype, device=device)
+        flags = symm_mem.empty(2 * world * self.MAX_ROWS, dtype=torch.int32, device=device)
+        flags.zero_()
+        torch.cuda.synchronize(device)  # zero before any rank can raise a flag here (rendezvous is collective)
+        data_handle = symm_mem.rendezvous(data, group)
+        flags_handle = symm_mem.rendezvous(flags, group)
+        self._keep = (data, flags, data_handle, flags_handle)
+
+        def addresses(handle, tensor: torch.Tensor) -> torch.Tensor:  # each rank's copy, as this rank maps it
+            ptrs = [handle.get_buffer(r, (tensor.numel(),), tensor.dtype).data_ptr() for r in range(world)]
+            return torch.tensor(ptrs, dtype=torch.int64, device=device)
+
+        self.buffers = addresses(data_handle, data)
+        self.flags = addresses(flags_handle, flags)
+        self.state = torch.zeros(2, dtype=torch.int32, device=device)
+
+    def fits(self, partial: torch.Tensor) -> bool:
+        return (partial.dim() == 2 and partial.dtype == self.dtype and partial.shape[1] == self.hidden_size
+                and 0 < partial.shape[0] <= self.MAX_ROWS and partial.stride(1) == 1)
+
+    def __call__(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+        from raylm.kernels.triton_allreduce import all_reduce_add_rms_norm
+
+        return all_reduce_add_rms_norm(partial, residual.contiguous(), weight, eps, buffers=self.buffers,
+                                       flags=self.flags, state=self.state, rank=self.rank, max_rows=self.MAX_ROWS)
+
+
 def symmetric_all_reduce_requested() -> bool:
     return env_flag("RAYLM_SYMM_MEM_ALLREDUCE")
+
+
+def all_reduce_norm_requested() -> bool:
+    return env_flag("RAYLM_ALLREDUCE_NORM")
+
+
+def symmetric_memory_requested() -> bool:
+    """Whether a switch asks for symmetric memory (whose workers must see every GPU of the node)."""
+    return symmetric_all_reduce_requested() or all_reduce_norm_requested()
 
 
 def _fast_all_reduce(group, device: torch.device, dtype: torch.dtype | None) -> SymmetricAllReduce | None:
@@ -162,10 +212,32 @@ def _fast_all_reduce(group, device: torch.device, dtype: torch.dtype | None) -> 
         return None
 
 
+def _fused_norm(group, device: torch.device, dtype: torch.dtype | None,
+                hidden_size: int | None) -> SymmetricAllReduceNorm | None:
+    if (device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16, torch.float32) or not hidden_size
+            or not triton_available()):
+        return None
+    try:
+        return SymmetricAllReduceNorm(group, device, dtype, hidden_size)
+    except Exception as exc:  # not supported here: the norms all-reduce first
+        logger.warning("fused all-reduce + RMSNorm unavailable (%s: %s)", type(exc).__name__, exc)
+        return None
+
+
+def _agreed(candidate, group):
+    """candidate where every rank of `group` has one, else None on every rank (they must take the same path)."""
+    agreed = torch.tensor([int(candidate is not None)])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    return candidate if agreed.item() else None
+
+
 def init_distributed(rank: int, layout: RankLayout, address: str, port: int, device: torch.device,
-                     timeout_s: float = 600.0, dtype: torch.dtype | None = None) -> Communicator:
+                     timeout_s: float = 600.0, dtype: torch.dtype | None = None,
+                     hidden_size: int | None = None) -> Communicator:
     """Joins the job's process groups (every rank calls this with the same layout, address and port). With
-    `dtype` (the model's), a symmetric-memory all-reduce may serve small tensors (SymmetricAllReduce)."""
+    `dtype` (the model's), a symmetric-memory all-reduce may serve small tensors (SymmetricAllReduce); with
+    RAYLM_ALLREDUCE_NORM=1 the o / down projections leave their all-reduce to the RMSNorm after them, which on
+    GPUs with symmetric memory does it in one kernel for models of `hidden_size` (SymmetricAllReduceNorm)."""
     world = layout.world_size
     store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -178,15 +250,15 @@ def init_distributed(rank: int, layout: RankLayout, address: str, port: int, dev
         group = dist.new_group(ranks, backend=backend)
         if stage == layout.pp_rank(rank):
             tp_group = group
-    fast = None
+    fast = fused_norm = None
+    defer_reduce = layout.tp > 1 and all_reduce_norm_requested()
     if layout.tp > 1:
-        fast = _fast_all_reduce(tp_group, device, dtype)
-        agreed = torch.tensor([int(fast is not None)])
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control)  # every rank takes the same path
-        if not agreed.item():
-            fast = None
+        fast = _agreed(_fast_all_reduce(tp_group, device, dtype), control)
+    if defer_reduce:
+        fused_norm = _agreed(_fused_norm(tp_group, device, dtype, hidden_size), control)
     ctx = ParallelContext(tp_rank=layout.tp_rank(rank), tp_size=layout.tp, tp_group=tp_group,
-                          pp_rank=layout.pp_rank(rank), pp_size=layout.pp, ep_size=layout.ep, fast_all_reduce=fast)
+                          pp_rank=layout.pp_rank(rank), pp_size=layout.pp, ep_size=layout.ep, fast_all_reduce=fast,
+                          defer_reduce=defer_reduce, fused_norm=fused_norm)
     return Communicator(rank, layout, device, control, ctx)
 
 

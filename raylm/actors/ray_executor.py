@@ -13,7 +13,7 @@ import time
 from collections import deque
 from typing import Any
 
-from raylm.actors.distributed import RankLayout, symmetric_all_reduce_requested
+from raylm.actors.distributed import RankLayout, symmetric_memory_requested
 from raylm.actors.executor import Executor
 from raylm.actors.ray_worker import ALL_GPUS_VISIBLE, CONCURRENCY_GROUPS, RayWorker
 from raylm.actors.worker import WorkerSpec
@@ -74,8 +74,8 @@ class RayExecutor(Executor):
         self._pending: deque[StepOutput] = deque()
         self._dead: str | None = None
         settings = {name: value for name, value in os.environ.items() if name.startswith("RAYLM_")}
-        if use_gpu and layout.tp > 1 and symmetric_all_reduce_requested():
-            settings[ALL_GPUS_VISIBLE] = "1"  # the symmetric-memory all-reduce needs distinct device indices
+        if use_gpu and layout.tp > 1 and symmetric_memory_requested():
+            settings[ALL_GPUS_VISIBLE] = "1"  # symmetric-memory rendezvous needs distinct device indices
         try:
             for rank, (group, bundle) in enumerate(self.placement.bundles):
                 strategy = PlacementGroupSchedulingStrategy(placement_group=group,

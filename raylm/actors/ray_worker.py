@@ -15,11 +15,20 @@ from typing import Any
 
 import torch
 
-from raylm.actors.distributed import Communicator, DistributedRunner, RankLayout, free_address, init_distributed
+from raylm.actors.distributed import (
+    Communicator,
+    DistributedRunner,
+    RankLayout,
+    all_reduce_norm_requested,
+    free_address,
+    init_distributed,
+)
 from raylm.actors.distributed import worker_loop as run_worker_loop
 from raylm.actors.engine_loop import EngineLoop
 from raylm.actors.worker import EngineInfo, Worker, WorkerSpec
 from raylm.engine.messages import EngineRequest, StepOutput
+from raylm.models.loader import load_hf_config
+from raylm.models.registry import resolve_architecture
 
 # Concurrency groups of the actor: ordered control messages, the output long poll, the blocking loops.
 CONCURRENCY_GROUPS = {"control": 1, "outputs": 1, "loop": 1}
@@ -93,10 +102,17 @@ class RayWorker:
             torch.device(self.spec.device)
         if self.layout.world_size > 1:
             self.comm = init_distributed(self.rank, self.layout, address, port, device,
-                                         dtype=getattr(torch, self.spec.dtype))
+                                         dtype=getattr(torch, self.spec.dtype), hidden_size=self._hidden_size())
             self.worker = self.worker_cls(self.spec, self.comm.ctx)
         else:
             self.worker = self.worker_cls(self.spec)
+
+    def _hidden_size(self) -> int | None:
+        """The model's hidden size where a fused all-reduce + RMSNorm is asked for (its buffers' width)."""
+        if not all_reduce_norm_requested():
+            return None
+        hf_config = load_hf_config(self.spec.source, self.spec.args.trust_remote_code)
+        return resolve_architecture(hf_config)[1].hidden_size
 
     def load_model(self) -> int:
         self.bind_gpu()

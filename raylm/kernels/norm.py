@@ -23,8 +23,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+    def forward(self, x, residual: torch.Tensor | None = None):
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual). x may be a row-parallel
+        layer's Unreduced partial sum (models/parallel.py): the sum over ranks is then taken first, in one kernel
+        with the add and the norm where the context's fused_norm takes it."""
+        if hasattr(x, "partial"):  # Unreduced
+            fused = x.ctx.fused_norm
+            if residual is not None and fused is not None and fused.fits(x.partial):
+                return fused(x.partial, residual, self.weight, self.eps)
+            x = x.reduce()
         if use_triton(x):
             from raylm.kernels import triton_ops
 

@@ -27,6 +27,7 @@ from raylm.models.parallel import (
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
+    Unreduced,
     VocabParallelEmbedding,
     default_weight_loader,
 )
@@ -49,7 +50,7 @@ class Attention(nn.Module):
         self.scale = arch.head_dim**-0.5
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, defer_reduce: bool = False) -> torch.Tensor | Unreduced:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -57,7 +58,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, rope=rope)
-        return self.o_proj(out.view(-1, self.num_heads * self.head_dim))
+        return self.o_proj(out.view(-1, self.num_heads * self.head_dim), defer_reduce)
 
 
 class MLP(nn.Module):
@@ -69,13 +70,13 @@ class MLP(nn.Module):
         self.act = gated_activation(arch.hidden_act)
         self.silu = arch.hidden_act == "silu"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor | Unreduced:
         gate_up = self.gate_up_proj
         if self.silu and gemv_applies(x, gate_up.weight):  # decode-sized: SiLU-mul in the GEMV's epilogue
             from raylm.kernels.triton_gemv import gemv_silu_mul
 
-            return self.down_proj(gemv_silu_mul(x, gate_up.weight, gate_up.bias))
-        return self.down_proj(self.act(gate_up(x)))
+            return self.down_proj(gemv_silu_mul(x, gate_up.weight, gate_up.bias), defer_reduce)
+        return self.down_proj(self.act(gate_up(x)), defer_reduce)
 
 
 class DecoderLayer(nn.Module):
@@ -86,14 +87,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, rope, hidden, residual, kv_cache, meta):
+    def forward(self, rope, hidden, residual, kv_cache, meta, defer_reduce: bool = False):
+        """With defer_reduce, the o and down projections return Unreduced partial sums, which the RMSNorm after
+        each reduces (the layer's output too: the next layer's input norm, or the model's, takes it)."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden, kv_cache, meta)
+        hidden = self.self_attn(rope, hidden, kv_cache, meta, defer_reduce)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
+        if isinstance(self.mlp, MLP):
+            return self.mlp(hidden, defer_reduce), residual
         return self.mlp(hidden), residual
 
 
@@ -153,9 +158,12 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden, residual = intermediate
         rope = self.rotary.cos_sin(positions, hidden.dtype)
+        defer_reduce = self.ctx.defers_reduce
         for layer, kv_cache in zip(self.local_layers, kv_caches):
-            hidden, residual = layer(rope, hidden, residual, kv_cache, meta)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, meta, defer_reduce)
         if self.norm is None:
+            if isinstance(hidden, Unreduced):
+                hidden = hidden.reduce()
             return hidden, residual if residual is not None else torch.zeros_like(hidden)
         hidden, _ = self.norm(hidden, residual)
         return hidden

@@ -30,6 +30,11 @@ class ParallelContext:
     ep_size: int = 1
     # A faster all-reduce for small tensors (distributed.SymmetricAllReduce), or None: NCCL / gloo throughout.
     fast_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # Whether the o / down projections leave their all-reduce to the RMSNorm after them (Unreduced), and the
+    # kernel that then does all-reduce + residual add + RMSNorm in one (distributed.SymmetricAllReduceNorm; None:
+    # the norm all-reduces first). RAYLM_ALLREDUCE_NORM=1 at TP > 1.
+    defer_reduce: bool = False
+    fused_norm: Callable | None = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -56,6 +61,11 @@ class ParallelContext:
             dist.all_reduce(tensor, group=self.tp_group)
         return tensor
 
+    @property
+    def defers_reduce(self) -> bool:
+        """Whether the o / down projections return Unreduced partial sums (defer_reduce, at TP > 1)."""
+        return self.tp_size > 1 and self.defer_reduce
+
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return tensor
@@ -65,6 +75,18 @@ class ParallelContext:
 
 
 SINGLE = ParallelContext()
+
+
+@dataclass(frozen=True)
+class Unreduced:
+    """A row-parallel layer's output before its all-reduce: the RMSNorm after it reduces it (fused with the
+    residual add and the norm where ctx.fused_norm takes it), and anything else calls reduce()."""
+
+    partial: torch.Tensor
+    ctx: ParallelContext
+
+    def reduce(self) -> torch.Tensor:
+        return self.ctx.all_reduce(self.partial)
 
 
 def _shard(size: int, ctx: ParallelContext, what: str) -> int:
@@ -178,8 +200,12 @@ class RowParallelLinear(nn.Module):
         start = self.ctx.tp_rank * param.shape[1]
         param.data.copy_(loaded.narrow(1, start, param.shape[1]))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.ctx.all_reduce(linear(x, self.weight))
+    def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor | Unreduced:
+        """With defer_reduce (and no bias), the partial sum as Unreduced: the next RMSNorm all-reduces it."""
+        out = linear(x, self.weight)
+        if defer_reduce and self.bias is None:
+            return Unreduced(out, self.ctx)
+        out = self.ctx.all_reduce(out)
         if self.bias is not None:
             out = out + self.bias
         return out

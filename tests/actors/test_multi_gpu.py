@@ -98,6 +98,39 @@ def test_symmetric_memory_all_reduce_gives_the_same_tokens(ray_cluster, tiny_mod
     assert [o.outputs[0].token_ids for o in outputs] == _one_gpu["llama"]
 
 
+class NormProbe:
+    def fused_norm(self) -> bool:
+        return self.ctx.defers_reduce and self.ctx.fused_norm is not None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_all_reduce_norm_gives_the_same_tokens(ray_cluster, tiny_model_dirs, monkeypatch, dtype):
+    """RAYLM_ALLREDUCE_NORM=1: the o / down projections' all-reduce runs in one kernel with the residual add and
+    RMSNorm after it (kernels/triton_allreduce.py), eager and in the decode graphs, next to the symmetric all-reduce
+    of the embedding. float32: the tokens of one GPU; bfloat16: the tokens of TP=2 without the switch (the sum of
+    two bf16 partials rounds once either way)."""
+    path = tiny_model_dirs["llama"]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=NEW_TOKENS)
+    settings = dict(device="cuda", dtype=dtype, skip_tokenizer_init=True, kv_cache_config=KV, max_seq_len=1024,
+                    tensor_parallel_size=2)
+    monkeypatch.setenv("RAYLM_SYMM_MEM_ALLREDUCE", "1")
+    if dtype == "bfloat16":
+        with LLM(str(path), **settings) as llm:
+            expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    else:
+        if "llama" not in _one_gpu:
+            _one_gpu["llama"] = _greedy(path)
+        expected = _one_gpu["llama"]
+    monkeypatch.setenv("RAYLM_ALLREDUCE_NORM", "1")
+    with LLM(str(path), worker_extension_cls=NormProbe, **settings) as llm:
+        assert llm.collective_rpc("fused_norm") == [True, True]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        again = llm.generate(prompts, params, use_tqdm=False)  # the buffers' halves keep alternating
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert [o.outputs[0].token_ids for o in again] == expected
+
+
 def _gpu_uuids() -> list[str]:
     return [str(torch.cuda.get_device_properties(index).uuid) for index in range(torch.cuda.device_count())]
 

@@ -70,6 +70,25 @@ def test_parallel_greedy_tokens_equal_hf(ray_cluster, tiny_model_dirs, arch, tp,
     assert got == _hf_tokens(path)
 
 
+class ReduceProbe:
+    def defers_reduce(self) -> bool:
+        return self.ctx.defers_reduce
+
+
+@pytest.mark.parametrize(("arch", "tp", "pp"), [("llama", 2, 2), ("qwen3_moe", 2, 1)])
+def test_all_reduce_left_to_the_norms_keeps_greedy_tokens(ray_cluster, tiny_model_dirs, monkeypatch, arch, tp, pp):
+    """RAYLM_ALLREDUCE_NORM=1: the o / down projections return partial sums that the RMSNorm after them reduces
+    (on the CPU: all-reduce, then add + norm; the fused kernel is GPU-only); a pipeline stage reduces its last
+    layer's output before sending it on; mixture-of-experts blocks reduce their own."""
+    monkeypatch.setenv("RAYLM_ALLREDUCE_NORM", "1")
+    path = tiny_model_dirs[arch]
+    with LLM(str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, kv_cache_config=KV,
+             worker_extension_cls=ReduceProbe) as llm:
+        assert llm.collective_rpc("defers_reduce") == [True] * (tp * pp)
+        got = _generate(llm)
+    assert got == _hf_tokens(path)
+
+
 def test_pipeline_micro_batches_keep_prompt_logprobs_and_sampling_exact(ray_cluster, tiny_model_dirs):
     path = tiny_model_dirs["llama"]
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=5, logprobs=2, prompt_logprobs=1)
