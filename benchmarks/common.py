@@ -71,8 +71,8 @@ _MODEL_DEFAULTS = ("RAYLM_TRITON_GEMV", "RAYLM_PDL")
 
 def switch_suffix() -> str:
     """'-gemv', '-symm', '-norm', '-pdl' for each switch set on ('-nogemv', '-nopdl' for the model-dependent ones
-    set off), then PDL's trigger mode when not `start` ('-after_wait', '-exit', '-tail') and '-prefetchN' for the
-    GEMV's L2 prefetch under PDL, in that order; '' with none set."""
+    set off), then PDL's trigger mode when not `start` ('-after_wait', '-exit', '-tail'), in that order; '' with
+    none set."""
     from raylm.kernels.dispatch import PDL_TRIGGERS, env_flag
 
     suffix = ""
@@ -84,9 +84,6 @@ def switch_suffix() -> str:
     mode = os.environ.get("RAYLM_PDL", "0").strip().lower()
     if PDL_TRIGGERS.get(mode, 0) > PDL_TRIGGERS["start"]:
         suffix += f"-{mode}"
-    tiles = os.environ.get("RAYLM_GEMV_PREFETCH_TILES", "0")
-    if env_flag("RAYLM_PDL") and tiles != "0":
-        suffix += f"-prefetch{tiles}"
     return suffix
 
 

@@ -9,8 +9,8 @@
 #                                        # and step profile                                         (~3 min)
 #   bash benchmarks/h200.sh sweep        # throughput against batch size, SmolLM2 (with HF) and 8B   (~4 min)
 #   bash benchmarks/h200.sh pdl          # programmatic dependent launch (RAYLM_PDL): its GPU tests, then 8B batch 1
-#                                        # with the Triton GEMV, PDL off, at exit, at the GEMV's tail (with and
-#                                        # without L2 prefetch), batch 8, and the step profile at the tail   (~8 min)
+#                                        # by default (GEMV + PDL tail), PDL off, at exit, with neither; batch 8,
+#                                        # and the step profile of the default                       (~6 min)
 #   bash benchmarks/h200.sh flashinfer   # attention_backend="flashinfer": its GPU tests, then 8B latency batch 8
 #                                        # and 8B 256 x (512, 128); needs .gpu/flashinfer.tar.xz from
 #                                        # benchmarks/flashinfer_bundle.sh (its first JIT compiles take minutes)
@@ -30,9 +30,6 @@ output_json() {  # name
   [ -n "${OUT:-}" ] && echo "--output_json $OUT/results/$1.json"
 }
 dummy=(--load_format dummy)
-pdl_name() {  # RAYLM_PDL value -> its part of a result name (as benchmarks/common.switch_suffix)
-  case "$1" in after_wait|exit|tail) echo "-$1" ;; esac
-}
 llama=benchmarks/configs/llama-3.1-8b
 smol=benchmarks/configs/smollm2-135m
 
@@ -93,18 +90,14 @@ case "${1:-}" in
   pdl)
     timeout 200 python -m pytest tests/kernels/test_pdl.py "tests/engine/test_gpu.py::test_pdl_changes_no_token_or_logprob" \
       -q -x --tb=short -p no:cacheprovider 2>&1 | tail -15
-    export RAYLM_TRITON_GEMV=1
-    latency latency-8b-b1-gemv "$llama" 1
-    # The trigger modes measured best (kernels/pdl.py; 1 and after_wait measured slower, 2026-11-30), then `tail` with
-    # the GEMV's L2 prefetch: under `tail` a GEMV's programs start during the small kernels before it, and may pull
-    # more of their weights into L2 while they wait.
-    for mode in exit tail; do RAYLM_PDL=$mode latency "latency-8b-b1-gemv-pdl$(pdl_name $mode)" "$llama" 1; done
-    for tiles in 4 16; do
-      RAYLM_PDL=tail RAYLM_GEMV_PREFETCH_TILES=$tiles latency "latency-8b-b1-gemv-pdl-tail-prefetch$tiles" "$llama" 1
-    done
-    RAYLM_PDL=tail latency latency-8b-b8-gemv-pdl-tail "$llama" 8
-    RAYLM_PDL=tail timeout 100 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 \
-      --batch_size 1 --kernels 8 --gaps 8 $(output_json step-llama-3.1-8b-b1-gemv-pdl-tail) 2>&1 | tail -27
+    # The default for this model is the GEMV with PDL `tail` (kernels/dispatch.py); each switch set, against it.
+    latency latency-8b-b1 "$llama" 1
+    RAYLM_PDL=0 latency latency-8b-b1-nopdl "$llama" 1
+    RAYLM_PDL=exit latency latency-8b-b1-pdl-exit "$llama" 1
+    RAYLM_TRITON_GEMV=0 RAYLM_PDL=0 latency latency-8b-b1-nogemv-nopdl "$llama" 1
+    latency latency-8b-b8 "$llama" 8
+    timeout 100 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
+      --kernels 8 --gaps 8 $(output_json step-llama-3.1-8b-b1) 2>&1 | tail -27
     ;;
   flashinfer)
     if [ ! -f .gpu/flashinfer.tar.xz ]; then

@@ -13,8 +13,7 @@ def _args(**overrides) -> argparse.Namespace:
 
 
 def test_default_runs_have_no_suffix(monkeypatch):
-    for name in ("RAYLM_TRITON_GEMV", "RAYLM_SYMM_MEM_ALLREDUCE", "RAYLM_ALLREDUCE_NORM", "RAYLM_PDL",
-                 "RAYLM_GEMV_PREFETCH_TILES"):
+    for name in ("RAYLM_TRITON_GEMV", "RAYLM_SYMM_MEM_ALLREDUCE", "RAYLM_ALLREDUCE_NORM", "RAYLM_PDL"):
         monkeypatch.delenv(name, raising=False)
     assert run_suffix(_args()) == ""
 
@@ -24,9 +23,8 @@ def test_layout_backend_and_switches_are_named_in_order(monkeypatch):
     monkeypatch.setenv("RAYLM_SYMM_MEM_ALLREDUCE", "0")
     monkeypatch.setenv("RAYLM_ALLREDUCE_NORM", "1")
     monkeypatch.setenv("RAYLM_PDL", "1")
-    monkeypatch.setenv("RAYLM_GEMV_PREFETCH_TILES", "4")
-    assert run_suffix(_args(tp=2, attention_backend="flashinfer")) == "-tp2-flashinfer-gemv-norm-pdl-prefetch4"
-    monkeypatch.setenv("RAYLM_PDL", "0")  # the prefetch only acts under PDL
+    assert run_suffix(_args(tp=2, attention_backend="flashinfer")) == "-tp2-flashinfer-gemv-norm-pdl"
+    monkeypatch.setenv("RAYLM_PDL", "0")
     monkeypatch.delenv("RAYLM_ALLREDUCE_NORM")
     assert run_suffix(_args()) == "-gemv-nopdl"
 
@@ -38,7 +36,6 @@ def test_switches_set_off_against_a_model_dependent_default_are_named(monkeypatc
     monkeypatch.setenv("RAYLM_SYMM_MEM_ALLREDUCE", "0")
     monkeypatch.delenv("RAYLM_ALLREDUCE_NORM", raising=False)
     monkeypatch.setenv("RAYLM_PDL", "0")
-    monkeypatch.delenv("RAYLM_GEMV_PREFETCH_TILES", raising=False)
     assert run_suffix(_args()) == "-nogemv-nopdl"
 
 
@@ -46,8 +43,7 @@ def test_pdl_trigger_modes_other_than_the_default_are_named(monkeypatch):
     monkeypatch.delenv("RAYLM_TRITON_GEMV", raising=False)
     monkeypatch.delenv("RAYLM_SYMM_MEM_ALLREDUCE", raising=False)
     monkeypatch.delenv("RAYLM_ALLREDUCE_NORM", raising=False)
-    monkeypatch.setenv("RAYLM_GEMV_PREFETCH_TILES", "16")
-    for mode, suffix in (("start", "-pdl-prefetch16"), ("exit", "-pdl-exit-prefetch16"),
-                         ("tail", "-pdl-tail-prefetch16"), ("after_wait", "-pdl-after_wait-prefetch16")):
+    for mode, suffix in (("start", "-pdl"), ("exit", "-pdl-exit"), ("tail", "-pdl-tail"),
+                         ("after_wait", "-pdl-after_wait")):
         monkeypatch.setenv("RAYLM_PDL", mode)
         assert run_suffix(_args()) == suffix

@@ -99,11 +99,3 @@ def pdl_trigger_at_tail(USE_PDL: tl.constexpr):
     """Lets the next kernel start (USE_PDL 4, `tail`), called by a kernel once it has issued its last large load."""
     if USE_PDL == 4:
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Asks for the 128-byte lines at ptrs to be brought into L2: no registers are filled and nothing waits
-    for the data. Every pointer must be a valid address (point masked-out entries somewhere harmless)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)

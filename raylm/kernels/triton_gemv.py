@@ -28,7 +28,6 @@ against 31.8 for SiLU-mul + down; docs/benchmarks.md).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -36,7 +35,7 @@ import triton
 import triton.language as tl
 
 from raylm.kernels.dispatch import GEMV_MAX_ROWS
-from raylm.kernels.pdl import pdl_options, pdl_trigger_at_tail, pdl_wait, prefetch_l2
+from raylm.kernels.pdl import pdl_options, pdl_trigger_at_tail, pdl_wait
 
 _BLOCK_M = 16  # tl.dot's smallest tile; rows past M are masked
 _MIN_BLOCK_N = 16  # the narrowest output tile of any configuration: one arrival counter per such tile
@@ -79,20 +78,9 @@ def _x_tile(x_rows, ks, row_mask, K):
 
 
 @triton.jit
-def _prefetch_w(w_ptr, w_rows, col_mask, K, BLOCK_K: tl.constexpr, PREFETCH_TILES: tl.constexpr,
-                LINE: tl.constexpr):
-    """Pulls the PREFETCH_TILES weight tiles after the first into L2: one request per LINE elements."""
-    if PREFETCH_TILES > 0:
-        lines = BLOCK_K + tl.arange(0, PREFETCH_TILES * BLOCK_K // LINE) * LINE
-        inside = col_mask[:, None] & (lines < K)[None, :]
-        prefetch_l2(tl.where(inside, w_rows + lines[None, :], w_ptr))
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, partial_ptr, arrivals_ptr, M, N, K, stride_xm, stride_wn,
                  stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0,
-                 PREFETCH_TILES: tl.constexpr = 0, LINE: tl.constexpr = 64):
+                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0):
     """Program (i, s) computes output features [i BLOCK_N, (i + 1) BLOCK_N) over split s of K (the whole of K
     when SPLIT_K is 1); with SPLIT_K > 1, partial_ptr is a float32 workspace of at least [SPLIT_K, M, N] and
     arrivals_ptr one int32 counter per output tile, zero between calls."""
@@ -109,11 +97,10 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, partial_ptr, arrivals_ptr, M, N,
     chunk = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_start = split * chunk
     k_end = tl.minimum(K, k_start + chunk)
-    # The first weight tile (and, with PREFETCH_TILES, the next ones into L2) is requested before pdl_wait:
-    # weights are not written during a step, so under PDL they stream in while the kernel before finishes.
+    # The first weight tile is requested before pdl_wait: weights are not written during a step, so under PDL it
+    # streams in while the kernel before finishes.
     ks = k_start + tl.arange(0, BLOCK_K)
     w = _w_tile(w_rows, ks, col_mask, k_end)
-    _prefetch_w(w_ptr, w_rows + k_start, col_mask, k_end - k_start, BLOCK_K, PREFETCH_TILES, LINE)
     pdl_wait(USE_PDL, TRIGGER_AT_TAIL=True)
     acc = tl.dot(_x_tile(x_rows, ks, row_mask, k_end), tl.trans(w), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
     for start in range(k_start + BLOCK_K, k_end, BLOCK_K):
@@ -146,8 +133,7 @@ def _gemv_store(acc, bias_ptr, y_ptr, rows, cols, col_mask, out_mask, stride_ym,
 @triton.jit
 def _gemv_silu_mul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0, PREFETCH_TILES: tl.constexpr = 0,
-                          LINE: tl.constexpr = 64):
+                          BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0):
     """silu(x W_gate^T) * (x W_up^T) for W = [W_gate; W_up] ([2N, K]): each program takes BLOCK_N gate rows and
     the matching up rows, and rounds as linear followed by silu_and_mul does (each projection to y's dtype,
     then the activation, then the product)."""
@@ -162,8 +148,6 @@ def _gemv_silu_mul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, str
     ks = tl.arange(0, BLOCK_K)
     w_gate = _w_tile(gate_rows, ks, col_mask, K)
     w_up = _w_tile(up_rows, ks, col_mask, K)
-    _prefetch_w(w_ptr, gate_rows, col_mask, K, BLOCK_K, PREFETCH_TILES, LINE)
-    _prefetch_w(w_ptr, up_rows, col_mask, K, BLOCK_K, PREFETCH_TILES, LINE)
     pdl_wait(USE_PDL, TRIGGER_AT_TAIL=True)
     x = _x_tile(x_rows, ks, row_mask, K)
     acc_gate = tl.dot(x, tl.trans(w_gate), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
@@ -206,17 +190,6 @@ def _split_workspace(device: torch.device, N: int) -> tuple[torch.Tensor, torch.
     return workspace
 
 
-@functools.cache
-def prefetch_tiles() -> int:
-    """Weight tiles past the first that a GEMV launched with PDL pulls into L2 before it waits
-    (RAYLM_GEMV_PREFETCH_TILES, default 0: to be chosen by measurement, `bash benchmarks/h200.sh pdl`); read
-    once per process."""
-    value = os.environ.get("RAYLM_GEMV_PREFETCH_TILES", "0")
-    if value not in ("0", "1", "2", "4", "8", "16"):
-        raise ValueError(f"RAYLM_GEMV_PREFETCH_TILES must be 0, 1, 2, 4, 8 or 16, got {value!r}")
-    return int(value)
-
-
 def _input_rows(x: torch.Tensor, weight: torch.Tensor, name: str) -> torch.Tensor:
     """x as [M, K] rows with a contiguous last dimension, after checking x and weight for a GEMV."""
     if weight.dtype not in (torch.float16, torch.bfloat16):
@@ -247,8 +220,6 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
     if _INTERPRETED and config is None:
         config = _INTERPRETED_CONFIG
     options = pdl_options(rows)
-    if options:
-        options.update(PREFETCH_TILES=prefetch_tiles(), LINE=128 // weight.element_size())
     if config is not None:
         config = dict(config)
         split_k = config.get("SPLIT_K", 1)

@@ -5,14 +5,20 @@ capability 9.0 and later); the switch itself is checked on the CPU."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
+from tests.kernels import INTERPRETED
+
+if INTERPRETED:  # read when Triton and the kernels are imported, as kernel_device() sets it for the other modules
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from raylm.kernels.pdl import pdl_enabled, pdl_options, pdl_requested, pdl_switch  # noqa: E402
 from raylm.kernels.triton_attention import paged_decode_attention  # noqa: E402
-from raylm.kernels.triton_gemv import gemv, prefetch_tiles  # noqa: E402
+from raylm.kernels.triton_gemv import gemv  # noqa: E402
 from raylm.kernels.triton_kv_cache import rotary_write_kv_cache  # noqa: E402
 from raylm.kernels.triton_ops import fused_add_rms_norm, silu_and_mul  # noqa: E402
 
@@ -23,10 +29,8 @@ ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() >= 
 def fresh_settings():
     """The switches are read once per process: each test reads them afresh, and leaves them unread."""
     pdl_switch.cache_clear()
-    prefetch_tiles.cache_clear()
     yield
     pdl_switch.cache_clear()
-    prefetch_tiles.cache_clear()
 
 
 def test_pdl_is_off_unless_asked_for_and_never_on_the_cpu(monkeypatch):
@@ -75,25 +79,13 @@ def test_pdl_trigger_modes_are_named_and_checked(monkeypatch):
         pdl_requested()
 
 
-def test_gemv_prefetch_setting_is_checked(monkeypatch):
-    monkeypatch.setenv("RAYLM_GEMV_PREFETCH_TILES", "4")
-    assert prefetch_tiles() == 4
-    for bad in ("3", "32", "-1", "x"):
-        monkeypatch.setenv("RAYLM_GEMV_PREFETCH_TILES", bad)
-        prefetch_tiles.cache_clear()
-        with pytest.raises(ValueError, match="RAYLM_GEMV_PREFETCH_TILES"):
-            prefetch_tiles()
-
-
 def _both(monkeypatch, run, mode="1"):
-    """run() without PDL, then with it (trigger mode `mode`, and the GEMV's L2 prefetch), on one stream."""
+    """run() without PDL, then with it (trigger mode `mode`), on one stream."""
     monkeypatch.setenv("RAYLM_PDL", "0")
     pdl_switch.cache_clear()
     plain = run()
     monkeypatch.setenv("RAYLM_PDL", mode)
-    monkeypatch.setenv("RAYLM_GEMV_PREFETCH_TILES", "4")
     pdl_switch.cache_clear()
-    prefetch_tiles.cache_clear()
     return plain, run()
 
 
