@@ -171,7 +171,8 @@ class SymmetricAllReduceNorm:
         self._keep = (data, flags, data_handle, flags_handle)
 
         def addresses(handle, tensor: torch.Tensor) -> torch.Tensor:  # each rank's copy, as this rank maps it
-            ptrs = [handle.get_buffer(r, (tensor.numel(),), tensor.dtype).data_ptr() for r in range(world)]
+            offset = (tensor.data_ptr() - handle.buffer_ptrs[handle.rank]) // tensor.element_size()
+            ptrs = [handle.get_buffer(r, (tensor.numel(),), tensor.dtype, offset).data_ptr() for r in range(world)]
             return torch.tensor(ptrs, dtype=torch.int64, device=device)
 
         self.buffers = addresses(data_handle, data)
