@@ -12,7 +12,9 @@ micro-batches at the same time.
 
 from __future__ import annotations
 
+import bisect
 import datetime
+import itertools
 import logging
 import socket
 from dataclasses import dataclass
@@ -264,10 +266,21 @@ def init_distributed(rank: int, layout: RankLayout, address: str, port: int, dev
 
 
 def split_schedule(out: SchedulerOutput, parts: int) -> list[SchedulerOutput]:
-    """Contiguous slices of the schedule, one per pipeline micro-batch (fewer if there are fewer sequences)."""
+    """Contiguous slices of the schedule, one per pipeline micro-batch (fewer if there are fewer sequences),
+    cut where the running token count passes each equal share: a step of decodes and prefill chunks gives each
+    micro-batch about the same number of tokens (a stage's time grows with its tokens), not the same number of
+    sequences, which put every prefill chunk (they follow the decodes) into the last micro-batch."""
     items = out.scheduled
     parts = max(1, min(parts, len(items)))
-    bounds = [round(i * len(items) / parts) for i in range(parts + 1)]
+    prefix = list(itertools.accumulate((item.num_tokens for item in items), initial=0))
+    bounds = [0]
+    for part in range(1, parts):
+        share = prefix[-1] * part / parts
+        cut = bisect.bisect_left(prefix, share)
+        if cut > 0 and share - prefix[cut - 1] <= prefix[min(cut, len(items))] - share:
+            cut -= 1  # the earlier boundary is at least as close to the share
+        bounds.append(min(max(cut, bounds[-1] + 1), len(items) - (parts - part)))  # every slice non-empty
+    bounds.append(len(items))
     slices = []
     for index in range(parts):
         chunk = items[bounds[index] : bounds[index + 1]]
