@@ -1,4 +1,4 @@
-"""Pipeline micro-batches: contiguous slices of a step's schedule with about equal token counts."""
+"""actors/distributed.py: pipeline micro-batches are contiguous slices of a step with about equal token counts."""
 
 from __future__ import annotations
 
