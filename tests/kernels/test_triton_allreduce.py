@@ -1,7 +1,7 @@
 """The all-reduce fused with the residual add and RMSNorm (kernels/triton_allreduce.py), as one rank of a group
 whose other ranks this process plays: their exchange buffers and flags are ordinary tensors here, their rows and
 raised flags written in beforehand, so the kernel never waits. The real exchange between GPUs is tested on two
-GPUs (tests/actors/test_multi_gpu.py)."""
+GPUs (tests/actors/test_multi_gpu.py) and, on one GPU, by two streams playing two ranks."""
 
 from __future__ import annotations
 
@@ -103,3 +103,57 @@ def test_inputs_are_checked():
         group.call(0, rows[:2], rows[:3], weight)
     with pytest.raises(ValueError, match="weight"):
         group.call(0, rows[:2], rows[:2], weight[:16])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="two kernels waiting on each other must run at once: CUDA "
+                    "streams (the interpreter runs one program at a time)")
+def test_two_ranks_exchange_rows_through_each_others_buffers():
+    """Two ranks played by two threads on two streams of one GPU, each calling the kernel on its own partials:
+    every call waits for the other rank's rows, and consecutive calls (different row counts) use the halves in
+    turn. Each rank ends with the same sums."""
+    import threading
+
+    world, hidden = 2, 64
+    dtype = torch.float32
+    buffers = [torch.zeros(2, world, MAX_ROWS, hidden, dtype=dtype, device=DEVICE) for _ in range(world)]
+    flags = [torch.zeros(2, world, MAX_ROWS, dtype=torch.int32, device=DEVICE) for _ in range(world)]
+    buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=DEVICE)
+    flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=DEVICE)
+    states = [torch.zeros(2, dtype=torch.int32, device=DEVICE) for _ in range(world)]
+    generator = torch.Generator().manual_seed(5)
+    calls = [(rows, [torch.randn(rows, hidden, generator=generator).to(DEVICE) for _ in range(world)],
+              torch.randn(rows, hidden, generator=generator).to(DEVICE)) for rows in (3, 1, 4, 2, 4)]
+    weight = (1 + 0.1 * torch.randn(hidden, generator=generator)).to(DEVICE)
+    results: list[list] = [[] for _ in range(world)]
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.default_stream())  # the inputs were made on the default stream
+            with torch.cuda.stream(stream):
+                for _, partials, residual in calls:
+                    results[rank].append(all_reduce_add_rms_norm(
+                        partials[rank], residual, weight, 1e-5, buffers=buffer_ptrs, flags=flag_ptrs,
+                        state=states[rank], rank=rank, max_rows=MAX_ROWS))
+            stream.synchronize()
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    torch.cuda.synchronize()
+    threads = [threading.Thread(target=rank_main, args=(rank,), daemon=True) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a rank is still waiting for the other's rows"
+    assert not errors, errors
+    for (_, partials, residual), *per_rank in zip(calls, *results):
+        expected_out, expected_residual = _reference(partials, residual, weight)
+        for out, new_residual in per_rank:
+            assert torch.equal(new_residual, expected_residual)
+            torch.testing.assert_close(out, expected_out, atol=1e-5, rtol=1e-5)
+    assert [state.tolist() for state in states] == [[len(calls), 0]] * world
+    assert not any(flag.any() for flag in flags)  # every flag raised was lowered by its reader
+
