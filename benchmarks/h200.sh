@@ -11,6 +11,9 @@
 #   bash benchmarks/h200.sh pdl          # programmatic dependent launch (RAYLM_PDL): its GPU tests, then 8B batch 1
 #                                        # by default (GEMV + PDL tail), PDL off, at exit, with neither; batch 8,
 #                                        # and the step profile of the default                       (~6 min)
+#   bash benchmarks/h200.sh prefetch     # the next GEMV's weight pulled into L2 by the small kernels before it
+#                                        # (RAYLM_L2_PREFETCH=1): its GPU tests, 8B batch 1 with and without it,
+#                                        # alternating (2 runs each), batch 8, its step profile           (~7 min)
 #   bash benchmarks/h200.sh flashinfer   # attention_backend="flashinfer": its GPU tests, then 8B latency batch 8
 #                                        # and 8B 256 x (512, 128); needs .gpu/flashinfer.tar.xz from
 #                                        # benchmarks/flashinfer_bundle.sh (its first JIT compiles take minutes)
@@ -100,6 +103,19 @@ case "${1:-}" in
     timeout 100 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
       --kernels 8 --gaps 8 $(output_json step-llama-3.1-8b-b1) 2>&1 | tail -27
     ;;
+  prefetch)
+    timeout 150 python -m pytest tests/kernels/test_l2_prefetch.py \
+      "tests/engine/test_gpu.py::test_l2_prefetch_changes_no_token_or_logprob" -q -x --tb=short -p no:cacheprovider \
+      2>&1 | tail -8
+    # Alternating, so that drift of the machine falls on both settings alike.
+    for run in a b; do
+      latency "latency-8b-b1-$run" "$llama" 1
+      RAYLM_L2_PREFETCH=1 latency "latency-8b-b1-l2-$run" "$llama" 1
+    done
+    RAYLM_L2_PREFETCH=1 latency latency-8b-b8-l2 "$llama" 8
+    RAYLM_L2_PREFETCH=1 timeout 100 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 \
+      --batch_size 1 --kernels 8 --gaps 8 $(output_json step-llama-3.1-8b-b1-l2) 2>&1 | tail -27
+    ;;
   flashinfer)
     if [ ! -f .gpu/flashinfer.tar.xz ]; then
       echo "no .gpu/flashinfer.tar.xz: run bash benchmarks/flashinfer_bundle.sh here first" >&2
@@ -129,6 +145,7 @@ case "${1:-}" in
     export RAYLM_SYMM_MEM_ALLREDUCE=1
     latency latency-8b-b1-tp2-symm "$llama" 1 --tp 2
     (export RAYLM_ALLREDUCE_NORM=1; latency latency-8b-b1-tp2-symm-norm "$llama" 1 --tp 2
+     RAYLM_L2_PREFETCH=1 latency latency-8b-b1-tp2-symm-norm-l2 "$llama" 1 --tp 2
      latency latency-8b-b8-tp2-symm-norm "$llama" 8 --tp 2
      timeout 120 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
        --tp 2 --kernels 12 --gaps 8 $(output_json step-llama-3.1-8b-b1-tp2-symm-norm) 2>&1 | grep -v "^(RayWorker" \
@@ -143,7 +160,7 @@ case "${1:-}" in
       | grep -v "^(RayWorker" | tail -48
     ;;
   *)
-    echo "usage: bash benchmarks/h200.sh check|latency|throughput|peers|gemv|sweep|pdl|flashinfer|x2-check|x2-throughput|x2-fast" >&2
+    echo "usage: bash benchmarks/h200.sh check|latency|throughput|peers|gemv|sweep|pdl|prefetch|flashinfer|x2-check|x2-throughput|x2-fast" >&2
     exit 2
     ;;
 esac

@@ -13,7 +13,8 @@ def _args(**overrides) -> argparse.Namespace:
 
 
 def test_default_runs_have_no_suffix(monkeypatch):
-    for name in ("RAYLM_TRITON_GEMV", "RAYLM_SYMM_MEM_ALLREDUCE", "RAYLM_ALLREDUCE_NORM", "RAYLM_PDL"):
+    for name in ("RAYLM_TRITON_GEMV", "RAYLM_SYMM_MEM_ALLREDUCE", "RAYLM_ALLREDUCE_NORM", "RAYLM_L2_PREFETCH",
+                 "RAYLM_PDL"):
         monkeypatch.delenv(name, raising=False)
     assert run_suffix(_args()) == ""
 
@@ -22,10 +23,12 @@ def test_layout_backend_and_switches_are_named_in_order(monkeypatch):
     monkeypatch.setenv("RAYLM_TRITON_GEMV", "1")
     monkeypatch.setenv("RAYLM_SYMM_MEM_ALLREDUCE", "0")
     monkeypatch.setenv("RAYLM_ALLREDUCE_NORM", "1")
+    monkeypatch.setenv("RAYLM_L2_PREFETCH", "1")
     monkeypatch.setenv("RAYLM_PDL", "1")
-    assert run_suffix(_args(tp=2, attention_backend="flashinfer")) == "-tp2-flashinfer-gemv-norm-pdl"
+    assert run_suffix(_args(tp=2, attention_backend="flashinfer")) == "-tp2-flashinfer-gemv-norm-l2-pdl"
     monkeypatch.setenv("RAYLM_PDL", "0")
     monkeypatch.delenv("RAYLM_ALLREDUCE_NORM")
+    monkeypatch.delenv("RAYLM_L2_PREFETCH")
     assert run_suffix(_args()) == "-gemv-nopdl"
 
 
@@ -35,6 +38,7 @@ def test_switches_set_off_against_a_model_dependent_default_are_named(monkeypatc
     monkeypatch.setenv("RAYLM_TRITON_GEMV", "0")
     monkeypatch.setenv("RAYLM_SYMM_MEM_ALLREDUCE", "0")
     monkeypatch.delenv("RAYLM_ALLREDUCE_NORM", raising=False)
+    monkeypatch.delenv("RAYLM_L2_PREFETCH", raising=False)
     monkeypatch.setenv("RAYLM_PDL", "0")
     assert run_suffix(_args()) == "-nogemv-nopdl"
 
@@ -43,6 +47,7 @@ def test_pdl_trigger_modes_other_than_the_default_are_named(monkeypatch):
     monkeypatch.delenv("RAYLM_TRITON_GEMV", raising=False)
     monkeypatch.delenv("RAYLM_SYMM_MEM_ALLREDUCE", raising=False)
     monkeypatch.delenv("RAYLM_ALLREDUCE_NORM", raising=False)
+    monkeypatch.delenv("RAYLM_L2_PREFETCH", raising=False)
     for mode, suffix in (("start", "-pdl"), ("exit", "-pdl-exit"), ("tail", "-pdl-tail"),
                          ("after_wait", "-pdl-after_wait")):
         monkeypatch.setenv("RAYLM_PDL", mode)

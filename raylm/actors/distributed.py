@@ -185,11 +185,13 @@ class SymmetricAllReduceNorm:
         return (partial.dim() == 2 and partial.dtype == self.dtype and partial.shape[1] == self.hidden_size
                 and 0 < partial.shape[0] <= self.MAX_ROWS and partial.stride(1) == 1)
 
-    def __call__(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    def __call__(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 prefetch: torch.Tensor | None = None):
         from raylm.kernels.triton_allreduce import all_reduce_add_rms_norm
 
         return all_reduce_add_rms_norm(partial, residual.contiguous(), weight, eps, buffers=self.buffers,
-                                       flags=self.flags, state=self.state, rank=self.rank, max_rows=self.MAX_ROWS)
+                                       flags=self.flags, state=self.state, rank=self.rank, max_rows=self.MAX_ROWS,
+                                       prefetch=prefetch)
 
 
 def symmetric_all_reduce_requested() -> bool:

@@ -36,8 +36,10 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
     def attend(self, q, k, v, k_cache, v_cache, scale: float,
-               rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Attention of q over the cache after storing k and v; with rope = (cos, sin), q and k rotated first."""
+               rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+               prefetch: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of q over the cache after storing k and v; with rope = (cos, sin), q and k rotated first.
+        `prefetch` (a hint of the GPU kernels: kernels/l2_prefetch.py) is not used here."""
         if rope is not None:
             q, k = apply_rotary(q, k, rope)
         return paged_attention(q, k, v, k_cache, v_cache, self, scale)

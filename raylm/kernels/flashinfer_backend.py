@@ -65,9 +65,11 @@ class FlashInferAttentionMetadata:
     prefill: Any = None  # a planned BatchPrefillWithPagedKVCacheWrapper, for the tokens after them
 
     def attend(self, q, k, v, k_cache, v_cache, scale: float,
-               rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+               prefetch: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of q over the cache after storing k and v at their slots; with rope = (cos, sin), q and k
-        are rotated first, in the same kernel that stores them."""
+        are rotated first, in the same kernel that stores them. `prefetch` (kernels/l2_prefetch.py) is a hint
+        of the Triton kernels, not used here."""
         from raylm.kernels.triton_kv_cache import rotary_write_kv_cache, write_kv_cache
 
         if scale != self.scale:

@@ -23,21 +23,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
-    def forward(self, x, residual: torch.Tensor | None = None):
+    def forward(self, x, residual: torch.Tensor | None = None, prefetch: torch.Tensor | None = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual). x may be a row-parallel
         layer's Unreduced partial sum (models/parallel.py): the sum over ranks is then taken first, in one kernel
-        with the add and the norm where the context's fused_norm takes it."""
+        with the add and the norm where the context's fused_norm takes it. `prefetch`: the weight of the GEMV
+        after the norm, which the GPU kernels may pull into L2 meanwhile (kernels/l2_prefetch.py)."""
         if hasattr(x, "partial"):  # Unreduced
             fused = x.ctx.fused_norm
             if residual is not None and fused is not None and fused.fits(x.partial):
-                return fused(x.partial, residual, self.weight, self.eps)
+                return fused(x.partial, residual, self.weight, self.eps, prefetch)
             x = x.reduce()
         if use_triton(x):
             from raylm.kernels import triton_ops
 
             if residual is None:
-                return triton_ops.rms_norm(x, self.weight, self.eps)
-            return triton_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+                return triton_ops.rms_norm(x, self.weight, self.eps, prefetch)
+            return triton_ops.fused_add_rms_norm(x, residual, self.weight, self.eps, prefetch)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         x = x + residual

@@ -32,19 +32,22 @@ import torch
 import triton
 import triton.language as tl
 
+from raylm.kernels.l2_prefetch import prefetch_args, prefetch_share
 from raylm.kernels.pdl import pdl_options, pdl_wait
 
 
 @triton.jit
 def _all_reduce_add_rms_norm_kernel(
     partial_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, buffers_ptr, flags_ptr, state_ptr,
-    hidden_size, eps, stride_partial, stride_residual, stride_out, stride_residual_out,
+    hidden_size, eps, stride_partial, stride_residual, stride_out, stride_residual_out, prefetch_ptr, prefetch_bytes,
     RANK: tl.constexpr, WORLD: tl.constexpr, MAX_ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
 ):
     """buffers_ptr / flags_ptr: each rank's exchange buffer [2, WORLD, MAX_ROWS, hidden_size] (the partials'
     dtype) and flags [2, WORLD, MAX_ROWS] (int32), as device addresses (int64 [WORLD]); state_ptr: this
-    rank's int32 [call count, arrivals]."""
+    rank's int32 [call count, arrivals]. With PREFETCH, the next GEMV's weight is pulled into L2 first
+    (kernels/l2_prefetch.py)."""
+    prefetch_share(prefetch_ptr, prefetch_bytes, tl.program_id(0), tl.num_programs(0), PREFETCH)
     pdl_wait(USE_PDL)
     row = tl.program_id(0)
     calls = tl.load(state_ptr)
@@ -98,11 +101,13 @@ def _all_reduce_add_rms_norm_kernel(
 
 def all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
                             buffers: torch.Tensor, flags: torch.Tensor, state: torch.Tensor, rank: int,
-                            max_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+                            max_rows: int, prefetch: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(sum over ranks of partial + residual), that sum + residual) for partial, residual [rows,
     hidden] (rows <= max_rows): every rank of the group calls it with its own partial, at the same point of
     the same sequence of calls. buffers / flags: int64 [world] device addresses of each rank's exchange buffer
-    and flags (the module's docstring); state: this rank's int32 [2], zero before the first call."""
+    and flags (the module's docstring); state: this rank's int32 [2], zero before the first call. `prefetch`:
+    the next GEMV's weight, pulled into L2 meanwhile where that is on (kernels/l2_prefetch.py)."""
     rows, hidden_size = partial.shape
     if residual.shape != partial.shape or residual.dtype != partial.dtype:
         raise ValueError(f"residual must match partial ({list(partial.shape)}, {partial.dtype}), got "
@@ -120,6 +125,7 @@ def all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weigh
     _all_reduce_add_rms_norm_kernel[(rows,)](
         partial, residual, weight.contiguous(), out, residual_out, buffers, flags, state, hidden_size, eps,
         partial.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
+        **prefetch_args(prefetch, rows, partial),
         RANK=rank, WORLD=world, MAX_ROWS=max_rows, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
         **pdl_options(partial),
     )

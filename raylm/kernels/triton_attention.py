@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from raylm.kernels.l2_prefetch import prefetch_args, prefetch_share
 from raylm.kernels.pdl import pdl_options, pdl_wait
 from raylm.kernels.triton_kv_cache import check_cache, check_cache_write
 from raylm.kernels.triton_ops import cos_sin_row, rope_rows, rotated_rows
@@ -95,21 +96,24 @@ def _decode_split_kernel(
     qk_scale, window, num_q_heads, num_splits, head_dim,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_block, stride_slot, stride_head, stride_table,
     k_ptr, v_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
-    stride_sin,
+    stride_sin, prefetch_ptr, prefetch_bytes,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ROPE: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
+    ROPE: tl.constexpr = False, PREFETCH: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
 ):
     """One (sequence, KV head, split): attends the group's query heads over the split's range of keys.
 
     With ROPE, q holds the step's unrotated queries, and the kernel does what rotary_write_kv_cache does
     before it: it rotates the group's queries and, in the program whose split holds the newest key, stores
     the rotated key and the value (k, v) at the sequence's slot (none for a negative slot), then reads them
-    back from the cache like every other key, after a barrier of the program's threads."""
-    pdl_wait(USE_PDL)
+    back from the cache like every other key, after a barrier of the program's threads. With PREFETCH, the
+    programs first share out the L2 prefetch of the next GEMV's weight (kernels/l2_prefetch.py)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    prefetch_share(prefetch_ptr, prefetch_bytes, (seq * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split,
+                   tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2), PREFETCH)
+    pdl_wait(USE_PDL)
     context_len = tl.load(context_lens_ptr + seq)
     first_key = tl.maximum(context_len - window, 0)
     # Each sequence divides its own visible range evenly, in whole tiles; trailing splits may be empty.
@@ -284,11 +288,13 @@ def rotary_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     num_splits: int | None = None,
+    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """rotary_write_kv_cache then paged_decode_attention in one kernel launch (two with split-K): q, k [B, H, D]
     are the step's unrotated queries and keys, v its values, cos / sin one row per sequence; the rotated keys
     and the values are stored at slot_mapping's slots (not for negative slots), and the result is the
-    attention of the rotated queries over the contexts, the new keys included."""
+    attention of the rotated queries over the contexts, the new keys included. `prefetch`: the next GEMV's
+    weight (the o projection's), pulled into L2 meanwhile where that is on (kernels/l2_prefetch.py)."""
     batch, _, head_dim = q.shape
     num_kv_heads = k.shape[1]
     cos_rows, sin_rows = rope_rows(q, k, cos, sin)
@@ -298,12 +304,14 @@ def rotary_decode_attention(
     if k_cache.shape[2] != num_kv_heads:
         raise ValueError(f"k has {num_kv_heads} heads, the cache {k_cache.shape[2]}")
     rope = (k, v, cos_rows, sin_rows, slot_mapping)
-    return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope)
+    return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope,
+                   prefetch)
 
 
-def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope):
+def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope,
+            prefetch=None):
     """The decode attention launch of paged_decode_attention, and of rotary_decode_attention with rope =
-    (k, v, cos_rows, sin_rows, slot_mapping)."""
+    (k, v, cos_rows, sin_rows, slot_mapping) and the weight to prefetch."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     check_cache("k_cache", k_cache, num_kv_heads, head_dim)
@@ -346,6 +354,7 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k, v, cos, sin, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
+        **prefetch_args(prefetch, batch, q),
         GROUP=group, BLOCK_G=max(config.block_m, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=config.block_n, PAGE_SIZE=page_size, DIRECT_OUTPUT=direct, DOT_PRECISION=_dot_precision(q.dtype),
         ROPE=rope is not None, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(q),

@@ -27,9 +27,11 @@ class TritonAttentionMetadata:
     sliding_window: int | None = None
 
     def attend(self, q, k, v, k_cache, v_cache, scale: float,
-               rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+               prefetch: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of q over the cache after storing k and v at their slots; with rope = (cos, sin), q and k
-        are rotated first, in the kernel that stores them: for decode tokens, their attention kernel."""
+        are rotated first, in the kernel that stores them: for decode tokens, their attention kernel, which may
+        also pull `prefetch` (the next GEMV's weight) into L2 meanwhile (kernels/l2_prefetch.py)."""
         from raylm.kernels.triton_attention import (
             paged_decode_attention,
             paged_prefill_attention,
@@ -53,7 +55,8 @@ class TritonAttentionMetadata:
             else:
                 decoded = rotary_decode_attention(q[head], k[head], v[head], rope[0][head], rope[1][head], k_cache,
                                                   v_cache, self.slot_mapping[head], self.decode_block_tables,
-                                                  self.decode_context_lens, scale, self.sliding_window)
+                                                  self.decode_context_lens, scale, self.sliding_window,
+                                                  prefetch=None if self.prefill_block_tables is not None else prefetch)
             if self.prefill_block_tables is None:
                 return decoded
         prefilled = paged_prefill_attention(prefill_queries, k_cache, v_cache, self.prefill_block_tables,

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from raylm.kernels.l2_prefetch import prefetch_args, prefetch_share
 from raylm.kernels.pdl import pdl_options, pdl_wait
 
 # ------------------------------------------------------------------------------------------ RMSNorm
@@ -18,8 +19,10 @@ from raylm.kernels.pdl import pdl_options, pdl_wait
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden_size, eps,
-                     stride_x, stride_residual, stride_out, stride_residual_out,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = 0):
+                     stride_x, stride_residual, stride_out, stride_residual_out, prefetch_ptr, prefetch_bytes,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PREFETCH: tl.constexpr = False,
+                     USE_PDL: tl.constexpr = 0):
+    prefetch_share(prefetch_ptr, prefetch_bytes, tl.program_id(0), tl.num_programs(0), PREFETCH)
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -43,8 +46,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(1) == 1 else rows.contiguous()
 
 
-def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     hidden_size = x.shape[-1]
     if weight.shape != (hidden_size,):
         raise ValueError(f"weight must be [{hidden_size}], got {list(weight.shape)}")
@@ -64,26 +67,27 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
             x_rows, residual_rows, weight.contiguous(), out_rows, residual_out_rows, hidden_size, eps,
             x_rows.stride(0), residual_rows.stride(0), out_rows.stride(0), residual_out_rows.stride(0),
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
-            **pdl_options(x),
+            **prefetch_args(prefetch, x_rows.shape[0], x), **pdl_options(x),
         )
     return out, residual_out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm over the last dimension, as norm.rms_norm: the variance and the normalisation in float32,
-    the result cast to x's dtype and then scaled by weight (output dtype: x's and weight's promoted)."""
-    out, _ = _launch_rms_norm(x, None, weight, eps)
+    the result cast to x's dtype and then scaled by weight (output dtype: x's and weight's promoted).
+    `prefetch`: the next GEMV's weight, pulled into L2 meanwhile where that is on (kernels/l2_prefetch.py)."""
+    out, _ = _launch_rms_norm(x, None, weight, eps, prefetch)
     return out
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual) in one pass; the sum is rounded to x's dtype before it
-    is normalised, as RMSNorm.forward does. Neither input is modified."""
+    is normalised, as RMSNorm.forward does. Neither input is modified. `prefetch` as rms_norm takes it."""
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"residual must match x ({list(x.shape)}, {x.dtype}), got "
                          f"{list(residual.shape)}, {residual.dtype}")
-    out, new_residual = _launch_rms_norm(x, residual, weight, eps)
+    out, new_residual = _launch_rms_norm(x, residual, weight, eps, prefetch)
     return out, new_residual
 
 

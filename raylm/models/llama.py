@@ -57,7 +57,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, rope=rope)
+        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, rope=rope, prefetch=self.o_proj.weight)
         return self.o_proj(out.view(-1, self.num_heads * self.head_dim), defer_reduce)
 
 
@@ -90,15 +90,17 @@ class DecoderLayer(nn.Module):
     def forward(self, rope, hidden, residual, kv_cache, meta, defer_reduce: bool = False):
         """With defer_reduce, the o and down projections return Unreduced partial sums, which the RMSNorm after
         each reduces (the layer's output too: the next layer's input norm, or the model's, takes it)."""
+        qkv_weight = self.self_attn.qkv_proj.weight  # each norm may pull the next GEMV's weight into L2
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm(hidden, prefetch=qkv_weight)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, prefetch=qkv_weight)
         hidden = self.self_attn(rope, hidden, kv_cache, meta, defer_reduce)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
         if isinstance(self.mlp, MLP):
+            hidden, residual = self.post_attention_layernorm(hidden, residual, prefetch=self.mlp.gate_up_proj.weight)
             return self.mlp(hidden, defer_reduce), residual
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
 
@@ -165,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(hidden, Unreduced):
                 hidden = hidden.reduce()
             return hidden, residual if residual is not None else torch.zeros_like(hidden)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = self.norm(hidden, residual, prefetch=self.lm_head.weight)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -99,6 +99,31 @@ def test_pdl_changes_no_token_or_logprob(tiny_model_dirs, monkeypatch):
         assert [{t: p.logprob for t, p in step.items()} for step in with_pdl.prompt_logprobs[1:]] == [
             {t: p.logprob for t, p in step.items()} for step in plain.prompt_logprobs[1:]]
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="bulk L2 prefetch needs compute capability 9.0+")
+def test_l2_prefetch_changes_no_token_or_logprob(tiny_model_dirs, monkeypatch):
+    """RAYLM_L2_PREFETCH=1 (kernels/l2_prefetch.py) with decode graphs: the same tokens and logprob bits (the tiny
+    model's LM head, 6 MB, is the weight its final RMSNorm prefetches)."""
+    from raylm.kernels import l2_prefetch
+
+    path = tiny_model_dirs["llama"]
+    params = SamplingParams(max_tokens=NEW_TOKENS, logprobs=0)
+    runs = []
+    try:
+        for switch in ("0", "1"):
+            monkeypatch.setenv("RAYLM_L2_PREFETCH", switch)
+            l2_prefetch.l2_prefetch_requested.cache_clear()
+            with _llm(path, dtype="bfloat16") as llm:
+                runs.append(_run(llm, params))
+    finally:
+        monkeypatch.undo()
+        l2_prefetch.l2_prefetch_requested.cache_clear()
+    for plain, prefetched in zip(*runs):
+        assert prefetched.outputs[0].token_ids == plain.outputs[0].token_ids
+        assert [{t: p.logprob for t, p in step.items()} for step in prefetched.outputs[0].logprobs] == [
+            {t: p.logprob for t, p in step.items()} for step in plain.outputs[0].logprobs]
+
+
 def test_graphs_pad_odd_batches_and_match_eager(tiny_model_dirs):
     path = tiny_model_dirs["qwen3"]
     params = SamplingParams(max_tokens=20, ignore_eos=True)

@@ -1,0 +1,97 @@
+"""Pulling the next GEMV's weight into L2 (RAYLM_L2_PREFETCH=1, kernels/l2_prefetch.py) changes no result: each
+kernel that may prefetch gives the same bits with it and without. GPU only (compute capability 9.0 and later);
+when it applies is checked on the CPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.kernels import INTERPRETED
+
+if INTERPRETED:  # read when Triton and the kernels are imported, as kernel_device() sets it for the other modules
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from raylm.kernels import l2_prefetch  # noqa: E402
+from raylm.kernels.l2_prefetch import PREFETCH_MAX_BYTES, prefetch_args  # noqa: E402
+
+ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+@pytest.fixture(autouse=True)
+def fresh_setting():
+    l2_prefetch.l2_prefetch_requested.cache_clear()
+    yield
+    l2_prefetch.l2_prefetch_requested.cache_clear()
+
+
+def test_prefetch_is_off_unless_asked_for_on_a_gpu(monkeypatch):
+    weight = torch.zeros(1024, 1024)
+    x = torch.zeros(1, 1024)
+    monkeypatch.delenv("RAYLM_L2_PREFETCH", raising=False)
+    assert prefetch_args(weight, 1, x)["PREFETCH"] is False
+    monkeypatch.setenv("RAYLM_L2_PREFETCH", "1")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    l2_prefetch.l2_prefetch_requested.cache_clear()
+    assert l2_prefetch.l2_prefetch_requested()
+    off = prefetch_args(weight, 1, x)  # a CPU tensor: nothing to prefetch into
+    assert off == {"prefetch_ptr": x, "prefetch_bytes": 0, "PREFETCH": False}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    l2_prefetch.l2_prefetch_requested.cache_clear()
+    assert not l2_prefetch.l2_prefetch_requested()
+
+
+@pytest.fixture
+def prefetching(monkeypatch):
+    """run() without the prefetch, then with it."""
+
+    def both(run):
+        results = []
+        for switch in ("0", "1"):
+            monkeypatch.setenv("RAYLM_L2_PREFETCH", switch)
+            l2_prefetch.l2_prefetch_requested.cache_clear()
+            results.append(run())
+            torch.cuda.synchronize()
+        return results
+
+    return both
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="bulk L2 prefetch needs compute capability 9.0+")
+@pytest.mark.parametrize("mib", [0.03, 48, 200])  # under one chunk (nothing to prefetch), under and over the cap
+def test_the_decode_step_kernels_give_the_same_bits_with_the_prefetch(prefetching, mib):
+    from raylm.kernels.triton_attention import rotary_decode_attention
+    from raylm.kernels.triton_ops import fused_add_rms_norm, rms_norm
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    weight = torch.empty(int(mib * 2**20) // 2, dtype=torch.bfloat16, device="cuda")
+    if mib > 1:
+        args = prefetch_args(weight, 1, weight)
+        assert args["prefetch_bytes"] == 0  # not asked for yet
+    x, residual = (torch.randn(2, 4096, generator=generator, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    norm_weight = torch.randn(4096, generator=generator, device="cuda", dtype=torch.bfloat16)
+    heads, kv_heads, dim, page = 8, 2, 128, 16
+    q = torch.randn(2, heads, dim, generator=generator, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, kv_heads, dim, generator=generator, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cos, sin = (torch.randn(2, dim, generator=generator, device="cuda") for _ in range(2))
+    cache = torch.randn(8, page, kv_heads, dim, generator=generator, device="cuda", dtype=torch.bfloat16)
+    tables = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32, device="cuda")
+    lengths = torch.tensor([40, 17], dtype=torch.int32, device="cuda")
+    slots = torch.tensor([1 * page + 0, 5 * page + 0], device="cuda")  # position 39 is block 3; any free slot
+
+    def run():
+        k_cache, v_cache = cache.clone(), cache.clone()
+        attended = rotary_decode_attention(q, k, v, cos, sin, k_cache, v_cache, slots, tables, lengths, 0.1,
+                                           prefetch=weight)
+        return (rms_norm(x, norm_weight, 1e-5, prefetch=weight),
+                *fused_add_rms_norm(x, residual, norm_weight, 1e-5, prefetch=weight), attended, k_cache, v_cache)
+
+    plain, with_prefetch = prefetching(run)
+    assert prefetch_args(weight, 1, weight)["prefetch_bytes"] == (
+        min(weight.numel() * 2, PREFETCH_MAX_BYTES) // (64 << 10) * (64 << 10))
+    for a, b in zip(plain, with_prefetch):
+        assert torch.equal(a, b)
