@@ -187,10 +187,9 @@ def resolve_attention_backend(requested: str, device: torch.device) -> str:
     return requested
 
 
-def weight_bytes_per_layer(model: nn.Module) -> float:
-    """The bytes of this rank's weights (embeddings and LM head included) per decoder layer it holds."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return total / max(1, model.num_local_layers)
+def weight_bytes(model: nn.Module) -> int:
+    """The bytes of this rank's weights, embeddings and LM head included."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 class ModelRunner:
@@ -207,7 +206,7 @@ class ModelRunner:
         self.num_local_layers = model.num_local_layers
         self.graphs = None
         if device.type == "cuda":  # the decode kernels' default for this process (kernels/dispatch.py)
-            dispatch.set_weight_streaming(dispatch.streams_weights(weight_bytes_per_layer(model)))
+            dispatch.set_weight_streaming(dispatch.streams_weights(weight_bytes(model)))
         self.attention_backend = resolve_attention_backend(attention_backend, device)
         self.build_metadata = build_metadata
         if self.attention_backend == "triton":

@@ -4,8 +4,8 @@ the torch reference otherwise. Linear layers use cuBLAS (F.linear), or for decod
 The decode GEMV and programmatic dependent launch (kernels/pdl.py) pay off where a decode step streams its weights
 (Llama-3.1-8B on the H200: 4.63 -> 4.45-4.47 ms/token at batch 1, level at batch 8) and cost where it waits on the
 host (SmolLM2-135M: 1.13 -> 1.59 ms/token). So by default the model runner turns both on for models of at least
-WEIGHT_STREAMING_BYTES of weights per layer and rank (`set_weight_streaming`); RAYLM_TRITON_GEMV=0/1 and
-RAYLM_PDL=0/<mode> override that choice. The choice is per process: the runner constructed last sets it."""
+WEIGHT_STREAMING_BYTES of weights per rank (`set_weight_streaming`); RAYLM_TRITON_GEMV=0/1 and RAYLM_PDL=0/<mode>
+override that choice. The choice is per process: the runner constructed last sets it."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ GEMV_MAX_ROWS = 8
 _HALF = (torch.float16, torch.bfloat16)
 # RAYLM_PDL's values and the trigger mode each selects (kernels/pdl.py; the kernels' USE_PDL constexpr, 0 is off).
 PDL_TRIGGERS = {"0": 0, "": 0, "1": 1, "start": 1, "after_wait": 2, "exit": 3, "tail": 4}
-# Weights per decoder layer (and rank) from which a decode step counts as weight streaming (Llama-3.1-8B: ~500 MB
-# at TP=1, ~250 MB at TP=2; SmolLM2-135M: ~9 MB).
-WEIGHT_STREAMING_BYTES = 64 << 20
+# Weights per rank from which a decode step counts as weight streaming: ~1 ms of reading them at ~4 TB/s, about
+# the host's own work for a step, below which the step waits on the host (Llama-3.1-8B: 16 GB at TP=1, 8 GB at
+# TP=2, both measured faster with the GEMV and PDL; SmolLM2-135M: 0.27 GB, measured slower).
+WEIGHT_STREAMING_BYTES = 4 << 30
 # The trigger mode of weight-streaming models (measured best on the H200, docs/benchmarks.md).
 STREAMING_PDL_MODE = PDL_TRIGGERS["tail"]
 _weight_streaming = False
@@ -59,8 +60,9 @@ def weight_streaming() -> bool:
     return _weight_streaming
 
 
-def streams_weights(weight_bytes_per_layer: float) -> bool:
-    return weight_bytes_per_layer >= WEIGHT_STREAMING_BYTES
+def streams_weights(weight_bytes: int) -> bool:
+    """Whether a model of weight_bytes per rank streams weights in its decode steps (WEIGHT_STREAMING_BYTES)."""
+    return weight_bytes >= WEIGHT_STREAMING_BYTES
 
 
 @functools.cache

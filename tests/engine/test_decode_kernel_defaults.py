@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from raylm.engine.model_runner import weight_bytes_per_layer
+from raylm.engine.model_runner import weight_bytes
 from raylm.kernels import dispatch
-from raylm.models.parallel import SINGLE
+from raylm.models.parallel import SINGLE, ParallelContext
 from raylm.models.registry import resolve_architecture
 
 CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
@@ -27,19 +27,21 @@ def default_settings(monkeypatch):
     dispatch.gemv_switch.cache_clear()
 
 
-@pytest.mark.parametrize("shape, streams", [("llama-3.1-8b", True), ("smollm2-135m", False)])
-def test_weight_streaming_follows_the_weights_per_layer(shape, streams):
-    """Llama-3.1-8B (~480 MiB a layer) streams weights, SmolLM2-135M (~9 MiB) does not; built on the meta
-    device, so no weights are allocated."""
+@pytest.mark.parametrize("shape, tp, streams", [("llama-3.1-8b", 1, True), ("llama-3.1-8b", 2, True),
+                                                ("smollm2-135m", 1, False)])
+def test_weight_streaming_follows_the_weights_per_rank(shape, tp, streams):
+    """Llama-3.1-8B (16 GB; 8 GB a rank at TP=2) streams weights, SmolLM2-135M (0.27 GB) does not; built on the
+    meta device, so no weights are allocated."""
     entry, arch = resolve_architecture(AutoConfig.from_pretrained(CONFIGS / shape))
+    ctx = SINGLE if tp == 1 else ParallelContext(tp_rank=0, tp_size=tp)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("meta"):
-            model = entry.model_class(arch, 4096, SINGLE)
+            model = entry.model_class(arch, 4096, ctx)
     finally:
         torch.set_default_dtype(previous)
-    assert dispatch.streams_weights(weight_bytes_per_layer(model)) == streams
+    assert dispatch.streams_weights(weight_bytes(model)) == streams
 
 
 def test_the_gemv_follows_the_model_default_unless_the_switch_is_set(monkeypatch):
