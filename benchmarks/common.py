@@ -65,14 +65,14 @@ def parallel_suffix(args: argparse.Namespace) -> str:
 # The kernel switches (RAYLM_* environment variables) a result name records when they are set: '-<short>' on, and
 # for the switches whose default depends on the model (kernels/dispatch.py) '-no<short>' off.
 SWITCHES = (("RAYLM_TRITON_GEMV", "gemv"), ("RAYLM_SYMM_MEM_ALLREDUCE", "symm"), ("RAYLM_ALLREDUCE_NORM", "norm"),
-            ("RAYLM_L2_PREFETCH", "l2"), ("RAYLM_PDL", "pdl"))
+            ("RAYLM_L2_PREFETCH", "l2"), ("RAYLM_PP_OVERLAP", "overlap"), ("RAYLM_PDL", "pdl"))
 _MODEL_DEFAULTS = ("RAYLM_TRITON_GEMV", "RAYLM_PDL")
 
 
 def switch_suffix() -> str:
-    """'-gemv', '-symm', '-norm', '-l2', '-pdl' for each switch set on ('-nogemv', '-nopdl' for the model-dependent ones
-    set off), then PDL's trigger mode when not `start` ('-after_wait', '-exit', '-tail'), in that order; '' with
-    none set."""
+    """'-gemv', '-symm', '-norm', '-l2', '-overlap', '-pdl' for each switch set on ('-nogemv', '-nopdl' for the
+    model-dependent ones set off), then PDL's trigger mode when not `start` ('-after_wait', '-exit', '-tail'), in
+    that order; '' with none set."""
     from raylm.kernels.dispatch import PDL_TRIGGERS, env_flag
 
     suffix = ""

@@ -19,8 +19,9 @@
 #                                        # benchmarks/flashinfer_bundle.sh (its first JIT compiles take minutes)
 # and the multi-GPU issue's, on two H200s (nvidia-h200-x2):
 #   bash benchmarks/h200.sh x2-check       # 2-GPU tests, 8B TP=2 vs TP=1 parity, 8B latency at TP=2 (~7 min)
-#   bash benchmarks/h200.sh x2-throughput  # 8B 1000 x (1024, 1024) at TP=2 and at PP=2, then the per-stage profile
-#                                          # of PP=2 over 256 x (512, 128)                             (~9 min)
+#   bash benchmarks/h200.sh x2-throughput  # 8B 1000 x (1024, 1024) at TP=2 and at PP=2              (~7 min)
+#   bash benchmarks/h200.sh x2-pipeline    # the same at PP=2 with overlapped steps (RAYLM_PP_OVERLAP=1), then
+#                                          # its per-stage profile over 256 x (512, 128)               (~6 min)
 #   bash benchmarks/h200.sh x2-fast        # the fused all-reduce + RMSNorm's 2-GPU test; all-reduce latency NCCL vs
 #                                          # symmetric memory; 8B TP=2 with the symmetric all-reduce, then with the
 #                                          # fused all-reduce + RMSNorm (batch 1, 8) and its per-rank profile (~6 min)
@@ -154,13 +155,18 @@ case "${1:-}" in
   x2-throughput)
     throughput throughput-8b-n1000-tp2 "$llama" 1000 1024 1024 256 240 --tp 2
     throughput throughput-8b-n1000-pp2 "$llama" 1000 1024 1024 256 300 --pp 2
-    # Where PP=2's time goes (0.49x TP=1 on 2026-11-29): each stage's kernels and idle gaps over 256 x (512, 128).
+    ;;
+  x2-pipeline)
+    # PP=2 with overlapped steps (RAYLM_PP_OVERLAP=1): its CPU-tested path on NCCL, then where its time goes (each
+    # stage's kernels and idle gaps over 256 x (512, 128)).
+    export RAYLM_PP_OVERLAP=1
+    throughput throughput-8b-n1000-pp2-overlap "$llama" 1000 1024 1024 256 300 --pp 2
     timeout 150 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 256 --batch_size 256 \
-      --input_len 512 --output_len 128 --pp 2 --kernels 12 --gaps 8 $(output_json step-llama-3.1-8b-b256-pp2) 2>&1 \
-      | grep -v "^(RayWorker" | tail -48
+      --input_len 512 --output_len 128 --pp 2 --kernels 12 --gaps 8 $(output_json step-llama-3.1-8b-b256-pp2-overlap) \
+      2>&1 | grep -v "^(RayWorker" | tail -48
     ;;
   *)
-    echo "usage: bash benchmarks/h200.sh check|latency|throughput|peers|gemv|sweep|pdl|prefetch|flashinfer|x2-check|x2-throughput|x2-fast" >&2
+    echo "usage: bash benchmarks/h200.sh check|latency|throughput|peers|gemv|sweep|pdl|prefetch|flashinfer|x2-check|x2-throughput|x2-pipeline|x2-fast" >&2
     exit 2
     ;;
 esac

@@ -14,7 +14,7 @@ def _args(**overrides) -> argparse.Namespace:
 
 def test_default_runs_have_no_suffix(monkeypatch):
     for name in ("RAYLM_TRITON_GEMV", "RAYLM_SYMM_MEM_ALLREDUCE", "RAYLM_ALLREDUCE_NORM", "RAYLM_L2_PREFETCH",
-                 "RAYLM_PDL"):
+                 "RAYLM_PP_OVERLAP", "RAYLM_PDL"):
         monkeypatch.delenv(name, raising=False)
     assert run_suffix(_args()) == ""
 
@@ -24,8 +24,12 @@ def test_layout_backend_and_switches_are_named_in_order(monkeypatch):
     monkeypatch.setenv("RAYLM_SYMM_MEM_ALLREDUCE", "0")
     monkeypatch.setenv("RAYLM_ALLREDUCE_NORM", "1")
     monkeypatch.setenv("RAYLM_L2_PREFETCH", "1")
+    monkeypatch.setenv("RAYLM_PP_OVERLAP", "0")
     monkeypatch.setenv("RAYLM_PDL", "1")
     assert run_suffix(_args(tp=2, attention_backend="flashinfer")) == "-tp2-flashinfer-gemv-norm-l2-pdl"
+    monkeypatch.setenv("RAYLM_PP_OVERLAP", "1")
+    assert run_suffix(_args(pp=2)) == "-pp2-gemv-norm-l2-overlap-pdl"
+    monkeypatch.delenv("RAYLM_PP_OVERLAP")
     monkeypatch.setenv("RAYLM_PDL", "0")
     monkeypatch.delenv("RAYLM_ALLREDUCE_NORM")
     monkeypatch.delenv("RAYLM_L2_PREFETCH")
@@ -39,6 +43,7 @@ def test_switches_set_off_against_a_model_dependent_default_are_named(monkeypatc
     monkeypatch.setenv("RAYLM_SYMM_MEM_ALLREDUCE", "0")
     monkeypatch.delenv("RAYLM_ALLREDUCE_NORM", raising=False)
     monkeypatch.delenv("RAYLM_L2_PREFETCH", raising=False)
+    monkeypatch.delenv("RAYLM_PP_OVERLAP", raising=False)
     monkeypatch.setenv("RAYLM_PDL", "0")
     assert run_suffix(_args()) == "-nogemv-nopdl"
 
@@ -48,6 +53,7 @@ def test_pdl_trigger_modes_other_than_the_default_are_named(monkeypatch):
     monkeypatch.delenv("RAYLM_SYMM_MEM_ALLREDUCE", raising=False)
     monkeypatch.delenv("RAYLM_ALLREDUCE_NORM", raising=False)
     monkeypatch.delenv("RAYLM_L2_PREFETCH", raising=False)
+    monkeypatch.delenv("RAYLM_PP_OVERLAP", raising=False)
     for mode, suffix in (("start", "-pdl"), ("exit", "-pdl-exit"), ("tail", "-pdl-tail"),
                          ("after_wait", "-pdl-after_wait")):
         monkeypatch.setenv("RAYLM_PDL", mode)

@@ -16,6 +16,7 @@ import bisect
 import datetime
 import itertools
 import logging
+import pickle
 import socket
 from dataclasses import dataclass
 
@@ -107,21 +108,41 @@ class Communicator:
             dist.broadcast(tokens, src=self.layout.rank_of(self.pp_rank, 0), group=self.ctx.tp_group)
         return tokens
 
-    def send_tensor(self, tensor: torch.Tensor, dst: int) -> None:
-        dist.send(tensor.contiguous(), dst)
+    def isend_tensor(self, tensor: torch.Tensor, dst: int) -> Sending:
+        tensor = tensor.contiguous()
+        return Sending([dist.isend(tensor, dst)], [tensor])
 
     def recv_tensor(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
         tensor = torch.empty(shape, dtype=dtype, device=self.device)
         dist.recv(tensor, src)
         return tensor
 
-    def send_object(self, obj: object, dst: int) -> None:
-        dist.send_object_list([obj], dst, group=self.control)
+    def isend_object(self, obj: object, dst: int) -> Sending:
+        """Sends a picklable object over gloo without waiting for the receiver: gloo's sends wait for their
+        receive, and rank 0 may receive only after its next plan broadcast (overlapped pipeline steps)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.long)
+        return Sending([dist.isend(size, dst, group=self.control), dist.isend(data, dst, group=self.control)],
+                       [size, data])
 
     def recv_object(self, src: int) -> object:
-        box = [None]
-        dist.recv_object_list(box, src, group=self.control)
-        return box[0]
+        size = torch.empty(1, dtype=torch.long)
+        dist.recv(size, src, group=self.control)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.recv(data, src, group=self.control)
+        return pickle.loads(data.numpy().tobytes())
+
+
+@dataclass
+class Sending:
+    """Transfers in progress and the tensors they read (kept alive until they are done)."""
+
+    works: list
+    tensors: list
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
 
 
 class SymmetricAllReduce:
@@ -318,28 +339,78 @@ def run_stage(runner: ModelRunner, comm: Communicator, plans: list[StepPlan]):
     return outputs
 
 
+def pipeline_overlap_requested() -> bool:
+    return env_flag("RAYLM_PP_OVERLAP")
+
+
+@dataclass
+class PipelinedStep:
+    """A step of a pipeline in flight: queued on the first stage (rank 0), its logits still to come from the
+    last. `outputs` (logits, prompt log-probabilities) once received; `sends` the transfers of its activations."""
+
+    out: SchedulerOutput
+    plan: StepPlan
+    sends: list
+    outputs: tuple | None = None
+
+
 class DistributedRunner:
     """Rank 0's view of a multi-rank model: the engine calls it as it would a single runner. With one pipeline
     stage, steps overlap as on one rank (launch / collect): the plan goes to the other ranks over gloo while
     the device is busy, and the tokens of placeholder inputs follow on the device (a broadcast from rank 0's
-    draws), so no rank waits for its device between steps. Pipelines run each step to the end (execute)."""
+    draws), so no rank waits for its device between steps. Pipelines run each step to the end in micro-batches
+    (execute), or with RAYLM_PP_OVERLAP=1 overlap steps (launch / collect of PipelinedStep): the scheduler then
+    keeps sequences whose draw is in flight out of the next step, so consecutive steps hold different sequences
+    and the first stage computes step N+1 while the last finishes step N."""
 
     def __init__(self, runner: ModelRunner, comm: Communicator):
         self.runner = runner
         self.comm = comm
         self.device = runner.device
-        self.can_overlap = comm.layout.pp == 1
+        self.pipelined = comm.layout.pp > 1
+        self.can_overlap = not self.pipelined or pipeline_overlap_requested()
+        self._unreceived: PipelinedStep | None = None
 
-    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
+    def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep | PipelinedStep:
         plan = plan_step(out, self.runner.block_size)
+        if self.pipelined:
+            return self._launch_pipelined(out, plan)
         fed = self.runner.feed_tokens(out, plan, previous)
         self.comm.broadcast_plans([plan])
         if plan.feed_rows:
             fed = self.comm.broadcast_feed(fed, len(plan.feed_rows))
         return self.runner.launch_planned(out, plan, fed)
 
-    def collect(self, launched: LaunchedStep) -> ModelOutput:
-        return self.runner.collect(launched)
+    def collect(self, launched: LaunchedStep | PipelinedStep) -> ModelOutput:
+        if not isinstance(launched, PipelinedStep):
+            return self.runner.collect(launched)
+        if launched.outputs is None:  # no later step was launched
+            self._receive_pending()
+        for send in launched.sends:
+            send.wait()
+        logits, prompt_logprobs = launched.outputs
+        return ModelOutput(self.runner.sample(launched.out, logits), prompt_logprobs)
+
+    def _launch_pipelined(self, out: SchedulerOutput, plan: StepPlan) -> PipelinedStep:
+        """Queues the first stage's share of a step (one micro-batch: steps overlap instead). The step before's
+        outputs are received before this step's activations are sent, the order in which the last stage sends
+        and then receives, so that no transfer waits on one queued behind it (NCCL transfers larger than its
+        buffers wait for their receiver)."""
+        if plan.feed_rows:
+            raise RuntimeError("a pipelined step's input is a placeholder: the scheduler must hold such sequences")
+        self.comm.broadcast_plans([plan])
+        hidden, residual = self.runner.forward(plan)
+        self._receive_pending()
+        dst = self.comm.neighbour(1)
+        sends = [self.comm.isend_tensor(t, dst) for t in (hidden, residual)]
+        self._unreceived = step = PipelinedStep(out, plan, sends)
+        return step
+
+    def _receive_pending(self) -> None:
+        step, self._unreceived = self._unreceived, None
+        if step is not None:
+            logits, entries = self._receive_outputs()
+            step.outputs = (logits, entries)
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         layout = self.comm.layout
@@ -364,18 +435,27 @@ class DistributedRunner:
         return logits, entries
 
     def stop_workers(self) -> None:
+        self._receive_pending()  # a pipelined step's outputs, which the last stage sends before it can stop
         self.comm.broadcast_plans(None)
 
 
 def worker_loop(runner: ModelRunner, comm: Communicator) -> None:
-    """Ranks other than 0: run every step rank 0 broadcasts, until it broadcasts None."""
+    """Ranks other than 0: run every step rank 0 broadcasts, until it broadcasts None. The last stage's leader
+    sends each step's outputs to rank 0 without waiting for their receipt (rank 0 may first broadcast the next
+    plan), and waits for them only after its next step."""
+    sending: list[Sending] = []
     while True:
         plans = comm.broadcast_plans(None)
         if plans is None:
+            for transfer in sending:
+                transfer.wait()
             return
         outputs = run_stage(runner, comm, plans)
+        for transfer in sending:
+            transfer.wait()
+        sending = []
         if outputs and comm.rank == comm.last_stage_leader:
             for logits, entries in outputs:
-                comm.send_object((tuple(logits.shape) if logits is not None else None, entries), 0)
+                sending.append(comm.isend_object((tuple(logits.shape) if logits is not None else None, entries), 0))
                 if logits is not None:
-                    comm.send_tensor(logits.to(runner.dtype), 0)
+                    sending.append(comm.isend_tensor(logits.to(runner.dtype), 0))

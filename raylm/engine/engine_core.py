@@ -62,6 +62,8 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.iteration = 0
         self.overlap = limits.overlap_scheduling and getattr(runner, "can_overlap", False)
+        # A pipeline overlaps different sequences in consecutive steps (actors/distributed.py).
+        self.scheduler.skip_in_flight = self.overlap and getattr(runner, "pipelined", False)
         self.in_flight: InFlight | None = None
 
     @property

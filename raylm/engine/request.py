@@ -151,6 +151,11 @@ class Request:
         return self.sampling_params.use_beam_search
 
     @property
+    def awaits_draw(self) -> bool:
+        """Whether a sequence's last token is a placeholder: a draw of a step still in flight."""
+        return any(seq.token_ids and seq.token_ids[-1] == PLACEHOLDER for seq in self.sequences)
+
+    @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 

@@ -59,6 +59,10 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        # Pipelines set this: a request whose draw is still in flight (a placeholder token) waits for it instead
+        # of joining the next step, so that consecutive steps hold different sequences and the stages work on
+        # both at once (actors/distributed.py).
+        self.skip_in_flight = False
         self.waiting: list[Request] = []
         self.running: list[Request] = []
 
@@ -159,6 +163,9 @@ class Scheduler:
         running, decodes, fits_in_partial_block = self.running, out.decodes, self.kv_cache.fits_in_partial_block
         while index < len(running) and token_budget > 0:
             request = running[index]
+            if self.skip_in_flight and request.awaits_draw:
+                index += 1
+                continue
             if len(request.sequences) == 1 and seq_budget > 0:
                 # The common case, kept cheap: one sequence decoding one token into its own partial block
                 # (the same outcome as _plan, _allocate and _emit below, without building a plan).

@@ -89,7 +89,28 @@ def test_all_reduce_left_to_the_norms_keeps_greedy_tokens(ray_cluster, tiny_mode
     assert got == _hf_tokens(path)
 
 
-def test_pipeline_micro_batches_keep_prompt_logprobs_and_sampling_exact(ray_cluster, tiny_model_dirs):
+class PipelineProbe:
+    def overlaps_pipeline(self) -> bool:
+        return self.engine.overlap and self.engine.scheduler.skip_in_flight
+
+
+@pytest.mark.parametrize(("arch", "tp", "pp"), [("llama", 1, 2), ("llama", 2, 2), ("qwen3_moe", 1, 2)])
+def test_overlapped_pipeline_steps_keep_greedy_tokens(ray_cluster, tiny_model_dirs, monkeypatch, arch, tp, pp):
+    """RAYLM_PP_OVERLAP=1: consecutive steps hold different sequences and the first stage runs step N+1 while
+    the last finishes step N; a budget of 16 tokens a step chunks the prompts, so steps overlap from the start."""
+    monkeypatch.setenv("RAYLM_PP_OVERLAP", "1")
+    path = tiny_model_dirs[arch]
+    with LLM(str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, kv_cache_config=KV, max_num_tokens=16,
+             worker_extension_cls=PipelineProbe) as llm:
+        assert llm.collective_rpc("overlaps_pipeline", target_ranks=[0]) == [True]
+        got = _generate(llm)
+    assert got == _hf_tokens(path)
+
+
+@pytest.mark.parametrize("overlap", ["0", "1"], ids=["micro-batches", "overlapped-steps"])
+def test_pipeline_micro_batches_keep_prompt_logprobs_and_sampling_exact(ray_cluster, tiny_model_dirs, monkeypatch,
+                                                                        overlap):
+    monkeypatch.setenv("RAYLM_PP_OVERLAP", overlap)
     path = tiny_model_dirs["llama"]
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=5, logprobs=2, prompt_logprobs=1)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]

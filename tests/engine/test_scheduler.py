@@ -531,3 +531,26 @@ def test_preempted_forked_request_longer_than_the_token_budget_is_recomputed_and
     run_until_idle(scheduler, max_steps=60)
     assert hi.status == RequestStatus.FINISHED
     assert forked.status == RequestStatus.FINISHED
+
+
+def test_a_pipeline_keeps_sequences_whose_draw_is_in_flight_out_of_the_next_step():
+    """skip_in_flight (pipelines overlapping steps): a sequence holding a placeholder waits; one still in
+    prefill, or whose draw has arrived, is scheduled; waiting requests are admitted beside them."""
+    from raylm.engine.request import PLACEHOLDER
+
+    scheduler = make_scheduler(max_num_tokens=64)
+    scheduler.skip_in_flight = True
+    drawing, chunking = make_request("drawing", prompt(5)), make_request("chunking", prompt(80, 100))
+    for request in (drawing, chunking):
+        scheduler.add_request(request)
+    first = scheduler.schedule()
+    assert [(i.request.request_id, i.num_tokens) for i in first.scheduled] == [("drawing", 5), ("chunking", 59)]
+    for item in first.scheduled:  # as Progress.launched does with placeholders
+        item.seq.num_computed_tokens += item.num_tokens
+        if item.completes:
+            item.seq.token_ids.append(PLACEHOLDER)
+    scheduler.add_request(make_request("new", prompt(3, 300)))
+    second = scheduler.schedule()
+    assert [(i.request.request_id, i.num_tokens) for i in second.scheduled] == [("chunking", 21), ("new", 3)]
+    drawing.sequences[0].token_ids[-1] = SAMPLED_TOKEN  # its draw arrived
+    assert "drawing" in [i.request.request_id for i in scheduler.schedule().scheduled]
