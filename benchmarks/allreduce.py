@@ -44,7 +44,7 @@ def _worker(rank: int, world: int, port: int, hidden: int, rows: list[int], out_
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
     dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=device)
     group = dist.new_group(list(range(world)))
-    from raylm.actors.distributed import SymmetricAllReduce
+    from raylm.actors.symmetric_memory import SymmetricAllReduce
 
     dtype = torch.bfloat16
     symmetric = SymmetricAllReduce(group, device, dtype)

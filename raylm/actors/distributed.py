@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from raylm.actors.symmetric_memory import all_reduce_norm_requested, fast_all_reduce, fused_norm
 from raylm.engine.model_runner import LaunchedStep, ModelOutput, ModelRunner, StepPlan, plan_step, to_device
 from raylm.engine.scheduler import SchedulerOutput
-from raylm.kernels.dispatch import env_flag, triton_available
+from raylm.kernels.dispatch import env_flag
 from raylm.models.parallel import ParallelContext
 
 logger = logging.getLogger(__name__)
@@ -145,111 +146,6 @@ class Sending:
             work.wait()
 
 
-class SymmetricAllReduce:
-    """A one-shot all-reduce through symmetric memory, for the small tensors of decode steps: each rank copies
-    its input into a buffer that the others map over NVLink, and one kernel per rank sums every rank's copy.
-    No NCCL protocol per call, and it can be captured in CUDA graphs. Larger tensors go to NCCL. Experimental:
-    on when RAYLM_SYMM_MEM_ALLREDUCE=1 (NVLink multicast is not used)."""
-
-    MAX_BYTES = 1 << 20
-
-    def __init__(self, group, device: torch.device, dtype: torch.dtype):
-        import torch.distributed._symmetric_memory as symm_mem
-
-        self.dtype = dtype
-        self.numel = self.MAX_BYTES // dtype.itemsize
-        self.buffer = symm_mem.empty(self.numel, dtype=dtype, device=device)
-        symm_mem.rendezvous(self.buffer, group)
-        self.group_name = group.group_name
-
-    def fits(self, tensor: torch.Tensor) -> bool:
-        return tensor.dtype == self.dtype and tensor.numel() <= self.numel and tensor.is_contiguous()
-
-    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        flat = tensor.view(-1)
-        out = torch.ops.symm_mem.one_shot_all_reduce_copy(self.buffer[: flat.numel()], flat, "sum", self.group_name)
-        return out.view(tensor.shape)
-
-
-class SymmetricAllReduceNorm:
-    """All-reduce + residual add + RMSNorm in one kernel (kernels/triton_allreduce.py) for up to MAX_ROWS rows of
-    `hidden_size`: this rank's exchange buffer and flags (symmetric allocations that every rank of the group
-    maps) and its call counter. Experimental: on when RAYLM_ALLREDUCE_NORM=1."""
-
-    MAX_ROWS = 128
-
-    def __init__(self, group, device: torch.device, dtype: torch.dtype, hidden_size: int):
-        import torch.distributed._symmetric_memory as symm_mem
-
-        world = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.dtype = dtype
-        self.hidden_size = hidden_size
-        data = symm_mem.empty(2 * world * self.MAX_ROWS * hidden_size, dtype=dtype, device=device)
-        flags = symm_mem.empty(2 * world * self.MAX_ROWS, dtype=torch.int32, device=device)
-        flags.zero_()
-        torch.cuda.synchronize(device)  # zero before any rank can raise a flag here (rendezvous is collective)
-        data_handle = symm_mem.rendezvous(data, group)
-        flags_handle = symm_mem.rendezvous(flags, group)
-        self._keep = (data, flags, data_handle, flags_handle)
-
-        def addresses(handle, tensor: torch.Tensor) -> torch.Tensor:  # each rank's copy, as this rank maps it
-            offset = (tensor.data_ptr() - handle.buffer_ptrs[handle.rank]) // tensor.element_size()
-            ptrs = [handle.get_buffer(r, (tensor.numel(),), tensor.dtype, offset).data_ptr() for r in range(world)]
-            return torch.tensor(ptrs, dtype=torch.int64, device=device)
-
-        self.buffers = addresses(data_handle, data)
-        self.flags = addresses(flags_handle, flags)
-        self.state = torch.zeros(2, dtype=torch.int32, device=device)
-
-    def fits(self, partial: torch.Tensor) -> bool:
-        return (partial.dim() == 2 and partial.dtype == self.dtype and partial.shape[1] == self.hidden_size
-                and 0 < partial.shape[0] <= self.MAX_ROWS and partial.stride(1) == 1)
-
-    def __call__(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 prefetch: torch.Tensor | None = None):
-        from raylm.kernels.triton_allreduce import all_reduce_add_rms_norm
-
-        return all_reduce_add_rms_norm(partial, residual.contiguous(), weight, eps, buffers=self.buffers,
-                                       flags=self.flags, state=self.state, rank=self.rank, max_rows=self.MAX_ROWS,
-                                       prefetch=prefetch)
-
-
-def symmetric_all_reduce_requested() -> bool:
-    return env_flag("RAYLM_SYMM_MEM_ALLREDUCE")
-
-
-def all_reduce_norm_requested() -> bool:
-    return env_flag("RAYLM_ALLREDUCE_NORM")
-
-
-def symmetric_memory_requested() -> bool:
-    """Whether a switch asks for symmetric memory (whose workers must see every GPU of the node)."""
-    return symmetric_all_reduce_requested() or all_reduce_norm_requested()
-
-
-def _fast_all_reduce(group, device: torch.device, dtype: torch.dtype | None) -> SymmetricAllReduce | None:
-    if device.type != "cuda" or dtype is None or not symmetric_all_reduce_requested():
-        return None
-    try:
-        return SymmetricAllReduce(group, device, dtype)
-    except Exception as exc:  # not supported here: NCCL carries every all-reduce
-        logger.warning("symmetric-memory all-reduce unavailable (%s: %s); using NCCL", type(exc).__name__, exc)
-        return None
-
-
-def _fused_norm(group, device: torch.device, dtype: torch.dtype | None,
-                hidden_size: int | None) -> SymmetricAllReduceNorm | None:
-    if (device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16, torch.float32) or not hidden_size
-            or not triton_available()):
-        return None
-    try:
-        return SymmetricAllReduceNorm(group, device, dtype, hidden_size)
-    except Exception as exc:  # not supported here: the norms all-reduce first
-        logger.warning("fused all-reduce + RMSNorm unavailable (%s: %s)", type(exc).__name__, exc)
-        return None
-
-
 def _agreed(candidate, group):
     """candidate where every rank of `group` has one, else None on every rank (they must take the same path)."""
     agreed = torch.tensor([int(candidate is not None)])
@@ -276,15 +172,15 @@ def init_distributed(rank: int, layout: RankLayout, address: str, port: int, dev
         group = dist.new_group(ranks, backend=backend)
         if stage == layout.pp_rank(rank):
             tp_group = group
-    fast = fused_norm = None
+    fast = fused = None
     defer_reduce = layout.tp > 1 and all_reduce_norm_requested()
     if layout.tp > 1:
-        fast = _agreed(_fast_all_reduce(tp_group, device, dtype), control)
+        fast = _agreed(fast_all_reduce(tp_group, device, dtype), control)
     if defer_reduce:
-        fused_norm = _agreed(_fused_norm(tp_group, device, dtype, hidden_size), control)
+        fused = _agreed(fused_norm(tp_group, device, dtype, hidden_size), control)
     ctx = ParallelContext(tp_rank=layout.tp_rank(rank), tp_size=layout.tp, tp_group=tp_group,
                           pp_rank=layout.pp_rank(rank), pp_size=layout.pp, ep_size=layout.ep, fast_all_reduce=fast,
-                          defer_reduce=defer_reduce, fused_norm=fused_norm)
+                          defer_reduce=defer_reduce, fused_norm=fused)
     return Communicator(rank, layout, device, control, ctx)
 
 

@@ -15,16 +15,10 @@ from typing import Any
 
 import torch
 
-from raylm.actors.distributed import (
-    Communicator,
-    DistributedRunner,
-    RankLayout,
-    all_reduce_norm_requested,
-    free_address,
-    init_distributed,
-)
+from raylm.actors.distributed import Communicator, DistributedRunner, RankLayout, free_address, init_distributed
 from raylm.actors.distributed import worker_loop as run_worker_loop
 from raylm.actors.engine_loop import EngineLoop
+from raylm.actors.symmetric_memory import all_reduce_norm_requested
 from raylm.actors.worker import EngineInfo, Worker, WorkerSpec
 from raylm.engine.messages import EngineRequest, StepOutput
 from raylm.models.loader import load_hf_config

@@ -28,11 +28,12 @@ class ParallelContext:
     pp_rank: int = 0
     pp_size: int = 1
     ep_size: int = 1
-    # A faster all-reduce for small tensors (distributed.SymmetricAllReduce), or None: NCCL / gloo throughout.
+    # A faster all-reduce for small tensors (actors/symmetric_memory.py: SymmetricAllReduce), or None: NCCL / gloo
+    # throughout.
     fast_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Whether the o / down projections leave their all-reduce to the RMSNorm after them (Unreduced), and the
-    # kernel that then does all-reduce + residual add + RMSNorm in one (distributed.SymmetricAllReduceNorm; None:
-    # the norm all-reduces first). RAYLM_ALLREDUCE_NORM=1 at TP > 1.
+    # kernel that then does all-reduce + residual add + RMSNorm in one (actors/symmetric_memory.py:
+    # SymmetricAllReduceNorm; None: the norm all-reduces first). RAYLM_ALLREDUCE_NORM=1 at TP > 1.
     defer_reduce: bool = False
     fused_norm: Callable | None = None
 
