@@ -22,6 +22,9 @@ the call before: so no row is overwritten while it is read, with one flag exchan
 on the device so that CUDA graph replays and eager calls share one sequence; every rank makes the same calls in
 the same order (tensor-parallel ranks run the same model), so the parities agree.
 
+A program waits a few minutes at most for a flag, then traps: a rank that died shows as a CUDA error rather
+than as GPUs spinning forever.
+
 Off unless RAYLM_ALLREDUCE_NORM=1 (with RAYLM_SYMM_MEM_ALLREDUCE=1: actors/distributed.py), until measured on
 two H200s.
 """
@@ -34,6 +37,10 @@ import triton.language as tl
 
 from raylm.kernels.l2_prefetch import prefetch_args, prefetch_share
 from raylm.kernels.pdl import pdl_options, pdl_wait
+
+# Flag polls before a waiting program gives up and traps (each a system-scope atomic and two barriers, ~1 us: a
+# few minutes, longer than any rank lags another while it compiles or tunes kernels at start-up).
+_MAX_SPINS = tl.constexpr(1 << 28)
 
 
 @triton.jit
@@ -76,8 +83,13 @@ def _all_reduce_add_rms_norm_kernel(
         if peer != RANK:
             flag = own_flags + (parity * WORLD + peer) * MAX_ROWS + row
             raised = tl.atomic_cas(flag, 1, 0, sem="acquire", scope="sys")
+            spins = 0
             while raised != 1:
                 raised = tl.atomic_cas(flag, 1, 0, sem="acquire", scope="sys")
+                spins += 1
+                if spins > _MAX_SPINS:  # a rank that never comes (it died): an error, not a GPU spinning forever
+                    tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r,r", [spins], dtype=tl.int32,
+                                              is_pure=False, pack=1)
     tl.debug_barrier()
 
     own_buffer = tl.multiple_of(tl.load(buffers_ptr + RANK).to(tl.pointer_type(dtype)), 16)
