@@ -197,6 +197,8 @@ class Scheduler:
 
         while self.waiting and not out.num_preempted and token_budget > 0 and seq_budget > 0:
             request = self.waiting[0]
+            if self.skip_in_flight and request.awaits_draw:  # preempted while its draw was in flight
+                break
             looks_up = not request.forked and request.sequences[0].num_computed_tokens == 0
             hits = self.kv_cache.match_prefix(request) if looks_up else []
             first = request.sequences[0]

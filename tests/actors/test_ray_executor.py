@@ -107,6 +107,20 @@ def test_overlapped_pipeline_steps_keep_greedy_tokens(ray_cluster, tiny_model_di
     assert got == _hf_tokens(path)
 
 
+def test_overlapped_pipeline_steps_survive_preemption(ray_cluster, tiny_model_dirs, monkeypatch):
+    """A cache of 5 blocks for 3 sequences of up to 40 tokens: requests are preempted and recomputed while other
+    steps are in flight; the greedy tokens stay HF's. (A request preempted with its draw in flight is re-admitted
+    only once the draw arrived: tests/engine/test_scheduler.py.)"""
+    monkeypatch.setenv("RAYLM_PP_OVERLAP", "1")
+    path = tiny_model_dirs["llama"]
+    with LLM(str(path), pipeline_parallel_size=2, kv_cache_config=KvCacheConfig(max_tokens=80, tokens_per_block=16),
+             max_num_tokens=16) as llm:
+        got = _generate(llm)
+        preempted = sum(entry["inflightBatchingStats"]["numPausedRequests"] for entry in llm.get_stats())
+    assert preempted > 0
+    assert got == _hf_tokens(path)
+
+
 @pytest.mark.parametrize("overlap", ["0", "1"], ids=["micro-batches", "overlapped-steps"])
 def test_pipeline_micro_batches_keep_prompt_logprobs_and_sampling_exact(ray_cluster, tiny_model_dirs, monkeypatch,
                                                                         overlap):

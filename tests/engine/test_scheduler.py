@@ -554,3 +554,21 @@ def test_a_pipeline_keeps_sequences_whose_draw_is_in_flight_out_of_the_next_step
     assert [(i.request.request_id, i.num_tokens) for i in second.scheduled] == [("chunking", 21), ("new", 3)]
     drawing.sequences[0].token_ids[-1] = SAMPLED_TOKEN  # its draw arrived
     assert "drawing" in [i.request.request_id for i in scheduler.schedule().scheduled]
+
+
+def test_a_pipeline_readmits_a_preempted_request_only_once_its_draw_arrived():
+    """A request preempted while its draw is in flight goes back to the queue with a placeholder; a pipeline
+    (skip_in_flight) admits it again only once the draw has replaced it."""
+    from raylm.engine.request import PLACEHOLDER
+
+    scheduler = make_scheduler(max_num_tokens=64)
+    scheduler.skip_in_flight = True
+    request = make_request("preempted", prompt(5))
+    scheduler.add_request(request)
+    item = scheduler.schedule().scheduled[0]
+    item.seq.num_computed_tokens += item.num_tokens
+    item.seq.token_ids.append(PLACEHOLDER)
+    scheduler._preempt(request)
+    assert scheduler.schedule().is_empty
+    item.seq.token_ids[-1] = SAMPLED_TOKEN
+    assert [(i.request.request_id, i.num_tokens) for i in scheduler.schedule().scheduled] == [("preempted", 6)]
