@@ -68,6 +68,37 @@ def test_bf16_logprobs_within_the_stated_tolerance(tiny_model_dirs, gemv, monkey
         assert all(error < BF16_LOGPROB_TOLERANCE for error in generated)
 
 
+def _runs_off_then_on(monkeypatch, path, params, switch: str, settings_read, check=None) -> list:
+    """Two runs of PROMPTS on the tiny model in bf16 with decode graphs: the environment switch `switch` set to
+    0, then to 1 (settings_read: the cached readers of settings to read afresh; check(llm, on) before each run)."""
+    runs = []
+    try:
+        for value in ("0", "1"):
+            monkeypatch.setenv(switch, value)
+            for read in settings_read:
+                read.cache_clear()
+            with _llm(path, dtype="bfloat16") as llm:
+                if check is not None:
+                    check(llm, value == "1")
+                runs.append(_run(llm, params))
+    finally:
+        monkeypatch.undo()
+        for read in settings_read:
+            read.cache_clear()
+    return runs
+
+
+def _assert_same_tokens_and_logprob_bits(runs) -> None:
+    def bits(steps):
+        return [{t: p.logprob for t, p in step.items()} for step in steps]
+
+    for plain, other in zip(*runs):
+        assert other.outputs[0].token_ids == plain.outputs[0].token_ids
+        assert bits(other.outputs[0].logprobs) == bits(plain.outputs[0].logprobs)
+        assert bits(other.prompt_logprobs[1:] if other.prompt_logprobs else []) == bits(
+            plain.prompt_logprobs[1:] if plain.prompt_logprobs else [])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="programmatic dependent launch needs compute capability 9.0+")
 def test_pdl_changes_no_token_or_logprob(tiny_model_dirs, monkeypatch):
@@ -75,29 +106,17 @@ def test_pdl_changes_no_token_or_logprob(tiny_model_dirs, monkeypatch):
     graphs on: the same tokens and the same logprob bits as without it, prompt logprobs included."""
     from raylm.kernels import dispatch, pdl
 
-    path = tiny_model_dirs["llama"]
-    params = SamplingParams(max_tokens=NEW_TOKENS, logprobs=0, prompt_logprobs=0)
+    def check(llm, on):
+        assert llm._executor.worker.runner.graphs is not None
+        assert pdl.pdl_enabled(torch.device("cuda")) == on
+
     monkeypatch.setenv("RAYLM_TRITON_GEMV", "1")
     dispatch.gemv_switch.cache_clear()
-    runs = []
-    try:
-        for switch in ("0", "1"):
-            monkeypatch.setenv("RAYLM_PDL", switch)
-            pdl.pdl_switch.cache_clear()
-            with _llm(path, dtype="bfloat16") as llm:
-                assert llm._executor.worker.runner.graphs is not None
-                assert pdl.pdl_enabled(torch.device("cuda")) == (switch == "1")
-                runs.append(_run(llm, params))
-    finally:
-        monkeypatch.undo()
-        dispatch.gemv_switch.cache_clear()
-        pdl.pdl_switch.cache_clear()
-    for plain, with_pdl in zip(*runs):
-        assert with_pdl.outputs[0].token_ids == plain.outputs[0].token_ids
-        assert [{t: p.logprob for t, p in step.items()} for step in with_pdl.outputs[0].logprobs] == [
-            {t: p.logprob for t, p in step.items()} for step in plain.outputs[0].logprobs]
-        assert [{t: p.logprob for t, p in step.items()} for step in with_pdl.prompt_logprobs[1:]] == [
-            {t: p.logprob for t, p in step.items()} for step in plain.prompt_logprobs[1:]]
+    params = SamplingParams(max_tokens=NEW_TOKENS, logprobs=0, prompt_logprobs=0)
+    runs = _runs_off_then_on(monkeypatch, tiny_model_dirs["llama"], params, "RAYLM_PDL",
+                             (dispatch.gemv_switch, pdl.pdl_switch), check)
+    _assert_same_tokens_and_logprob_bits(runs)
+
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="bulk L2 prefetch needs compute capability 9.0+")
@@ -106,22 +125,10 @@ def test_l2_prefetch_changes_no_token_or_logprob(tiny_model_dirs, monkeypatch):
     model's LM head, 6 MB, is the weight its final RMSNorm prefetches)."""
     from raylm.kernels import l2_prefetch
 
-    path = tiny_model_dirs["llama"]
     params = SamplingParams(max_tokens=NEW_TOKENS, logprobs=0)
-    runs = []
-    try:
-        for switch in ("0", "1"):
-            monkeypatch.setenv("RAYLM_L2_PREFETCH", switch)
-            l2_prefetch.l2_prefetch_requested.cache_clear()
-            with _llm(path, dtype="bfloat16") as llm:
-                runs.append(_run(llm, params))
-    finally:
-        monkeypatch.undo()
-        l2_prefetch.l2_prefetch_requested.cache_clear()
-    for plain, prefetched in zip(*runs):
-        assert prefetched.outputs[0].token_ids == plain.outputs[0].token_ids
-        assert [{t: p.logprob for t, p in step.items()} for step in prefetched.outputs[0].logprobs] == [
-            {t: p.logprob for t, p in step.items()} for step in plain.outputs[0].logprobs]
+    runs = _runs_off_then_on(monkeypatch, tiny_model_dirs["llama"], params, "RAYLM_L2_PREFETCH",
+                             (l2_prefetch.l2_prefetch_requested,))
+    _assert_same_tokens_and_logprob_bits(runs)
 
 
 def test_graphs_pad_odd_batches_and_match_eager(tiny_model_dirs):

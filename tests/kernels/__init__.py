@@ -17,17 +17,22 @@ GPU_ONLY = [pytest.mark.gpu, pytest.mark.skipif(not ON_CUDA, reason="needs a CUD
 MODULE_MARKS = [pytest.mark.slow] if INTERPRETED else []
 
 
+def import_triton() -> None:
+    """Imports Triton for the calling test module (skipping it without Triton), interpreted where
+    RAYLM_TRITON_INTERPRET=1: the switch is read when Triton and the kernels are imported, so it is set first."""
+    if INTERPRETED:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    if INTERPRETED:
+        _take_single_element_as_index()
+
+
 def kernel_device() -> torch.device:
     """The device of the calling test module; skips the module where Triton cannot run."""
     if not ON_CUDA and not INTERPRETED:
         pytest.skip("Triton kernels need a CUDA device, or RAYLM_TRITON_INTERPRET=1 to run them interpreted",
                     allow_module_level=True)
-    if INTERPRETED:
-        # Read when the kernels are decorated, so it must be set before they are imported.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    pytest.importorskip("triton")
-    if INTERPRETED:
-        _take_single_element_as_index()
+    import_triton()
     return torch.device("cuda" if ON_CUDA else "cpu")
 
 

@@ -4,16 +4,12 @@ when it applies is checked on the CPU."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from tests.kernels import INTERPRETED
+from tests.kernels import import_triton
 
-if INTERPRETED:  # read when Triton and the kernels are imported, as kernel_device() sets it for the other modules
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+import_triton()
 
 from raylm.kernels import l2_prefetch  # noqa: E402
 from raylm.kernels.l2_prefetch import PREFETCH_MAX_BYTES, prefetch_args  # noqa: E402

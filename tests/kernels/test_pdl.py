@@ -5,16 +5,12 @@ capability 9.0 and later); the switch itself is checked on the CPU."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from tests.kernels import INTERPRETED
+from tests.kernels import import_triton
 
-if INTERPRETED:  # read when Triton and the kernels are imported, as kernel_device() sets it for the other modules
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-pytest.importorskip("triton")
+import_triton()
 
 from raylm.kernels.pdl import pdl_enabled, pdl_options, pdl_requested, pdl_switch  # noqa: E402
 from raylm.kernels.triton_attention import paged_decode_attention  # noqa: E402

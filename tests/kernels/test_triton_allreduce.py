@@ -21,7 +21,7 @@ MAX_ROWS = 4
 
 
 class Group:
-    """Exchange buffers, flags and this rank's state for a group of `world` ranks, all in this process."""
+    """Exchange buffers, flags and each rank's state for a group of `world` ranks, all in this process."""
 
     def __init__(self, world: int, hidden: int, dtype: torch.dtype):
         self.buffers = [torch.zeros(2, world, MAX_ROWS, hidden, dtype=dtype, device=DEVICE) for _ in range(world)]
@@ -29,7 +29,7 @@ class Group:
         self.buffer_ptrs = torch.tensor([b.data_ptr() for b in self.buffers], dtype=torch.int64, device=DEVICE)
         self.flag_ptrs = torch.tensor([f.data_ptr() for f in self.flags], dtype=torch.int64,
                                       device=DEVICE)
-        self.state = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+        self.states = [torch.zeros(2, dtype=torch.int32, device=DEVICE) for _ in range(world)]
 
     def arrive(self, rank: int, source: int, parity: int, rows: torch.Tensor) -> None:
         """Rank `source` has written its rows into `rank`'s buffer and raised its flags there."""
@@ -38,7 +38,7 @@ class Group:
 
     def call(self, rank: int, partial, residual, weight, eps=1e-5):
         return all_reduce_add_rms_norm(partial, residual, weight, eps, buffers=self.buffer_ptrs, flags=self.flag_ptrs,
-                                       state=self.state, rank=rank, max_rows=MAX_ROWS)
+                                       state=self.states[rank], rank=rank, max_rows=MAX_ROWS)
 
 
 def _reference(partials: list[torch.Tensor], residual, weight, eps=1e-5):
@@ -73,7 +73,7 @@ def test_one_rank_sums_in_rank_order_adds_the_residual_and_normalises(dtype, wor
             assert group.flags[peer][0, rank, :rows].tolist() == [1] * rows
             assert group.flags[peer][0, rank, rows:].tolist() == [0] * (MAX_ROWS - rows)
     assert not group.flags[rank].any()  # the flags raised here were lowered as they were read
-    assert group.state.tolist() == [1, 0]  # one call: the next uses the other half
+    assert group.states[rank].tolist() == [1, 0]  # one call: the next uses the other half
 
 
 def test_consecutive_calls_alternate_halves():
@@ -90,7 +90,7 @@ def test_consecutive_calls_alternate_halves():
         assert torch.equal(new_residual, expected_residual)
         torch.testing.assert_close(out, expected_out, atol=1e-5, rtol=1e-5)
         assert torch.equal(group.buffers[0][parity, rank, :2], mine)
-        assert group.state.tolist() == [call + 1, 0]
+        assert group.states[rank].tolist() == [call + 1, 0]
 
 
 def test_inputs_are_checked():
@@ -116,11 +116,7 @@ def test_two_ranks_exchange_rows_through_each_others_buffers():
 
     world, hidden = 2, 64
     dtype = torch.float32
-    buffers = [torch.zeros(2, world, MAX_ROWS, hidden, dtype=dtype, device=DEVICE) for _ in range(world)]
-    flags = [torch.zeros(2, world, MAX_ROWS, dtype=torch.int32, device=DEVICE) for _ in range(world)]
-    buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=DEVICE)
-    flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=DEVICE)
-    states = [torch.zeros(2, dtype=torch.int32, device=DEVICE) for _ in range(world)]
+    group = Group(world, hidden, dtype)
     generator = torch.Generator().manual_seed(5)
     calls = [(rows, [torch.randn(rows, hidden, generator=generator).to(DEVICE) for _ in range(world)],
               torch.randn(rows, hidden, generator=generator).to(DEVICE)) for rows in (3, 1, 4, 2, 4)]
@@ -134,9 +130,7 @@ def test_two_ranks_exchange_rows_through_each_others_buffers():
             stream.wait_stream(torch.cuda.default_stream())  # the inputs were made on the default stream
             with torch.cuda.stream(stream):
                 for _, partials, residual in calls:
-                    results[rank].append(all_reduce_add_rms_norm(
-                        partials[rank], residual, weight, 1e-5, buffers=buffer_ptrs, flags=flag_ptrs,
-                        state=states[rank], rank=rank, max_rows=MAX_ROWS))
+                    results[rank].append(group.call(rank, partials[rank], residual, weight))
             stream.synchronize()
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
@@ -154,6 +148,6 @@ def test_two_ranks_exchange_rows_through_each_others_buffers():
         for out, new_residual in per_rank:
             assert torch.equal(new_residual, expected_residual)
             torch.testing.assert_close(out, expected_out, atol=1e-5, rtol=1e-5)
-    assert [state.tolist() for state in states] == [[len(calls), 0]] * world
-    assert not any(flag.any() for flag in flags)  # every flag raised was lowered by its reader
+    assert [state.tolist() for state in group.states] == [[len(calls), 0]] * world
+    assert not any(flag.any() for flag in group.flags)  # every flag raised was lowered by its reader
 
