@@ -135,6 +135,13 @@ def test_two_ranks_exchange_rows_through_each_others_buffers():
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
 
+    # Both ranks' kernels are loaded first: a module loaded lazily on its first launch waits for the context's
+    # running kernels, here the other rank's, which wait for this one (two processes, as in the engine, never
+    # share a context).
+    for rank in range(world):
+        warm = Group(world, hidden, dtype)
+        warm.arrive(rank, 1 - rank, 0, calls[0][1][1 - rank])
+        warm.call(rank, calls[0][1][rank], calls[0][2], weight)
     torch.cuda.synchronize()
     threads = [threading.Thread(target=rank_main, args=(rank,), daemon=True) for rank in range(world)]
     for thread in threads:
