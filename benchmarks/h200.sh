@@ -29,7 +29,11 @@
 # on the device machine, whose $OUT comes back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ -n "${OUT:-}" ] && mkdir -p "$OUT/results"
+if [ -n "${OUT:-}" ]; then
+  mkdir -p "$OUT/results"
+  # Everything printed also goes to a log under $OUT, which comes back even when the device command is cut off.
+  exec > >(tee -a "$OUT/h200-${1:-usage}.log") 2>&1
+fi
 
 output_json() {  # name
   [ -n "${OUT:-}" ] && echo "--output_json $OUT/results/$1.json"
@@ -140,8 +144,9 @@ case "${1:-}" in
     latency latency-8b-b8-tp2 "$llama" 8 --tp 2
     ;;
   x2-fast)
-    timeout 60 python -m pytest tests/actors/test_multi_gpu.py -q -x -k fused_all_reduce_norm -p no:cacheprovider \
-      2>&1 | tail -3
+    # Each case starts two TP=2 engines (and the fp32 one a one-GPU engine and HF): ~2 minutes each.
+    timeout 300 python -m pytest tests/actors/test_multi_gpu.py -q -x -k fused_all_reduce_norm -p no:cacheprovider \
+      --tb=short 2>&1 | grep -v "^(RayWorker" | tail -30
     timeout 90 python benchmarks/allreduce.py $(output_json allreduce-2gpu) 2>&1 | tail -8
     export RAYLM_SYMM_MEM_ALLREDUCE=1
     latency latency-8b-b1-tp2-symm "$llama" 1 --tp 2

@@ -10,6 +10,12 @@ the weight's first PREFETCH_MAX_BYTES, so the weight streams in while the small 
 finds it in L2. (Earlier, the GEMV's own programs prefetched their next tiles; that measured slower: they sat on
 SMs waiting for the kernel before them.)
 
+A kernel is done only once its programs have issued their prefetches, and one SM issues them slowly: the first
+version gave a whole share of 32 MiB to a batch-1 RMSNorm's one program, and each such kernel took ~300 µs
+(~76 GB/s; TP=2 batch 1: 33 ms/token against 3.0). So a kernel with fewer programs than `prefetch_programs`
+asks for launches added ones that only prefetch (at most PROGRAM_CHUNKS chunks each) and exit, and a site
+prefetches at most PREFETCH_MAX_BYTES, about what HBM streams during a small kernel.
+
 A prefetch changes no result, and weights are written only between steps (at load, or by a weight update through
 collective_rpc), so the kernels issue it before they wait for the kernel before them (kernels/pdl.py). Only for
 decode-sized inputs (at most GEMV_MAX_ROWS rows), never in the Triton interpreter. Off until measured on the H200.
@@ -26,13 +32,20 @@ import triton.language as tl
 
 from raylm.kernels.dispatch import GEMV_MAX_ROWS, env_flag
 
-# About half of the H200's L2 (60 MB): the GEMV after the kernel reads its first tiles from there, and the rest
-# keeps streaming from HBM.
-PREFETCH_MAX_BYTES = 32 << 20
+# About what HBM streams (~4 TB/s) during a small kernel of ~2 µs and the boundaries around it: the GEMV after
+# the kernel reads its first tiles from L2, and the rest keeps streaming from HBM.
+PREFETCH_MAX_BYTES = 8 << 20
 # Bytes per bulk prefetch instruction: 512 instructions for a whole prefetch, spread over the kernel's programs.
 _CHUNK_BYTES = 64 << 10
 _CHUNK = tl.constexpr(_CHUNK_BYTES)
-_PREFETCH_ASM = tl.constexpr("{\n .reg .pred p;\n setp.ne.b32 p, $2, 0;\n"
+# The most chunks one program prefetches (the kernels add programs to keep to it: prefetch_programs).
+PROGRAM_CHUNKS = 2
+# A program's chunks are lanes of a _LANES-element vector. Triton lays such a vector out one element a thread and
+# repeats it over the program's further threads; only the first _LANES threads issue, so each chunk is issued once.
+_LANES_COUNT = 32
+_LANES = tl.constexpr(_LANES_COUNT)
+_PREFETCH_ASM = tl.constexpr("{\n .reg .pred p;\n .reg .u32 t;\n mov.u32 t, %tid.x;\n setp.ne.b32 p, $2, 0;\n"
+                             f" setp.lt.and.u32 p, t, {_LANES_COUNT}, p;\n"
                              f" @p cp.async.bulk.prefetch.L2.global [$1], {_CHUNK_BYTES};\n mov.u32 $0, 0;\n}}")
 _MIN_CAPABILITY = (9, 0)
 
@@ -58,8 +71,14 @@ def prefetch_args(weight: torch.Tensor | None, rows: int, x: torch.Tensor) -> di
     return {"prefetch_ptr": weight if nbytes else x, "prefetch_bytes": nbytes, "PREFETCH": nbytes > 0}
 
 
+def prefetch_programs(args: dict) -> int:
+    """How many programs the kernel launched with `args` (prefetch_args) needs at least, so that none prefetches
+    more than PROGRAM_CHUNKS chunks (0 without a prefetch)."""
+    return -(-args["prefetch_bytes"] // (_CHUNK_BYTES * PROGRAM_CHUNKS))
+
+
 @triton.jit
-def prefetch_share(prefetch_ptr, prefetch_bytes, part, parts, PREFETCH: tl.constexpr, BLOCK: tl.constexpr = 128):
+def prefetch_share(prefetch_ptr, prefetch_bytes, part, parts, PREFETCH: tl.constexpr):
     """This program's share (`part` of `parts`) of the bulk L2 prefetches of prefetch_bytes (a multiple of the
     chunk) from prefetch_ptr; nothing unless PREFETCH."""
     if PREFETCH:
@@ -68,8 +87,8 @@ def prefetch_share(prefetch_ptr, prefetch_bytes, part, parts, PREFETCH: tl.const
         first = part * per_part
         last = tl.minimum(first + per_part, chunks)
         base = prefetch_ptr.to(tl.pointer_type(tl.int8))
-        for start in range(first, last, BLOCK):
-            index = start + tl.arange(0, BLOCK)
+        for start in range(first, last, _LANES):
+            index = start + tl.arange(0, _LANES)
             tl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,r", [base + index.to(tl.int64) * _CHUNK,
                                                                 (index < last).to(tl.int32)],
                                       dtype=tl.int32, is_pure=False, pack=1)

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from raylm.kernels.l2_prefetch import prefetch_args, prefetch_share
+from raylm.kernels.l2_prefetch import prefetch_args, prefetch_programs, prefetch_share
 from raylm.kernels.pdl import pdl_options, pdl_wait
 
 # Flag polls before a waiting program gives up and traps (each a system-scope atomic and two barriers, ~1 us: a
@@ -43,24 +43,26 @@ from raylm.kernels.pdl import pdl_options, pdl_wait
 _MAX_SPINS = tl.constexpr(1 << 28)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def _all_reduce_add_rms_norm_kernel(
-    partial_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, buffers_ptr, flags_ptr, state_ptr,
+    partial_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, buffers_ptr, flags_ptr, state_ptr, rows,
     hidden_size, eps, stride_partial, stride_residual, stride_out, stride_residual_out, prefetch_ptr, prefetch_bytes,
     RANK: tl.constexpr, WORLD: tl.constexpr, MAX_ROWS: tl.constexpr, BLOCK: tl.constexpr,
     PREFETCH: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
 ):
     """buffers_ptr / flags_ptr: each rank's exchange buffer [2, WORLD, MAX_ROWS, hidden_size] (the partials'
     dtype) and flags [2, WORLD, MAX_ROWS] (int32), as device addresses (int64 [WORLD]); state_ptr: this
-    rank's int32 [call count, arrivals]. With PREFETCH, the next GEMV's weight is pulled into L2 first
-    (kernels/l2_prefetch.py)."""
+    rank's int32 [call count, arrivals]. One program a row; with PREFETCH, the next GEMV's weight is pulled
+    into L2 first, and programs past the rows only do that (kernels/l2_prefetch.py)."""
     prefetch_share(prefetch_ptr, prefetch_bytes, tl.program_id(0), tl.num_programs(0), PREFETCH)
-    pdl_wait(USE_PDL)
     row = tl.program_id(0)
+    if row >= rows:
+        return
+    pdl_wait(USE_PDL)
     calls = tl.load(state_ptr)
     parity = calls % 2
     # The last program to have read the count advances it (the next call reads it after this kernel ends).
-    if tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+    if tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu") == rows - 1:
         tl.store(state_ptr + 1, 0)
         tl.store(state_ptr, calls + 1)
 
@@ -134,10 +136,11 @@ def all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weigh
     out = torch.empty(partial.shape, dtype=torch.promote_types(partial.dtype, weight.dtype), device=partial.device)
     residual_out = torch.empty_like(partial, memory_format=torch.contiguous_format)
     block = triton.next_power_of_2(hidden_size)
-    _all_reduce_add_rms_norm_kernel[(rows,)](
-        partial, residual, weight.contiguous(), out, residual_out, buffers, flags, state, hidden_size, eps,
+    prefetching = prefetch_args(prefetch, rows, partial)
+    _all_reduce_add_rms_norm_kernel[(max(rows, prefetch_programs(prefetching)),)](
+        partial, residual, weight.contiguous(), out, residual_out, buffers, flags, state, rows, hidden_size, eps,
         partial.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
-        **prefetch_args(prefetch, rows, partial),
+        **prefetching,
         RANK=rank, WORLD=world, MAX_ROWS=max_rows, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
         **pdl_options(partial),
     )

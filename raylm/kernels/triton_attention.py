@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from raylm.kernels.l2_prefetch import prefetch_args, prefetch_share
+from raylm.kernels.l2_prefetch import prefetch_args, prefetch_programs, prefetch_share
 from raylm.kernels.pdl import pdl_options, pdl_wait
 from raylm.kernels.triton_kv_cache import check_cache, check_cache_write
 from raylm.kernels.triton_ops import cos_sin_row, rope_rows, rotated_rows
@@ -89,11 +89,11 @@ def _window(sliding_window: int | None) -> int:
 # Arguments that change from step to step (batch composition, the widest block table) are not specialized on
 # (Triton would otherwise compile a variant per value class: 1, a multiple of 16, other), so a new batch shape
 # never stops a running engine to compile.
-@triton.jit(do_not_specialize=["num_splits", "stride_table"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_table"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    qk_scale, window, num_q_heads, num_splits, head_dim,
+    qk_scale, window, num_seqs, num_q_heads, num_splits, head_dim,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_block, stride_slot, stride_head, stride_table,
     k_ptr, v_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
     stride_sin, prefetch_ptr, prefetch_bytes,
@@ -107,12 +107,15 @@ def _decode_split_kernel(
     before it: it rotates the group's queries and, in the program whose split holds the newest key, stores
     the rotated key and the value (k, v) at the sequence's slot (none for a negative slot), then reads them
     back from the cache like every other key, after a barrier of the program's threads. With PREFETCH, the
-    programs first share out the L2 prefetch of the next GEMV's weight (kernels/l2_prefetch.py)."""
+    programs first share out the L2 prefetch of the next GEMV's weight, and programs past the sequences only do
+    that (kernels/l2_prefetch.py)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     prefetch_share(prefetch_ptr, prefetch_bytes, (seq * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split,
                    tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2), PREFETCH)
+    if seq >= num_seqs:
+        return
     pdl_wait(USE_PDL)
     context_len = tl.load(context_lens_ptr + seq)
     first_key = tl.maximum(context_len - window, 0)
@@ -348,13 +351,15 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
         k, v, cos, sin, slots = q, q, q, q, context_lens
     else:
         k, v, cos, sin, slots = rope
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    prefetching = prefetch_args(prefetch, batch, q)
+    per_seq = num_kv_heads * num_splits  # programs; added sequences of programs that only prefetch
+    _decode_split_kernel[(max(batch, -(-prefetch_programs(prefetching) // per_seq)), num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_max, part_sum,
-        scale * _LOG2_E, window, num_q_heads, num_splits, head_dim,
+        scale * _LOG2_E, window, batch, num_q_heads, num_splits, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k, v, cos, sin, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
-        **prefetch_args(prefetch, batch, q),
+        **prefetching,
         GROUP=group, BLOCK_G=max(config.block_m, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=config.block_n, PAGE_SIZE=page_size, DIRECT_OUTPUT=direct, DOT_PRECISION=_dot_precision(q.dtype),
         ROPE=rope is not None, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(q),

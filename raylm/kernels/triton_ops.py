@@ -11,18 +11,21 @@ import torch
 import triton
 import triton.language as tl
 
-from raylm.kernels.l2_prefetch import prefetch_args, prefetch_share
+from raylm.kernels.l2_prefetch import prefetch_args, prefetch_programs, prefetch_share
 from raylm.kernels.pdl import pdl_options, pdl_wait
 
 # ------------------------------------------------------------------------------------------ RMSNorm
 
 
-@triton.jit
-def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, hidden_size, eps,
+@triton.jit(do_not_specialize=["rows"])
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, rows, hidden_size, eps,
                      stride_x, stride_residual, stride_out, stride_residual_out, prefetch_ptr, prefetch_bytes,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PREFETCH: tl.constexpr = False,
                      USE_PDL: tl.constexpr = 0):
+    """One program a row; programs past the rows only prefetch (kernels/l2_prefetch.py)."""
     prefetch_share(prefetch_ptr, prefetch_bytes, tl.program_id(0), tl.num_programs(0), PREFETCH)
+    if tl.program_id(0) >= rows:
+        return
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -61,13 +64,15 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         residual_rows = _rows(residual)
         residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
         residual_out_rows = residual_out.view(-1, hidden_size)
-    if x_rows.shape[0]:
+    rows = x_rows.shape[0]
+    if rows:
         block = triton.next_power_of_2(hidden_size)
-        _rms_norm_kernel[(x_rows.shape[0],)](
-            x_rows, residual_rows, weight.contiguous(), out_rows, residual_out_rows, hidden_size, eps,
+        prefetching = prefetch_args(prefetch, rows, x)
+        _rms_norm_kernel[(max(rows, prefetch_programs(prefetching)),)](
+            x_rows, residual_rows, weight.contiguous(), out_rows, residual_out_rows, rows, hidden_size, eps,
             x_rows.stride(0), residual_rows.stride(0), out_rows.stride(0), residual_out_rows.stride(0),
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
-            **prefetch_args(prefetch, x_rows.shape[0], x), **pdl_options(x),
+            **prefetching, **pdl_options(x),
         )
     return out, residual_out
 
