@@ -70,15 +70,17 @@ _MODEL_DEFAULTS = ("RAYLM_TRITON_GEMV", "RAYLM_PDL")
 
 
 def switch_suffix() -> str:
-    """'-gemv', '-symm', '-norm', '-l2', '-overlap', '-pdl' for each switch set on ('-nogemv', '-nopdl' for the
-    model-dependent ones set off), then PDL's trigger mode when not `start` ('-after_wait', '-exit', '-tail'), in
-    that order; '' with none set."""
+    """'-gemv', '-symm', '-norm', '-l2' (and '-<N>mib' for a RAYLM_L2_PREFETCH_MIB cap), '-overlap', '-pdl' for
+    each switch set on ('-nogemv', '-nopdl' for the model-dependent ones set off), then PDL's trigger mode when
+    not `start` ('-after_wait', '-exit', '-tail'), in that order; '' with none set."""
     from raylm.kernels.dispatch import PDL_TRIGGERS, env_flag
 
     suffix = ""
     for name, short in SWITCHES:
         if env_flag(name):
             suffix += f"-{short}"
+            if name == "RAYLM_L2_PREFETCH" and os.environ.get("RAYLM_L2_PREFETCH_MIB"):  # the cap, when tuned
+                suffix += f"-{os.environ['RAYLM_L2_PREFETCH_MIB'].strip()}mib"
         elif name in _MODEL_DEFAULTS and name in os.environ:
             suffix += f"-no{short}"
     mode = os.environ.get("RAYLM_PDL", "0").strip().lower()

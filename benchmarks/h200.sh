@@ -13,18 +13,21 @@
 #                                        # and the step profile of the default                       (~6 min)
 #   bash benchmarks/h200.sh prefetch     # the next GEMV's weight pulled into L2 by the small kernels before it
 #                                        # (RAYLM_L2_PREFETCH=1): its GPU tests, 8B batch 1 with and without it,
-#                                        # alternating (2 runs each), batch 8, its step profile           (~7 min)
+#                                        # alternating (2 runs each), then with a 24 MiB cap          (~7 min)
+#   bash benchmarks/h200.sh prefetch-profile  # with it: 8B batch 8 and the batch-1 step profile      (~3 min)
 #   bash benchmarks/h200.sh flashinfer   # attention_backend="flashinfer": its GPU tests, then 8B latency batch 8
 #                                        # and 8B 256 x (512, 128); needs .gpu/flashinfer.tar.xz from
 #                                        # benchmarks/flashinfer_bundle.sh (its first JIT compiles take minutes)
 # and the multi-GPU issue's, on two H200s (nvidia-h200-x2):
 #   bash benchmarks/h200.sh x2-check       # 2-GPU tests, 8B TP=2 vs TP=1 parity, 8B latency at TP=2 (~7 min)
 #   bash benchmarks/h200.sh x2-throughput  # 8B 1000 x (1024, 1024) at TP=2 and at PP=2              (~7 min)
-#   bash benchmarks/h200.sh x2-pipeline    # the same at PP=2 with overlapped steps (RAYLM_PP_OVERLAP=1), then
-#                                          # its per-stage profile over 256 x (512, 128)               (~6 min)
-#   bash benchmarks/h200.sh x2-fast        # the fused all-reduce + RMSNorm's 2-GPU test; all-reduce latency NCCL vs
-#                                          # symmetric memory; 8B TP=2 with the symmetric all-reduce, then with the
-#                                          # fused all-reduce + RMSNorm (batch 1, 8) and its per-rank profile (~6 min)
+#   bash benchmarks/h200.sh x2-pipeline    # the same at PP=2 with overlapped steps (RAYLM_PP_OVERLAP=1) (~6 min)
+#   bash benchmarks/h200.sh x2-pipeline-profile  # its per-stage profile over 256 x (512, 128)      (~3 min)
+#   bash benchmarks/h200.sh x2-fast        # the fused all-reduce + RMSNorm's 2-GPU tests; 8B TP=2 batch 1 with it,
+#                                          # with it and the L2 prefetch (8 and 24 MiB caps), and with the
+#                                          # symmetric all-reduce alone                                 (~9 min)
+#   bash benchmarks/h200.sh x2-profile     # all-reduce latency NCCL vs symmetric memory; 8B TP=2 batch 8 and the
+#                                          # batch-1 per-rank profile, fused all-reduce + RMSNorm on    (~4 min)
 # Results go to benchmarks/results/ under the scripts' own names, or to $OUT/results/NAME.json when OUT is set (as
 # on the device machine, whose $OUT comes back).
 set -uo pipefail
@@ -109,14 +112,17 @@ case "${1:-}" in
       --kernels 8 --gaps 8 $(output_json step-llama-3.1-8b-b1) 2>&1 | tail -27
     ;;
   prefetch)
-    timeout 150 python -m pytest tests/kernels/test_l2_prefetch.py \
+    timeout 150 python -m pytest tests/kernels/test_l2_prefetch.py tests/kernels/test_triton_allreduce.py \
       "tests/engine/test_gpu.py::test_l2_prefetch_changes_no_token_or_logprob" -q -x --tb=short -p no:cacheprovider \
       2>&1 | tail -8
-    # Alternating, so that drift of the machine falls on both settings alike.
+    # Alternating, so that drift of the machine falls on both settings alike; then a larger cap per kernel.
     for run in a b; do
       latency "latency-8b-b1-$run" "$llama" 1
       RAYLM_L2_PREFETCH=1 latency "latency-8b-b1-l2-$run" "$llama" 1
     done
+    RAYLM_L2_PREFETCH=1 RAYLM_L2_PREFETCH_MIB=24 latency latency-8b-b1-l2-24mib "$llama" 1
+    ;;
+  prefetch-profile)
     RAYLM_L2_PREFETCH=1 latency latency-8b-b8-l2 "$llama" 8
     RAYLM_L2_PREFETCH=1 timeout 100 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 \
       --batch_size 1 --kernels 8 --gaps 8 $(output_json step-llama-3.1-8b-b1-l2) 2>&1 | tail -27
@@ -147,31 +153,40 @@ case "${1:-}" in
     # Each case starts two TP=2 engines (and the fp32 one a one-GPU engine and HF): ~2 minutes each.
     timeout 300 python -m pytest tests/actors/test_multi_gpu.py -q -x -k fused_all_reduce_norm -p no:cacheprovider \
       --tb=short 2>&1 | grep -v "^(RayWorker" | tail -30
+    export RAYLM_SYMM_MEM_ALLREDUCE=1 RAYLM_ALLREDUCE_NORM=1
+    latency latency-8b-b1-tp2-symm-norm "$llama" 1 --tp 2
+    RAYLM_L2_PREFETCH=1 latency latency-8b-b1-tp2-symm-norm-l2 "$llama" 1 --tp 2
+    RAYLM_L2_PREFETCH=1 RAYLM_L2_PREFETCH_MIB=24 latency latency-8b-b1-tp2-symm-norm-l2-24mib "$llama" 1 --tp 2
+    RAYLM_ALLREDUCE_NORM=0 latency latency-8b-b1-tp2-symm "$llama" 1 --tp 2
+    ;;
+  x2-profile)
     timeout 90 python benchmarks/allreduce.py $(output_json allreduce-2gpu) 2>&1 | tail -8
-    export RAYLM_SYMM_MEM_ALLREDUCE=1
-    latency latency-8b-b1-tp2-symm "$llama" 1 --tp 2
-    (export RAYLM_ALLREDUCE_NORM=1; latency latency-8b-b1-tp2-symm-norm "$llama" 1 --tp 2
-     RAYLM_L2_PREFETCH=1 latency latency-8b-b1-tp2-symm-norm-l2 "$llama" 1 --tp 2
-     latency latency-8b-b8-tp2-symm-norm "$llama" 8 --tp 2
-     timeout 120 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
-       --tp 2 --kernels 12 --gaps 8 $(output_json step-llama-3.1-8b-b1-tp2-symm-norm) 2>&1 | grep -v "^(RayWorker" \
-       | tail -48)
+    export RAYLM_SYMM_MEM_ALLREDUCE=1 RAYLM_ALLREDUCE_NORM=1
+    latency latency-8b-b8-tp2-symm-norm "$llama" 8 --tp 2
+    timeout 120 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
+      --tp 2 --kernels 12 --gaps 8 $(output_json step-llama-3.1-8b-b1-tp2-symm-norm) 2>&1 | grep -v "^(RayWorker" \
+      | tail -48
     ;;
   x2-throughput)
     throughput throughput-8b-n1000-tp2 "$llama" 1000 1024 1024 256 240 --tp 2
-    throughput throughput-8b-n1000-pp2 "$llama" 1000 1024 1024 256 300 --pp 2
+    throughput throughput-8b-n1000-pp2 "$llama" 1000 1024 1024 256 330 --pp 2
     ;;
   x2-pipeline)
     # PP=2 with overlapped steps (RAYLM_PP_OVERLAP=1): its CPU-tested path on NCCL, then where its time goes (each
     # stage's kernels and idle gaps over 256 x (512, 128)).
+    # PP=2 took 221 s for this workload plus ~60 s to start: its 300 s limit could cut a run that did not hang.
     export RAYLM_PP_OVERLAP=1
-    throughput throughput-8b-n1000-pp2-overlap "$llama" 1000 1024 1024 256 300 --pp 2
+    throughput throughput-8b-n1000-pp2-overlap "$llama" 1000 1024 1024 256 450 --pp 2
+    ;;
+  x2-pipeline-profile)
+    export RAYLM_PP_OVERLAP=1
     timeout 150 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 256 --batch_size 256 \
       --input_len 512 --output_len 128 --pp 2 --kernels 12 --gaps 8 $(output_json step-llama-3.1-8b-b256-pp2-overlap) \
       2>&1 | grep -v "^(RayWorker" | tail -48
     ;;
   *)
-    echo "usage: bash benchmarks/h200.sh check|latency|throughput|peers|gemv|sweep|pdl|prefetch|flashinfer|x2-check|x2-throughput|x2-pipeline|x2-fast" >&2
+    echo "usage: bash benchmarks/h200.sh check|latency|throughput|peers|gemv|sweep|pdl|prefetch|prefetch-profile|flashinfer|" \
+      "x2-check|x2-throughput|x2-pipeline|x2-pipeline-profile|x2-fast|x2-profile" >&2
     exit 2
     ;;
 esac

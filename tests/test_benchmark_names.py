@@ -29,6 +29,9 @@ def test_layout_backend_and_switches_are_named_in_order(monkeypatch):
     assert run_suffix(_args(tp=2, attention_backend="flashinfer")) == "-tp2-flashinfer-gemv-norm-l2-pdl"
     monkeypatch.setenv("RAYLM_PP_OVERLAP", "1")
     assert run_suffix(_args(pp=2)) == "-pp2-gemv-norm-l2-overlap-pdl"
+    monkeypatch.setenv("RAYLM_L2_PREFETCH_MIB", "24")
+    assert run_suffix(_args(pp=2)) == "-pp2-gemv-norm-l2-24mib-overlap-pdl"
+    monkeypatch.delenv("RAYLM_L2_PREFETCH_MIB")
     monkeypatch.delenv("RAYLM_PP_OVERLAP")
     monkeypatch.setenv("RAYLM_PDL", "0")
     monkeypatch.delenv("RAYLM_ALLREDUCE_NORM")

@@ -14,7 +14,8 @@ A kernel is done only once its programs have issued their prefetches, and one SM
 version gave a whole share of 32 MiB to a batch-1 RMSNorm's one program, and each such kernel took ~300 µs
 (~76 GB/s; TP=2 batch 1: 33 ms/token against 3.0). So a kernel with fewer programs than `prefetch_programs`
 asks for launches added ones that only prefetch (at most PROGRAM_CHUNKS chunks each) and exit, and a site
-prefetches at most PREFETCH_MAX_BYTES, about what HBM streams during a small kernel.
+prefetches at most PREFETCH_MAX_BYTES, about what HBM streams during a small kernel (RAYLM_L2_PREFETCH_MIB sets
+another cap, for tuning it on the GPU).
 
 A prefetch changes no result, and weights are written only between steps (at load, or by a weight update through
 collective_rpc), so the kernels issue it before they wait for the kernel before them (kernels/pdl.py). Only for
@@ -57,6 +58,22 @@ def l2_prefetch_requested() -> bool:
 
 
 @functools.cache
+def prefetch_max_bytes() -> int:
+    """The most bytes a kernel prefetches: RAYLM_L2_PREFETCH_MIB MiB where set, else PREFETCH_MAX_BYTES (read
+    once per process; cache_clear() to read it again)."""
+    value = os.environ.get("RAYLM_L2_PREFETCH_MIB")
+    if value is None:
+        return PREFETCH_MAX_BYTES
+    try:
+        mib = float(value)
+    except ValueError:
+        mib = 0.0
+    if not 0 < mib <= 1024:
+        raise ValueError(f"RAYLM_L2_PREFETCH_MIB must be a number of MiB in (0, 1024], got {value!r}")
+    return int(mib * 2**20)
+
+
+@functools.cache
 def _device_supports(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= _MIN_CAPABILITY
 
@@ -67,7 +84,7 @@ def prefetch_args(weight: torch.Tensor | None, rows: int, x: torch.Tensor) -> di
     nbytes = 0
     if (weight is not None and x.is_cuda and rows <= GEMV_MAX_ROWS and l2_prefetch_requested()
             and _device_supports(x.device.index if x.device.index is not None else torch.cuda.current_device())):
-        nbytes = min(weight.numel() * weight.element_size(), PREFETCH_MAX_BYTES) // _CHUNK_BYTES * _CHUNK_BYTES
+        nbytes = min(weight.numel() * weight.element_size(), prefetch_max_bytes()) // _CHUNK_BYTES * _CHUNK_BYTES
     return {"prefetch_ptr": weight if nbytes else x, "prefetch_bytes": nbytes, "PREFETCH": nbytes > 0}
 
 

@@ -20,8 +20,23 @@ ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() >= 
 @pytest.fixture(autouse=True)
 def fresh_setting():
     l2_prefetch.l2_prefetch_requested.cache_clear()
+    l2_prefetch.prefetch_max_bytes.cache_clear()
     yield
     l2_prefetch.l2_prefetch_requested.cache_clear()
+    l2_prefetch.prefetch_max_bytes.cache_clear()
+
+
+def test_the_cap_is_settable_for_tuning(monkeypatch):
+    monkeypatch.delenv("RAYLM_L2_PREFETCH_MIB", raising=False)
+    assert l2_prefetch.prefetch_max_bytes() == PREFETCH_MAX_BYTES
+    monkeypatch.setenv("RAYLM_L2_PREFETCH_MIB", "24")
+    l2_prefetch.prefetch_max_bytes.cache_clear()
+    assert l2_prefetch.prefetch_max_bytes() == 24 << 20
+    for bad in ("0", "-1", "lots", "2048"):
+        monkeypatch.setenv("RAYLM_L2_PREFETCH_MIB", bad)
+        l2_prefetch.prefetch_max_bytes.cache_clear()
+        with pytest.raises(ValueError, match="RAYLM_L2_PREFETCH_MIB"):
+            l2_prefetch.prefetch_max_bytes()
 
 
 def test_prefetch_is_off_unless_asked_for_on_a_gpu(monkeypatch):
