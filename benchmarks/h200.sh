@@ -20,6 +20,8 @@
 #                                        # benchmarks/flashinfer_bundle.sh (its first JIT compiles take minutes)
 # and the multi-GPU issue's, on two H200s (nvidia-h200-x2):
 #   bash benchmarks/h200.sh x2-check       # 2-GPU tests, 8B TP=2 vs TP=1 parity, 8B latency at TP=2 (~7 min)
+#   bash benchmarks/h200.sh x2-check-fused # the 2-GPU tests and 8B parity with the symmetric all-reduce and the fused
+#                                          # all-reduce + RMSNorm on (before making them the default)     (~9 min)
 #   bash benchmarks/h200.sh x2-throughput  # 8B 1000 x (1024, 1024) at TP=2 and at PP=2              (~7 min)
 #   bash benchmarks/h200.sh x2-pipeline    # the same at PP=2 with overlapped steps (RAYLM_PP_OVERLAP=1) (~6 min)
 #   bash benchmarks/h200.sh x2-pipeline-profile  # its per-stage profile over 256 x (512, 128)      (~3 min)
@@ -167,6 +169,16 @@ case "${1:-}" in
       --tp 2 --kernels 12 --gaps 8 $(output_json step-llama-3.1-8b-b1-tp2-symm-norm) 2>&1 | grep -v "^(RayWorker" \
       | tail -48
     ;;
+  x2-check-fused)
+    # What turning the symmetric all-reduce and the fused all-reduce + RMSNorm on by default needs: every 2-GPU
+    # test (the placement-group one included: the switches make workers see every GPU of the node) and the 8B
+    # TP=2 = TP=1 parity with them on.
+    export RAYLM_SYMM_MEM_ALLREDUCE=1 RAYLM_ALLREDUCE_NORM=1
+    timeout 420 python -m pytest tests/actors/test_multi_gpu.py -q -p no:cacheprovider --tb=short 2>&1 \
+      | grep -v "^(RayWorker" | tail -30
+    timeout 150 python benchmarks/parallel_parity.py --model "$llama" "${dummy[@]}" --tp 2 --dtype float32 \
+      $(output_json parity-8b-tp2-symm-norm) 2>&1 | tail -6
+    ;;
   x2-throughput)
     throughput throughput-8b-n1000-tp2 "$llama" 1000 1024 1024 256 240 --tp 2
     throughput throughput-8b-n1000-pp2 "$llama" 1000 1024 1024 256 330 --pp 2
@@ -186,7 +198,7 @@ case "${1:-}" in
     ;;
   *)
     echo "usage: bash benchmarks/h200.sh check|latency|throughput|peers|gemv|sweep|pdl|prefetch|prefetch-profile|flashinfer|" \
-      "x2-check|x2-throughput|x2-pipeline|x2-pipeline-profile|x2-fast|x2-profile" >&2
+      "x2-check|x2-check-fused|x2-throughput|x2-pipeline|x2-pipeline-profile|x2-fast|x2-profile" >&2
     exit 2
     ;;
 esac
