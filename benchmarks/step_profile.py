@@ -7,8 +7,10 @@ the N pairs of neighbouring GPU activities (kernel, copy) with the most idle tim
     python benchmarks/step_profile.py --model benchmarks/configs/llama-3.1-8b --load_format dummy --batch_size 8
 
 With --tp or --pp above 1 the engine runs in Ray worker actors, out of this process's reach: the profile is then
-each rank's device kernels over one generate call (time per step, calls, the busy fraction), taken inside the
-workers through collective_rpc (a worker extension), which shows what the collectives cost beside the layers.
+taken inside the workers through collective_rpc (a worker extension): each rank's host time per phase over one
+generate call without the CUDA profiler (rank 0 hosts the engine; the other ranks wait for each step's plan,
+then launch their share), then each rank's device kernels over another (time per step, calls, the busy
+fraction), which shows what the collectives cost beside the layers.
 """
 
 from __future__ import annotations
@@ -50,9 +52,40 @@ class PhaseTimer:
         return {phase: 1000 * sum(values) / steps for phase, values in self.totals.items()}
 
 
+def print_phases(phases: dict[str, float]) -> None:
+    for phase, ms in phases.items():
+        print(f"  {phase:<34}{ms:8.3f} ms/step")
+
+
 class KernelProfile:
-    """Worker extension: the CUDA kernels this rank's GPU ran between two collective_rpc calls (the profiler
-    records kernels of every thread of the process, the engine's included)."""
+    """Worker extension: this rank's host time per phase, and the CUDA kernels its GPU ran, between two
+    collective_rpc calls (the profiler records kernels of every thread of the process, the engine's included)."""
+
+    def start_phase_timer(self) -> None:
+        """Times this rank's phases from now on (rank 0: the engine's; others: the worker loop's)."""
+        from raylm.actors import distributed
+
+        timer = self._phase_timer = PhaseTimer()
+        engine = getattr(self, "engine", None)
+        if engine is not None:  # rank 0 hosts the engine
+            timer.wrap(engine, "step", "step (all)")
+            timer.wrap(engine.scheduler, "schedule", "schedule")
+            timer.wrap(engine.progress, "apply", "progress")
+        # Wrapped on the module and the class: the distributed runner and the worker loop look them up per call.
+        timer.wrap(distributed, "plan_step", "plan")
+        timer.wrap(distributed.Communicator, "broadcast_plans", "plan broadcast (gloo; others wait)")
+        timer.wrap(distributed.Communicator, "broadcast_feed", "feed broadcast (queued)")
+        timer.wrap(self.runner, "forward", "forward launch")
+        timer.wrap(self.runner, "compute_outputs", "logits")
+        timer.wrap(self.runner, "_draw", "sample (queued)")
+        timer.wrap(self.runner, "collect", "collect (waits for the device)")
+
+    def stop_phase_timer(self) -> dict:
+        """Host ms per step of each phase since start_phase_timer, and the steps (rank 0: engine steps; others:
+        plans received, the last of which stops nothing here)."""
+        totals = self._phase_timer.totals
+        steps = len(totals.get("step (all)") or totals.get("plan broadcast (gloo; others wait)") or [None])
+        return {"steps": steps, "host_ms_per_step": self._phase_timer.summary(steps)}
 
     def start_kernel_profile(self) -> None:
         self._kernel_profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
@@ -127,32 +160,43 @@ def warmed_up_workload(args: argparse.Namespace, llm) -> tuple[list, object]:
 
 
 def profile_ranks(args: argparse.Namespace) -> None:
-    """The multi-rank profile: per-rank kernel tables over one generate call (see the module's docstring)."""
+    """The multi-rank profile: per-rank host phases over one generate call, then on GPUs per-rank kernel tables
+    over another (see the module's docstring)."""
     llm = build_llm(args, max_seq_len=args.input_len + args.output_len + 16, worker_extension_cls=KernelProfile)
-    if llm.info.device != "cuda":
-        llm.shutdown()
-        sys.exit("the multi-rank profile reads CUDA kernels: it needs GPUs")
+    device = llm.info.device
     prompts, params = warmed_up_workload(args, llm)
-    llm.collective_rpc("start_kernel_profile")
+    llm.collective_rpc("start_phase_timer")
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
+    host_wall = time.perf_counter() - start
+    hosts = llm.collective_rpc("stop_phase_timer")
     steps = args.output_len  # one prefill step, then a decode step per token after the first
-    ranks = llm.collective_rpc("stop_kernel_profile", (max(args.kernels, 12), steps, args.gaps))
-    device = llm.info.device
+    result = {"steps": steps, "unprofiled_ms_per_step": 1000 * host_wall / steps,
+              "ranks": [{"host_ms_per_step": host["host_ms_per_step"], "host_steps": host["steps"]} for host in hosts]}
+    if device == "cuda":
+        llm.collective_rpc("start_kernel_profile")
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        kernels = llm.collective_rpc("stop_kernel_profile", (max(args.kernels, 12), steps, args.gaps))
+        result.update(wall_s=wall, ms_per_step=1000 * wall / steps)
+        for entry, rank in zip(result["ranks"], kernels):
+            entry.update(busy_fraction=rank["busy_us"] / 1e6 / wall, idle=rank["idle"],
+                         top_kernels=[{"name": name, "calls": calls, "ms_per_step": us / 1000 / steps}
+                                      for name, calls, us in rank["top"]])
     llm.shutdown()
-    result = {"steps": steps, "wall_s": wall, "ms_per_step": 1000 * wall / steps, "ranks": [
-        {"busy_fraction": rank["busy_us"] / 1e6 / wall,
-         "top_kernels": [{"name": name, "calls": calls, "ms_per_step": us / 1000 / steps}
-                         for name, calls, us in rank["top"]], "idle": rank["idle"]} for rank in ranks]}
     name = f"step-profile-{Path(args.model or 'smollm2').name}-b{args.batch_size}-{device}{run_suffix(args)}"
     path = write_result(name, args, result)
-    print(f"{steps} steps, {result['ms_per_step']:.3f} ms per step (wall)")
+    print(f"{steps} steps, {result['unprofiled_ms_per_step']:.3f} ms per step (wall) timing host phases"
+          + (f", {result['ms_per_step']:.3f} under the CUDA profiler" if "ms_per_step" in result else ""))
     for rank, entry in enumerate(result["ranks"]):
-        print(f"rank {rank}: device busy {100 * entry['busy_fraction']:.0f}%")
-        for kernel in entry["top_kernels"]:
-            print(f"  {kernel['ms_per_step']:8.3f} ms/step {kernel['calls']:7d} calls  {kernel['name'][:90]}")
-        print_gaps(entry["idle"])
+        print(f"rank {rank}: host, without the CUDA profiler ({entry['host_steps']} steps):")
+        print_phases(entry["host_ms_per_step"])
+        if "busy_fraction" in entry:
+            print(f"rank {rank}: device busy {100 * entry['busy_fraction']:.0f}%")
+            for kernel in entry["top_kernels"]:
+                print(f"  {kernel['ms_per_step']:8.3f} ms/step {kernel['calls']:7d} calls  {kernel['name'][:90]}")
+            print_gaps(entry["idle"])
     print(f"wrote {path}")
 
 
@@ -241,8 +285,7 @@ def main() -> None:
     print(f"{steps} steps, {result['ms_per_step']:.3f} ms per step (wall), GPU busy "
           f"{gpu_busy if gpu_busy is None else f'{100 * gpu_busy:.0f}%'}, decode forward on the GPU "
           f"{result['decode_forward_gpu_ms']} ms")
-    for phase, ms in phases.items():
-        print(f"  {phase:<28}{ms:8.3f} ms/step")
+    print_phases(phases)
     for kernel in result["top_kernels"]:
         print(f"  GPU {kernel['ms_per_step']:8.3f} ms/step {kernel['calls']:7d} calls  {kernel['name'][:90]}")
     print_gaps(gaps)

@@ -18,8 +18,9 @@ import itertools
 import logging
 import pickle
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -33,6 +34,11 @@ logger = logging.getLogger(__name__)
 
 # Idle workers wait in a broadcast for the next step; a dead peer is detected by the driver, not by this.
 _CONTROL_TIMEOUT = datetime.timedelta(days=30)
+# A step plan's first broadcast message: its size, then the pickled plan. Decode plans of small batches fit it
+# whole, so each step costs one gloo broadcast (broadcast_object_list takes two: the size, then the data); a
+# larger plan's remainder follows in a second.
+_PLAN_MESSAGE_BYTES = 16 << 10
+_SIZE_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,7 @@ class Communicator:
     device: torch.device
     control: object  # gloo group over all ranks
     ctx: ParallelContext
+    _plan_message: torch.Tensor = field(default_factory=lambda: torch.empty(_PLAN_MESSAGE_BYTES, dtype=torch.uint8))
 
     @property
     def pp_rank(self) -> int:
@@ -94,9 +101,26 @@ class Communicator:
         return self.layout.rank_of(self.layout.pp - 1, 0)
 
     def broadcast_plans(self, plans: list[StepPlan] | None) -> list[StepPlan] | None:
-        box = [plans]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        return box[0]
+        """Rank 0's plans (None: stop) to every rank, over gloo: one broadcast message for most steps."""
+        message = self._plan_message.numpy()
+        capacity = message.size - _SIZE_BYTES
+        if self.rank == 0:
+            data = pickle.dumps(plans, protocol=pickle.HIGHEST_PROTOCOL)
+            head = min(len(data), capacity)
+            message[:_SIZE_BYTES] = np.frombuffer(len(data).to_bytes(_SIZE_BYTES, "little"), dtype=np.uint8)
+            message[_SIZE_BYTES : _SIZE_BYTES + head] = np.frombuffer(data, dtype=np.uint8, count=head)
+            dist.broadcast(self._plan_message, src=0, group=self.control)
+            if len(data) > capacity:
+                dist.broadcast(torch.frombuffer(bytearray(data[head:]), dtype=torch.uint8), src=0, group=self.control)
+            return plans
+        dist.broadcast(self._plan_message, src=0, group=self.control)
+        size = int.from_bytes(message[:_SIZE_BYTES].tobytes(), "little")
+        data = message[_SIZE_BYTES : _SIZE_BYTES + min(size, capacity)].tobytes()
+        if size > capacity:
+            rest = torch.empty(size - capacity, dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.control)
+            data += rest.numpy().tobytes()
+        return pickle.loads(data)
 
     def broadcast_feed(self, tokens: torch.Tensor | None, count: int) -> torch.Tensor:
         """The feed rows' tokens from the stage leader to its tensor-parallel peers, queued on the device (the

@@ -36,7 +36,7 @@ from raylm.kernels.dispatch import GEMV_MAX_ROWS, env_flag
 # About what HBM streams (~4 TB/s) during a small kernel of ~2 µs and the boundaries around it: the GEMV after
 # the kernel reads its first tiles from L2, and the rest keeps streaming from HBM.
 PREFETCH_MAX_BYTES = 8 << 20
-# Bytes per bulk prefetch instruction: 512 instructions for a whole prefetch, spread over the kernel's programs.
+# Bytes per bulk prefetch instruction: 128 instructions for a whole prefetch at the default cap.
 _CHUNK_BYTES = 64 << 10
 _CHUNK = tl.constexpr(_CHUNK_BYTES)
 # The most chunks one program prefetches (the kernels add programs to keep to it: prefetch_programs).

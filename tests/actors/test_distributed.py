@@ -44,3 +44,49 @@ def test_fewer_sequences_than_stages():
     pieces = split_schedule(_step(1, [700]), 4)
     assert _tokens(pieces) == [1, 700]
     assert _tokens(split_schedule(_step(3, []), 1)) == [3]
+
+
+def _broadcast_plans_rank(rank: int, port: int, plans_to_send: list, out_dir: str) -> None:
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    from raylm.actors.distributed import Communicator, RankLayout
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        comm = Communicator(rank, RankLayout(tp=2, pp=1), torch.device("cpu"), dist.group.WORLD, None)
+        received = [comm.broadcast_plans(plans if rank == 0 else None) for plans in plans_to_send]
+        with open(f"{out_dir}/rank{rank}.pkl", "wb") as file:
+            pickle.dump(received, file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_plans_reach_every_rank_whole_in_one_message_or_two(tmp_path):
+    """A step plan goes out in one gloo message when it fits the first (most decode steps), else in two; None
+    (stop) too. Both ranks end with rank 0's plans."""
+    import multiprocessing
+    import pickle
+
+    from raylm.actors.distributed import _PLAN_MESSAGE_BYTES, free_address
+    from raylm.engine.model_runner import StepPlan
+
+    small = [StepPlan(input_ids=[7], positions=[31], slot_mapping=[31], decode_contexts=[([1, 2], 32)],
+                      sample_rows=[0])]
+    large = [StepPlan(input_ids=list(range(100_000, 100_000 + _PLAN_MESSAGE_BYTES)),
+                      positions=list(range(_PLAN_MESSAGE_BYTES)),
+                      prefill_chunks=[(list(range(40)), 0, _PLAN_MESSAGE_BYTES)]), small[0]]
+    sent = [small, large, small, None]
+    context = multiprocessing.get_context("spawn")
+    port = free_address()[1]
+    processes = [context.Process(target=_broadcast_plans_rank, args=(rank, port, sent, str(tmp_path)))
+                 for rank in (0, 1)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(timeout=120)
+        assert process.exitcode == 0
+    for rank in (0, 1):
+        assert pickle.loads((tmp_path / f"rank{rank}.pkl").read_bytes()) == sent
