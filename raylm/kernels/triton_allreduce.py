@@ -38,9 +38,17 @@ import triton.language as tl
 from raylm.kernels.l2_prefetch import prefetch_args, prefetch_programs, prefetch_share
 from raylm.kernels.pdl import pdl_options, pdl_wait
 
-# Flag polls before a waiting program gives up and traps (each a system-scope atomic and two barriers, ~1 us: a
-# few minutes, longer than any rank lags another while it compiles or tunes kernels at start-up).
-_MAX_SPINS = tl.constexpr(1 << 28)
+# How long a program waits for a flag before it traps (the GPU's global timer, in ns): longer than any rank lags
+# another while it compiles or tunes kernels at start-up on a cold cache. (A count of polls measured ~100 s on
+# the H200, less than a cold start may need.)
+_TIMEOUT_NS = tl.constexpr(300 * 10**9)
+
+
+@triton.jit
+def _global_time_ns(dependency):
+    """The GPU's global timer (ns), read after `dependency` is computed."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dependency], dtype=tl.int64,
+                                     is_pure=False, pack=1)
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -85,12 +93,14 @@ def _all_reduce_add_rms_norm_kernel(
         if peer != RANK:
             flag = own_flags + (parity * WORLD + peer) * MAX_ROWS + row
             raised = tl.atomic_cas(flag, 1, 0, sem="acquire", scope="sys")
-            spins = 0
+            waiting_since = tl.zeros([], dtype=tl.int64)
             while raised != 1:
                 raised = tl.atomic_cas(flag, 1, 0, sem="acquire", scope="sys")
-                spins += 1
-                if spins > _MAX_SPINS:  # a rank that never comes (it died): an error, not a GPU spinning forever
-                    tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r,r", [spins], dtype=tl.int32,
+                now = _global_time_ns(raised)
+                waiting_since = tl.where(waiting_since == 0, now, waiting_since)
+                if now - waiting_since > _TIMEOUT_NS:  # a rank that never comes (it died): an error, not a GPU
+                    # spinning forever
+                    tl.inline_asm_elementwise("trap; mov.u32 $0, 0;", "=r,r", [raised], dtype=tl.int32,
                                               is_pure=False, pack=1)
     tl.debug_barrier()
 
