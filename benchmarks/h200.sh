@@ -25,9 +25,8 @@
 #   bash benchmarks/h200.sh x2-throughput  # 8B 1000 x (1024, 1024) at TP=2 and at PP=2              (~7 min)
 #   bash benchmarks/h200.sh x2-pipeline    # the same at PP=2 with overlapped steps (RAYLM_PP_OVERLAP=1) (~6 min)
 #   bash benchmarks/h200.sh x2-pipeline-profile  # its per-stage profile over 256 x (512, 128)      (~3 min)
-#   bash benchmarks/h200.sh x2-fast        # the fused all-reduce + RMSNorm's 2-GPU tests; 8B TP=2 batch 1 with it,
-#                                          # with it and the L2 prefetch (8 and 24 MiB caps), and with the
-#                                          # symmetric all-reduce alone                                 (~9 min)
+#   bash benchmarks/h200.sh x2-fast        # the fused all-reduce + RMSNorm's 2-GPU tests (one with the L2 prefetch);
+#                                          # 8B TP=2 batch 1 with it, and with the L2 prefetch (8, 24 MiB) (~9 min)
 #   bash benchmarks/h200.sh x2-profile     # all-reduce latency NCCL vs symmetric memory; 8B TP=2 batch 8 and the
 #                                          # batch-1 per-rank profile, fused all-reduce + RMSNorm on    (~4 min)
 # Results go to benchmarks/results/ under the scripts' own names, or to $OUT/results/NAME.json when OUT is set (as
@@ -152,14 +151,13 @@ case "${1:-}" in
     latency latency-8b-b8-tp2 "$llama" 8 --tp 2
     ;;
   x2-fast)
-    # Each case starts two TP=2 engines (and the fp32 one a one-GPU engine and HF): ~2 minutes each.
-    timeout 300 python -m pytest tests/actors/test_multi_gpu.py -q -x -k fused_all_reduce_norm -p no:cacheprovider \
+    # Five TP=2 engines, a one-GPU engine and HF over its three cases: ~5 minutes.
+    timeout 330 python -m pytest tests/actors/test_multi_gpu.py -q -x -k fused_all_reduce_norm -p no:cacheprovider \
       --tb=short 2>&1 | grep -v "^(RayWorker" | tail -30
     export RAYLM_SYMM_MEM_ALLREDUCE=1 RAYLM_ALLREDUCE_NORM=1
     latency latency-8b-b1-tp2-symm-norm "$llama" 1 --tp 2
     RAYLM_L2_PREFETCH=1 latency latency-8b-b1-tp2-symm-norm-l2 "$llama" 1 --tp 2
     RAYLM_L2_PREFETCH=1 RAYLM_L2_PREFETCH_MIB=24 latency latency-8b-b1-tp2-symm-norm-l2-24mib "$llama" 1 --tp 2
-    RAYLM_ALLREDUCE_NORM=0 latency latency-8b-b1-tp2-symm "$llama" 1 --tp 2
     ;;
   x2-profile)
     timeout 90 python benchmarks/allreduce.py $(output_json allreduce-2gpu) 2>&1 | tail -8

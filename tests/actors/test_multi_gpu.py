@@ -103,12 +103,14 @@ class NormProbe:
         return self.ctx.defers_reduce and self.ctx.fused_norm is not None
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_all_reduce_norm_gives_the_same_tokens(ray_cluster, tiny_model_dirs, monkeypatch, dtype):
+@pytest.mark.parametrize(("dtype", "prefetch"), [("float32", "0"), ("bfloat16", "0"), ("float32", "1")],
+                         ids=["float32", "bfloat16", "float32-l2-prefetch"])
+def test_fused_all_reduce_norm_gives_the_same_tokens(ray_cluster, tiny_model_dirs, monkeypatch, dtype, prefetch):
     """RAYLM_ALLREDUCE_NORM=1: the o / down projections' all-reduce runs in one kernel with the residual add and
     RMSNorm after it (kernels/triton_allreduce.py), eager and in the decode graphs, next to the symmetric all-reduce
     of the embedding. float32: the tokens of one GPU; bfloat16: the tokens of TP=2 without the switch (the sum of
-    two bf16 partials rounds once either way)."""
+    two bf16 partials rounds once either way). With RAYLM_L2_PREFETCH=1 the last layer's fused kernel also
+    prefetches this rank's half of the LM head (6 MB: programs added past the row, kernels/l2_prefetch.py)."""
     path = tiny_model_dirs["llama"]
     prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
     params = SamplingParams(max_tokens=NEW_TOKENS)
@@ -123,6 +125,7 @@ def test_fused_all_reduce_norm_gives_the_same_tokens(ray_cluster, tiny_model_dir
             _one_gpu["llama"] = _greedy(path)
         expected = _one_gpu["llama"]
     monkeypatch.setenv("RAYLM_ALLREDUCE_NORM", "1")
+    monkeypatch.setenv("RAYLM_L2_PREFETCH", prefetch)
     with LLM(str(path), worker_extension_cls=NormProbe, **settings) as llm:
         assert llm.collective_rpc("fused_norm") == [True, True]
         outputs = llm.generate(prompts, params, use_tqdm=False)
