@@ -160,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden, residual = intermediate
         rope = self.rotary.cos_sin(positions, hidden.dtype)
-        defer_reduce = self.ctx.defers_reduce
+        defer_reduce = self.ctx.defer_reduce
         for layer, kv_cache in zip(self.local_layers, kv_caches):
             hidden, residual = layer(rope, hidden, residual, kv_cache, meta, defer_reduce)
         if self.norm is None:

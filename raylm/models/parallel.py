@@ -33,7 +33,7 @@ class ParallelContext:
     fast_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Whether the o / down projections leave their all-reduce to the RMSNorm after them (Unreduced), and the
     # kernel that then does all-reduce + residual add + RMSNorm in one (actors/symmetric_memory.py:
-    # SymmetricAllReduceNorm; None: the norm all-reduces first). RAYLM_ALLREDUCE_NORM=1 at TP > 1.
+    # SymmetricAllReduceNorm; None: the norm all-reduces first). Set at TP > 1 with RAYLM_ALLREDUCE_NORM=1.
     defer_reduce: bool = False
     fused_norm: Callable | None = None
 
@@ -61,11 +61,6 @@ class ParallelContext:
                 return fast(tensor)
             dist.all_reduce(tensor, group=self.tp_group)
         return tensor
-
-    @property
-    def defers_reduce(self) -> bool:
-        """Whether the o / down projections return Unreduced partial sums (defer_reduce, at TP > 1)."""
-        return self.tp_size > 1 and self.defer_reduce
 
     def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

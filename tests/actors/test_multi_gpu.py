@@ -100,7 +100,7 @@ def test_symmetric_memory_all_reduce_gives_the_same_tokens(ray_cluster, tiny_mod
 
 class NormProbe:
     def fused_norm(self) -> bool:
-        return self.ctx.defers_reduce and self.ctx.fused_norm is not None
+        return self.ctx.defer_reduce and self.ctx.fused_norm is not None
 
 
 @pytest.mark.parametrize(("dtype", "prefetch"), [("float32", "0"), ("bfloat16", "0"), ("float32", "1")],

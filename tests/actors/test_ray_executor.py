@@ -72,7 +72,7 @@ def test_parallel_greedy_tokens_equal_hf(ray_cluster, tiny_model_dirs, arch, tp,
 
 class ReduceProbe:
     def defers_reduce(self) -> bool:
-        return self.ctx.defers_reduce
+        return self.ctx.defer_reduce
 
 
 @pytest.mark.parametrize(("arch", "tp", "pp"), [("llama", 2, 2), ("qwen3_moe", 2, 1)])
