@@ -63,16 +63,18 @@ def parallel_suffix(args: argparse.Namespace) -> str:
 
 
 # The kernel switches (RAYLM_* environment variables) a result name records when they are set: '-<short>' on, and
-# for the switches whose default depends on the model (kernels/dispatch.py) '-no<short>' off.
+# for the switches that can be on by default '-no<short>' off (the GEMV and PDL for weight-streaming models:
+# kernels/dispatch.py; the symmetric all-reduce and the fused all-reduce + norm for TP > 1 on GPUs:
+# actors/symmetric_memory.py).
 SWITCHES = (("RAYLM_TRITON_GEMV", "gemv"), ("RAYLM_SYMM_MEM_ALLREDUCE", "symm"), ("RAYLM_ALLREDUCE_NORM", "norm"),
             ("RAYLM_L2_PREFETCH", "l2"), ("RAYLM_PP_OVERLAP", "overlap"), ("RAYLM_PDL", "pdl"))
-_MODEL_DEFAULTS = ("RAYLM_TRITON_GEMV", "RAYLM_PDL")
+_ON_BY_DEFAULT = ("RAYLM_TRITON_GEMV", "RAYLM_SYMM_MEM_ALLREDUCE", "RAYLM_ALLREDUCE_NORM", "RAYLM_PDL")
 
 
 def switch_suffix() -> str:
     """'-gemv', '-symm', '-norm', '-l2' (and '-<N>mib' for a RAYLM_L2_PREFETCH_MIB cap), '-overlap', '-pdl' for
-    each switch set on ('-nogemv', '-nopdl' for the model-dependent ones set off), then PDL's trigger mode when
-    not `start` ('-after_wait', '-exit', '-tail'), in that order; '' with none set."""
+    each switch set on ('-nogemv', '-nosymm', '-nonorm', '-nopdl' for those that can be on by default, set off),
+    then PDL's trigger mode when not `start` ('-after_wait', '-exit', '-tail'), in that order; '' with none set."""
     from raylm.kernels.dispatch import PDL_TRIGGERS, env_flag
 
     suffix = ""
@@ -81,7 +83,7 @@ def switch_suffix() -> str:
             suffix += f"-{short}"
             if name == "RAYLM_L2_PREFETCH" and os.environ.get("RAYLM_L2_PREFETCH_MIB"):  # the cap, when tuned
                 suffix += f"-{os.environ['RAYLM_L2_PREFETCH_MIB'].strip()}mib"
-        elif name in _MODEL_DEFAULTS and name in os.environ:
+        elif name in _ON_BY_DEFAULT and name in os.environ:
             suffix += f"-no{short}"
     mode = os.environ.get("RAYLM_PDL", "0").strip().lower()
     if PDL_TRIGGERS.get(mode, 0) > PDL_TRIGGERS["start"]:

@@ -19,16 +19,15 @@
 #                                        # and 8B 256 x (512, 128); needs .gpu/flashinfer.tar.xz from
 #                                        # benchmarks/flashinfer_bundle.sh (its first JIT compiles take minutes)
 # and the multi-GPU issue's, on two H200s (nvidia-h200-x2):
-#   bash benchmarks/h200.sh x2-check       # 2-GPU tests, 8B TP=2 vs TP=1 parity, 8B latency at TP=2 (~7 min)
-#   bash benchmarks/h200.sh x2-check-fused # the 2-GPU tests and 8B parity with the symmetric all-reduce and the fused
-#                                          # all-reduce + RMSNorm on (before making them the default)     (~9 min)
+#   bash benchmarks/h200.sh x2-check       # 2-GPU tests (but the fused all-reduce + RMSNorm's own), 8B TP=2 vs TP=1
+#                                          # parity                                                     (~9 min)
 #   bash benchmarks/h200.sh x2-throughput  # 8B 1000 x (1024, 1024) at TP=2 and at PP=2              (~7 min)
 #   bash benchmarks/h200.sh x2-pipeline    # the same at PP=2 with overlapped steps (RAYLM_PP_OVERLAP=1) (~6 min)
 #   bash benchmarks/h200.sh x2-pipeline-profile  # its per-stage profile over 256 x (512, 128)      (~3 min)
 #   bash benchmarks/h200.sh x2-fast        # the fused all-reduce + RMSNorm's 2-GPU tests (one with the L2 prefetch);
-#                                          # 8B TP=2 batch 1 with it, and with the L2 prefetch (8, 24 MiB) (~9 min)
-#   bash benchmarks/h200.sh x2-profile     # all-reduce latency NCCL vs symmetric memory; 8B TP=2 batch 8 and the
-#                                          # batch-1 per-rank profile, fused all-reduce + RMSNorm on    (~4 min)
+#                                          # 8B TP=2 batch 1 and 8 by default, and batch 1 on NCCL alone  (~8 min)
+#   bash benchmarks/h200.sh x2-profile     # all-reduce latency NCCL vs symmetric memory; the 8B TP=2 batch-1
+#                                          # per-rank profile                                            (~3 min)
 # Results go to benchmarks/results/ under the scripts' own names, or to $OUT/results/NAME.json when OUT is set (as
 # on the device machine, whose $OUT comes back).
 set -uo pipefail
@@ -166,41 +165,27 @@ case "${1:-}" in
     throughput throughput-8b-n256-flashinfer "$llama" 256 512 128 256 150 --attention_backend flashinfer
     ;;
   x2-check)
-    timeout 330 python -m pytest tests/actors/test_multi_gpu.py -q -x -p no:cacheprovider 2>&1 | tail -30
+    # Every 2-GPU test but the fused kernel's own (x2-fast runs those): the default all-reduces (symmetric memory,
+    # fused into the RMSNorm), each alone, NCCL alone, PP=2, the placement-group one; then 8B TP=2 = TP=1.
+    timeout 420 python -m pytest tests/actors/test_multi_gpu.py -q -p no:cacheprovider --tb=short \
+      -k "not fused_all_reduce_norm" 2>&1 | grep -v "^(RayWorker" | tail -30
     # fp32: with random weights the next-token distribution is nearly flat (top logprob about -7.5 of a
     # 128k vocabulary), so bf16 rounding differences between layouts flip near-ties (parity-8b-tp2-bf16).
-    timeout 240 python benchmarks/parallel_parity.py --model "$llama" "${dummy[@]}" --tp 2 --dtype float32 \
+    timeout 150 python benchmarks/parallel_parity.py --model "$llama" "${dummy[@]}" --tp 2 --dtype float32 \
       $(output_json parity-8b-tp2) 2>&1 | tail -6
-    latency latency-8b-b1-tp2 "$llama" 1 --tp 2
-    latency latency-8b-b8-tp2 "$llama" 8 --tp 2
     ;;
   x2-fast)
-    # Five TP=2 engines, a one-GPU engine and HF over its three cases: ~5 minutes.
+    # Five TP=2 engines, a one-GPU engine and HF over its three cases: ~3 minutes.
     timeout 330 python -m pytest tests/actors/test_multi_gpu.py -q -x -k fused_all_reduce_norm -p no:cacheprovider \
       --tb=short 2>&1 | grep -v "^(RayWorker" | tail -30
-    export RAYLM_SYMM_MEM_ALLREDUCE=1 RAYLM_ALLREDUCE_NORM=1
-    latency latency-8b-b1-tp2-symm-norm "$llama" 1 --tp 2
-    RAYLM_L2_PREFETCH=1 latency latency-8b-b1-tp2-symm-norm-l2 "$llama" 1 --tp 2
-    RAYLM_L2_PREFETCH=1 RAYLM_L2_PREFETCH_MIB=24 latency latency-8b-b1-tp2-symm-norm-l2-24mib "$llama" 1 --tp 2
+    latency latency-8b-b1-tp2 "$llama" 1 --tp 2
+    latency latency-8b-b8-tp2 "$llama" 8 --tp 2
+    RAYLM_SYMM_MEM_ALLREDUCE=0 RAYLM_ALLREDUCE_NORM=0 latency latency-8b-b1-tp2-nosymm-nonorm "$llama" 1 --tp 2
     ;;
   x2-profile)
     timeout 90 python benchmarks/allreduce.py $(output_json allreduce-2gpu) 2>&1 | tail -8
-    export RAYLM_SYMM_MEM_ALLREDUCE=1 RAYLM_ALLREDUCE_NORM=1
-    latency latency-8b-b8-tp2-symm-norm "$llama" 8 --tp 2
     timeout 120 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
-      --tp 2 --kernels 12 --gaps 8 $(output_json step-llama-3.1-8b-b1-tp2-symm-norm) 2>&1 | grep -v "^(RayWorker" \
-      | tail -48
-    ;;
-  x2-check-fused)
-    # What turning the symmetric all-reduce and the fused all-reduce + RMSNorm on by default needs: every 2-GPU
-    # test (the placement-group one included: the switches make workers see every GPU of the node) and the 8B
-    # TP=2 = TP=1 parity with them on.
-    # (The fused kernel's own 2-GPU tests run in x2-fast.)
-    export RAYLM_SYMM_MEM_ALLREDUCE=1 RAYLM_ALLREDUCE_NORM=1
-    timeout 400 python -m pytest tests/actors/test_multi_gpu.py -q -p no:cacheprovider --tb=short \
-      -k "not fused_all_reduce_norm" 2>&1 | grep -v "^(RayWorker" | tail -30
-    timeout 150 python benchmarks/parallel_parity.py --model "$llama" "${dummy[@]}" --tp 2 --dtype float32 \
-      $(output_json parity-8b-tp2-symm-norm) 2>&1 | tail -6
+      --tp 2 --kernels 12 --gaps 8 $(output_json step-llama-3.1-8b-b1-tp2) 2>&1 | grep -v "^(RayWorker" | tail -48
     ;;
   x2-throughput)
     throughput throughput-8b-n1000-tp2 "$llama" 1000 1024 1024 256 240 --tp 2
@@ -221,7 +206,7 @@ case "${1:-}" in
     ;;
   *)
     echo "usage: bash benchmarks/h200.sh check|latency|throughput|peers|gemv|sweep|pdl|prefetch|prefetch-profile|flashinfer|" \
-      "x2-check|x2-check-fused|x2-throughput|x2-pipeline|x2-pipeline-profile|x2-fast|x2-profile" >&2
+      "x2-check|x2-throughput|x2-pipeline|x2-pipeline-profile|x2-fast|x2-profile" >&2
     exit 2
     ;;
 esac

@@ -181,9 +181,10 @@ def init_distributed(rank: int, layout: RankLayout, address: str, port: int, dev
                      timeout_s: float = 600.0, dtype: torch.dtype | None = None,
                      hidden_size: int | None = None) -> Communicator:
     """Joins the job's process groups (every rank calls this with the same layout, address and port). With
-    `dtype` (the model's), a symmetric-memory all-reduce may serve small tensors (SymmetricAllReduce); with
-    RAYLM_ALLREDUCE_NORM=1 the o / down projections leave their all-reduce to the RMSNorm after them, which on
-    GPUs with symmetric memory does it in one kernel for models of `hidden_size` (SymmetricAllReduceNorm)."""
+    `dtype` (the model's), a symmetric-memory all-reduce may serve small tensors on GPUs (SymmetricAllReduce); there
+    (and on CPUs with RAYLM_ALLREDUCE_NORM=1) the o / down projections leave their all-reduce to the RMSNorm after
+    them, which with symmetric memory does it in one kernel for models of `hidden_size` (SymmetricAllReduceNorm;
+    actors/symmetric_memory.py says how to turn either off)."""
     world = layout.world_size
     store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -197,7 +198,7 @@ def init_distributed(rank: int, layout: RankLayout, address: str, port: int, dev
         if stage == layout.pp_rank(rank):
             tp_group = group
     fast = fused = None
-    defer_reduce = layout.tp > 1 and all_reduce_norm_requested()
+    defer_reduce = layout.tp > 1 and all_reduce_norm_requested(device.type)
     if layout.tp > 1:
         fast = _agreed(fast_all_reduce(tp_group, device, dtype), control)
     if defer_reduce:

@@ -75,7 +75,7 @@ class RayExecutor(Executor):
         self._pending: deque[StepOutput] = deque()
         self._dead: str | None = None
         settings = {name: value for name, value in os.environ.items() if name.startswith("RAYLM_")}
-        if use_gpu and layout.tp > 1 and symmetric_memory_requested():
+        if layout.tp > 1 and symmetric_memory_requested(spec.device):
             settings[ALL_GPUS_VISIBLE] = "1"  # symmetric-memory rendezvous needs distinct device indices
         try:
             for rank, (group, bundle) in enumerate(self.placement.bundles):

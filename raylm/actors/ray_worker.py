@@ -103,7 +103,7 @@ class RayWorker:
 
     def _hidden_size(self) -> int | None:
         """The model's hidden size where a fused all-reduce + RMSNorm is asked for (its buffers' width)."""
-        if not all_reduce_norm_requested():
+        if not all_reduce_norm_requested(self.spec.device):
             return None
         hf_config = load_hf_config(self.spec.source, self.spec.args.trust_remote_code)
         return resolve_architecture(hf_config)[1].hidden_size

@@ -33,7 +33,7 @@ class ParallelContext:
     fast_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Whether the o / down projections leave their all-reduce to the RMSNorm after them (Unreduced), and the
     # kernel that then does all-reduce + residual add + RMSNorm in one (actors/symmetric_memory.py:
-    # SymmetricAllReduceNorm; None: the norm all-reduces first). Set at TP > 1 with RAYLM_ALLREDUCE_NORM=1.
+    # SymmetricAllReduceNorm; None: the norm all-reduces first). Set at TP > 1 on GPUs (RAYLM_ALLREDUCE_NORM).
     defer_reduce: bool = False
     fused_norm: Callable | None = None
 

@@ -1,4 +1,4 @@
-"""Which CUDA device a Ray worker computes on when every GPU of its node is visible to it."""
+"""Which CUDA device a Ray worker computes on when every GPU of its node is visible to it, and when it is."""
 
 from __future__ import annotations
 
@@ -8,6 +8,11 @@ import pytest
 
 from raylm.actors.engine_loop import EngineLoop
 from raylm.actors.ray_worker import cuda_index
+from raylm.actors.symmetric_memory import (
+    all_reduce_norm_requested,
+    symmetric_all_reduce_requested,
+    symmetric_memory_requested,
+)
 
 
 def test_cuda_index_is_ray_gpu_id_when_the_node_shows_every_gpu():
@@ -75,3 +80,21 @@ def test_worker_methods_bind_the_gpu_on_the_calling_thread(monkeypatch):
     actor.gpu_index = None  # Ray shows the actor its own GPU alone: nothing to bind
     actor.bind_gpu()
     assert len(bound) == 2
+
+
+@pytest.mark.parametrize(("symm", "norm", "cuda", "cpu"), [
+    (None, None, (True, True, True), (False, False, False)),  # the default: on for GPUs
+    ("0", None, (False, True, True), (False, False, False)),
+    ("0", "0", (False, False, False), (False, False, False)),  # NCCL throughout: workers see their own GPU
+    (None, "1", (True, True, True), (False, True, False)),  # a CPU run may split the all-reduce, over gloo
+])
+def test_all_reduce_switches_default_on_for_gpus(monkeypatch, symm, norm, cuda, cpu):
+    """(symmetric all-reduce, fused norm, every GPU visible) for CUDA and CPU workers."""
+    for name, value in (("RAYLM_SYMM_MEM_ALLREDUCE", symm), ("RAYLM_ALLREDUCE_NORM", norm)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    for device, expected in (("cuda", cuda), ("cpu", cpu)):
+        assert (symmetric_all_reduce_requested(device), all_reduce_norm_requested(device),
+                symmetric_memory_requested(device)) == expected

@@ -1,5 +1,6 @@
-"""Two GPUs over NCCL: TP=2 and PP=2 greedy tokens equal one GPU's (and HF's) in fp32, and an AsyncLLM sharing
-a caller's 2-bundle placement group, GPU by GPU, with another actor. Runs only where 2 CUDA devices are."""
+"""Two GPUs: TP=2 and PP=2 greedy tokens equal one GPU's (and HF's) in fp32 with the default all-reduces (symmetric
+memory, fused into the RMSNorm), with each of them alone and with NCCL alone, and an AsyncLLM sharing a caller's
+2-bundle placement group, GPU by GPU, with another actor. Runs only where 2 CUDA devices are."""
 
 from __future__ import annotations
 
@@ -78,19 +79,24 @@ def _ship_this_module_by_value(ray_cluster):
 
 
 class AllReduceProbe:
-    def fast_all_reduce(self) -> bool:
-        return self.ctx.fast_all_reduce is not None
+    def all_reduce_paths(self) -> tuple[bool, bool, bool]:
+        return self.ctx.fast_all_reduce is not None, self.ctx.defer_reduce, self.ctx.fused_norm is not None
 
 
-def test_symmetric_memory_all_reduce_gives_the_same_tokens(ray_cluster, tiny_model_dirs, monkeypatch):
-    """RAYLM_SYMM_MEM_ALLREDUCE=1: small all-reduces go through symmetric memory (in the decode graphs too)."""
-    monkeypatch.setenv("RAYLM_SYMM_MEM_ALLREDUCE", "1")
+@pytest.mark.parametrize(("symm", "norm", "paths"), [("1", "0", (True, False, False)),
+                                                     ("0", "0", (False, False, False))],
+                         ids=["symmetric-memory-alone", "nccl-alone"])
+def test_each_all_reduce_path_gives_the_same_tokens(ray_cluster, tiny_model_dirs, monkeypatch, symm, norm, paths):
+    """RAYLM_SYMM_MEM_ALLREDUCE=1 with the fused norm off: small all-reduces go through symmetric memory (in the
+    decode graphs too); both 0: NCCL carries every all-reduce."""
+    monkeypatch.setenv("RAYLM_SYMM_MEM_ALLREDUCE", symm)
+    monkeypatch.setenv("RAYLM_ALLREDUCE_NORM", norm)
     path = tiny_model_dirs["llama"]
     with LLM(str(path), device="cuda", dtype="float32", skip_tokenizer_init=True, kv_cache_config=KV,
              max_seq_len=1024, tensor_parallel_size=2, worker_extension_cls=AllReduceProbe) as llm:
-        assert llm.collective_rpc("fast_all_reduce") == [True, True]
-        # Every GPU of the node is visible to these workers; each still computes on its own.
-        assert sorted(llm.collective_rpc("report_device_id")) == sorted(_gpu_uuids()[:2])
+        assert llm.collective_rpc("all_reduce_paths") == [paths, paths]
+        if symm == "1":  # every GPU of the node is visible to these workers; each still computes on its own
+            assert sorted(llm.collective_rpc("report_device_id")) == sorted(_gpu_uuids()[:2])
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
                                SamplingParams(max_tokens=NEW_TOKENS), use_tqdm=False)
     if "llama" not in _one_gpu:
@@ -106,17 +112,19 @@ class NormProbe:
 @pytest.mark.parametrize(("dtype", "prefetch"), [("float32", "0"), ("bfloat16", "0"), ("float32", "1")],
                          ids=["float32", "bfloat16", "float32-l2-prefetch"])
 def test_fused_all_reduce_norm_gives_the_same_tokens(ray_cluster, tiny_model_dirs, monkeypatch, dtype, prefetch):
-    """RAYLM_ALLREDUCE_NORM=1: the o / down projections' all-reduce runs in one kernel with the residual add and
-    RMSNorm after it (kernels/triton_allreduce.py), eager and in the decode graphs, next to the symmetric all-reduce
-    of the embedding. float32: the tokens of one GPU; bfloat16: the tokens of TP=2 without the switch (the sum of
-    two bf16 partials rounds once either way). With RAYLM_L2_PREFETCH=1 the last layer's fused kernel also
-    prefetches this rank's half of the LM head (6 MB: programs added past the row, kernels/l2_prefetch.py)."""
+    """The default at TP > 1 on GPUs: the o / down projections' all-reduce runs in one kernel with the residual add
+    and RMSNorm after it (kernels/triton_allreduce.py), eager and in the decode graphs, next to the symmetric
+    all-reduce of the embedding. float32: the tokens of one GPU; bfloat16: the tokens of TP=2 with
+    RAYLM_ALLREDUCE_NORM=0 (the sum of two bf16 partials rounds once either way). With RAYLM_L2_PREFETCH=1 the
+    last layer's fused kernel also prefetches this rank's half of the LM head (6 MB: programs added past the row,
+    kernels/l2_prefetch.py)."""
     path = tiny_model_dirs["llama"]
     prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
     params = SamplingParams(max_tokens=NEW_TOKENS)
     settings = dict(device="cuda", dtype=dtype, skip_tokenizer_init=True, kv_cache_config=KV, max_seq_len=1024,
                     tensor_parallel_size=2)
-    monkeypatch.setenv("RAYLM_SYMM_MEM_ALLREDUCE", "1")
+    monkeypatch.delenv("RAYLM_SYMM_MEM_ALLREDUCE", raising=False)
+    monkeypatch.setenv("RAYLM_ALLREDUCE_NORM", "0")
     if dtype == "bfloat16":
         with LLM(str(path), **settings) as llm:
             expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -124,7 +132,7 @@ def test_fused_all_reduce_norm_gives_the_same_tokens(ray_cluster, tiny_model_dir
         if "llama" not in _one_gpu:
             _one_gpu["llama"] = _greedy(path)
         expected = _one_gpu["llama"]
-    monkeypatch.setenv("RAYLM_ALLREDUCE_NORM", "1")
+    monkeypatch.delenv("RAYLM_ALLREDUCE_NORM")
     monkeypatch.setenv("RAYLM_L2_PREFETCH", prefetch)
     with LLM(str(path), worker_extension_cls=NormProbe, **settings) as llm:
         assert llm.collective_rpc("fused_norm") == [True, True]
