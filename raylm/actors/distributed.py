@@ -344,7 +344,7 @@ class DistributedRunner:
         prompt_logprobs = {}
         for _, entries in outputs:
             prompt_logprobs.update(entries)
-        sample_logits = torch.cat(logits) if logits else None
+        sample_logits = (logits[0] if len(logits) == 1 else torch.cat(logits)) if logits else None
         return ModelOutput(self.runner.sample(out, sample_logits), prompt_logprobs)
 
     def _receive_outputs(self):

@@ -4,16 +4,24 @@ A decode step of n sequences runs the graph of the smallest captured size >= n; 
 padding: their cache slot is -1 (nothing is written) and they attend to one key of the null block. Before
 a replay the runner refills the static buffers in place (token ids, positions, slots, block tables,
 context lengths); the graph then launches every kernel of the forward pass at once.
+
+On the last stage a graph also computes its rows' logits (the LM head, and at TP > 1 their all-gather) and the
+greedy token of each row with its log-probability (sampler.greedy_draws): what the host otherwise launches
+after every step, one eager operation at a time (at TP=2 on the H200 that host work, not the GPU, bounded a
+batch-1 step). A step whose rows are all plain greedy draws takes them as they are; others sample from the
+logits.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from raylm.engine.sampler import greedy_draws
 from raylm.kernels.triton_backend import TritonAttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -64,13 +72,34 @@ class BlockTableStaging:
         return width
 
 
+@dataclass
+class DecodeOutputs:
+    """One replayed decode step, for its n rows (views of the graph's outputs, valid until the next replay is
+    queued): final hidden states [n, hidden], and on the last stage the logits [n, vocab] and greedy_draws of
+    them (tokens [n], log-probabilities [n]); None elsewhere."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor | None = None
+    greedy: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rows(self, count: int) -> DecodeOutputs:
+        greedy = None if self.greedy is None else (self.greedy[0][:count], self.greedy[1][:count])
+        return DecodeOutputs(self.hidden[:count], None if self.logits is None else self.logits[:count], greedy)
+
+
 class DecodeGraphs:
     def __init__(self, model, kv_caches, batch_sizes: list[int], max_blocks: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device, sliding_window: int | None, flashinfer=None):
+                 dtype: torch.dtype, device: torch.device, sliding_window: int | None, flashinfer=None,
+                 logits: bool = False):
         """flashinfer: the FlashInfer backend's FlashInferDecodeGraphs, whose wrappers the graphs then attend
         through (planned before each replay); None for the Triton kernels (block tables and context lengths
-        in static buffers)."""
+        in static buffers). logits: whether the graphs compute the logits and greedy draws too (the model's
+        last stage)."""
         self.model = model
+        self.with_logits = logits
+        # The logits of every graph, in one buffer of the largest batch (allocated at the first forward): the
+        # graphs' own would each hold theirs for good (~0.6 GB over the default ladder of a 128k vocabulary).
+        self.logits_buffer: torch.Tensor | None = None
         self.flashinfer = flashinfer
         self.kv_caches = kv_caches
         self.batch_sizes = sorted(batch_sizes)
@@ -93,7 +122,7 @@ class DecodeGraphs:
         self.tables = [BlockTableStaging(table.numpy()) for _, table in self.staging]
         self.turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, DecodeOutputs] = {}
         self.hidden_size = hidden_size
         self.dtype = dtype
 
@@ -106,8 +135,17 @@ class DecodeGraphs:
             sliding_window=self.sliding_window,
         )
 
-    def _forward(self, batch: int) -> torch.Tensor:
-        return self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._metadata(batch))
+    def _forward(self, batch: int) -> DecodeOutputs:
+        hidden = self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._metadata(batch))
+        if not self.with_logits:
+            return DecodeOutputs(hidden)
+        logits = self.model.compute_logits(hidden)
+        if self.logits_buffer is None:
+            self.logits_buffer = torch.empty(self.max_batch, logits.shape[-1], dtype=logits.dtype,
+                                             device=logits.device)
+        buffered = self.logits_buffer[:batch]
+        buffered.copy_(logits)
+        return DecodeOutputs(hidden, buffered, greedy_draws(buffered))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -130,13 +168,18 @@ class DecodeGraphs:
     def fits(self, num_seqs: int, max_blocks: int) -> bool:
         return 0 < num_seqs <= self.max_batch and max_blocks <= self.max_blocks
 
-    @torch.inference_mode()
     def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
             contexts: list[tuple[list[int], int]], feed: tuple[torch.Tensor, torch.Tensor] | None = None
             ) -> torch.Tensor:
-        """Replays the graph for these decodes; returns their final hidden states [n, hidden] (a view of the
-        graph's output, valid until the next replay is queued). feed = (rows, token ids on the device)
-        overwrites input rows whose token an earlier step, still in flight, samples."""
+        """The final hidden states [n, hidden] of run_step."""
+        return self.run_step(input_ids, positions, slot_mapping, contexts, feed).hidden
+
+    @torch.inference_mode()
+    def run_step(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
+                 contexts: list[tuple[list[int], int]], feed: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> DecodeOutputs:
+        """Replays the graph for these decodes; returns its outputs for their rows. feed = (rows, token ids on
+        the device) overwrites input rows whose token an earlier step, still in flight, samples."""
         count = len(input_ids)
         batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
         host_vectors, host_table = self.staging[self.turn]
@@ -160,8 +203,8 @@ class DecodeGraphs:
             self.input_ids.index_copy_(0, *feed)
         if batch in self.graphs:
             self.graphs[batch].replay()
-            return self.outputs[batch][:count]
-        return self._forward(batch)[:count]  # not captured (tests on the CPU): the same buffers, run eagerly
+            return self.outputs[batch].rows(count)
+        return self._forward(batch).rows(count)  # not captured (tests on the CPU): the same buffers, run eagerly
 
 
 def graph_ladder_fits(arch, pp_size: int) -> bool:

@@ -205,6 +205,9 @@ class ModelRunner:
         self.num_kv_heads = model.local_layers[0].self_attn.num_kv_heads
         self.num_local_layers = model.num_local_layers
         self.graphs = None
+        # The last decode graph replay's outputs (cuda_graphs.DecodeOutputs), for the compute_outputs and _draw
+        # of the same step: its logits and greedy draws are already queued.
+        self._graphed = None
         if device.type == "cuda":  # the decode kernels' default for this process (kernels/dispatch.py)
             dispatch.set_weight_streaming(dispatch.streams_weights(weight_bytes(model)))
         self.attention_backend = resolve_attention_backend(attention_backend, device)
@@ -298,7 +301,8 @@ class ModelRunner:
             flashinfer = FlashInferDecodeGraphs(self.build_metadata, batch_sizes, max_blocks, self.block_size,
                                                 self.arch.sliding_window, self.device)
         graphs = DecodeGraphs(self.model, self.kv_caches, batch_sizes, max_blocks, self.arch.hidden_size,
-                              self.dtype, self.device, self.arch.sliding_window, flashinfer)
+                              self.dtype, self.device, self.arch.sliding_window, flashinfer,
+                              logits=self.model.lm_head is not None)
         graphs.capture()
         self.graphs = graphs
 
@@ -318,9 +322,12 @@ class ModelRunner:
         """This rank's share of the step: final hidden states on the last stage, (hidden, residual) before.
         feed = (rows, token ids on the device) fills input rows whose token a step in flight is sampling."""
         self._copy_blocks(plan.block_copies)
+        self._graphed = None
         if (self.graphs is not None and intermediate is None and not plan.prefill_chunks
                 and self.graphs.fits(len(plan.decode_contexts), max(len(b) for b, _ in plan.decode_contexts))):
-            return self.graphs.run(plan.input_ids, plan.positions, plan.slot_mapping, plan.decode_contexts, feed)
+            self._graphed = self.graphs.run_step(plan.input_ids, plan.positions, plan.slot_mapping,
+                                                 plan.decode_contexts, feed)
+            return self._graphed.hidden
         meta = self.build_metadata(
             decode_contexts=plan.decode_contexts,
             prefill_chunks=plan.prefill_chunks,
@@ -343,13 +350,18 @@ class ModelRunner:
     @torch.inference_mode()
     def compute_outputs(self, plan: StepPlan, hidden: torch.Tensor
                         ) -> tuple[torch.Tensor | None, dict[str, list[TokenLogprob]]]:
-        """On the last stage: the sampling logits [len(sample_rows), vocab] and the prompt log-probabilities."""
+        """On the last stage: the sampling logits [len(sample_rows), vocab] and the prompt log-probabilities.
+        Every rank of a tensor-parallel stage calls this with the same plan (the logits are all-gathered)."""
         logits = None
         if plan.sample_rows:
-            rows = hidden
-            if plan.sample_rows != list(range(hidden.shape[0])):
-                rows = hidden[to_device(plan.sample_rows, self.device)]
-            logits = self.model.compute_logits(rows)
+            every_row = plan.sample_rows == list(range(hidden.shape[0]))
+            graphed = self._graphed
+            if graphed is not None and graphed.hidden is hidden and graphed.logits is not None and every_row:
+                logits = graphed.logits  # the graph computed them
+            else:
+                self._graphed = None
+                logits = self.model.compute_logits(hidden if every_row else
+                                                   hidden[to_device(plan.sample_rows, self.device)])
         prompt_logprobs: dict[str, list[TokenLogprob]] = {}
         for spec in plan.prompt_logprobs:
             entries: list[TokenLogprob] = []
@@ -371,7 +383,9 @@ class ModelRunner:
         positions = [i for i, item in enumerate(scheduled) if item.completes]
         if not positions:
             return positions, None
-        return positions, self.sampler.sample(logits, [_sampling_row(scheduled[i]) for i in positions])
+        graphed = self._graphed
+        greedy = graphed.greedy if graphed is not None and graphed.logits is logits else None
+        return positions, self.sampler.sample(logits, [_sampling_row(scheduled[i]) for i in positions], greedy)
 
     @staticmethod
     def _align(out: SchedulerOutput, positions: list[int], pending: PendingSamples | None

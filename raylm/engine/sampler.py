@@ -134,6 +134,15 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None, 
     return logits
 
 
+def greedy_draws(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's greedy token and its log-probability under the raw distribution, by the same operations the
+    sampler runs for a batch of plain greedy rows (so the two agree bit for bit): what a decode CUDA graph
+    computes for its rows, whether or not the step's rows are greedy."""
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    return tokens, logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+
+
 def _draw(probs: torch.Tensor, generator: torch.Generator | None, num_samples: int) -> torch.Tensor:
     # Noise comes from the request's CPU generator, so seeded draws are the same on every device.
     noise = torch.empty((num_samples, probs.shape[-1])).exponential_(generator=generator)
@@ -220,11 +229,17 @@ class Sampler:
         """logits: [len(rows), vocab]. Returns one SampleResult per row."""
         return self.sample(logits, rows).results()
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSamples:
-        """Draws on the logits' device without waiting for it; the results come from the returned batch."""
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
+               greedy: tuple[torch.Tensor, torch.Tensor] | None = None) -> PendingSamples:
+        """Draws on the logits' device without waiting for it; the results come from the returned batch.
+        greedy: greedy_draws(logits), already queued (by a decode graph), which a batch of plain greedy rows
+        takes instead of launching its own."""
+        kinds = _RowKinds(rows)
+        if greedy is not None and kinds.identity and kinds.plain and not kinds.processes:
+            tokens, chosen = greedy
+            return PendingSamples(rows, [[i] for i in range(len(rows))], tokens, {"chosen": chosen}, True)
         logits = logits.float()
         device = logits.device
-        kinds = _RowKinds(rows)
         processed = self._process(logits, rows) if kinds.processes else logits
         parts: list[torch.Tensor] = []  # token tensors, concatenated in this order
         owners: list[int] = []  # the row of each entry of the concatenation

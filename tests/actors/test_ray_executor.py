@@ -247,3 +247,50 @@ def test_raylm_settings_reach_every_worker(ray_cluster, tiny_model_dirs, monkeyp
     with LLM(str(tiny_model_dirs["llama"]), tensor_parallel_size=2, kv_cache_config=KV,
              worker_extension_cls=OverlapProbe) as llm:
         assert llm.collective_rpc("setting", args=("RAYLM_PROBE_SETTING",)) == ["on", "on"]
+
+
+class GraphStandIn:
+    """Installs on every rank a stand-in for the decode graphs (tests/engine/test_graph_outputs.py): the eager
+    decode, returning its logits and greedy draws as a replay does, so that no rank launches the LM head (and at
+    TP > 1 its all-gather) after it."""
+
+    def install_graph_stand_in(self) -> None:
+        from raylm.engine.cuda_graphs import DecodeOutputs
+        from raylm.engine.model_runner import StepPlan
+        from raylm.engine.sampler import greedy_draws
+
+        runner = self.runner
+
+        class EagerGraphs:
+            steps = 0
+
+            def fits(self, num_seqs, max_blocks):
+                return True
+
+            def run_step(self, input_ids, positions, slot_mapping, contexts, feed=None):
+                self.steps += 1
+                runner.graphs = None
+                try:
+                    hidden = runner.forward(StepPlan(input_ids=input_ids, positions=positions,
+                                                     slot_mapping=slot_mapping, decode_contexts=contexts), feed=feed)
+                finally:
+                    runner.graphs = self
+                logits = runner.model.compute_logits(hidden)
+                return DecodeOutputs(hidden, logits, greedy_draws(logits))
+
+        runner.graphs = EagerGraphs()
+
+    def graph_steps(self) -> int:
+        return self.runner.graphs.steps
+
+
+def test_graph_logits_at_tp2_keep_greedy_tokens(ray_cluster, tiny_model_dirs):
+    """Every rank takes the logits its decode graph computed (all-gathered inside it) instead of computing them
+    after it, together: a rank that all-gathered alone would hang or mix steps."""
+    path = tiny_model_dirs["llama"]
+    with LLM(str(path), tensor_parallel_size=2, kv_cache_config=KV, worker_extension_cls=GraphStandIn) as llm:
+        llm.collective_rpc("install_graph_stand_in")
+        got = _generate(llm)
+        steps = llm.collective_rpc("graph_steps")
+    assert steps[0] == steps[1] >= NEW_TOKENS - 1
+    assert got == _hf_tokens(path)

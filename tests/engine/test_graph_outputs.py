@@ -1,0 +1,102 @@
+"""Decode graphs compute their rows' logits and greedy draws on the device (cuda_graphs.DecodeOutputs): the runner
+takes those logits instead of launching the LM head, and a batch of plain greedy rows takes the draws instead of
+sampling. On the CPU a stand-in replays nothing: it runs the eager decode and returns what a replay returns."""
+
+from __future__ import annotations
+
+import torch
+
+from raylm import LLM, KvCacheConfig, SamplingParams, TokensPrompt
+from raylm.engine.cuda_graphs import DecodeOutputs
+from raylm.engine.model_runner import StepPlan
+from raylm.engine.sampler import Sampler, SamplingRow, greedy_draws
+from tests.engine.test_overlap import PROMPTS, _mixed_params, _summary
+
+
+class _EagerGraphs:
+    """DecodeGraphs' interface over the runner's eager decode: every decode step fits."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.steps = 0
+
+    def fits(self, num_seqs: int, max_blocks: int) -> bool:
+        return True
+
+    def run_step(self, input_ids, positions, slot_mapping, contexts, feed=None) -> DecodeOutputs:
+        self.steps += 1
+        runner, self.runner.graphs = self.runner, None
+        try:
+            plan = StepPlan(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+                            decode_contexts=contexts)
+            hidden = runner.forward(plan, feed=feed)
+        finally:
+            runner.graphs = self
+        logits = runner.model.compute_logits(hidden)
+        return DecodeOutputs(hidden, logits, greedy_draws(logits))
+
+
+def _llm(path) -> LLM:
+    kv = KvCacheConfig(max_tokens=2048, tokens_per_block=4, enable_block_reuse=True)
+    return LLM(str(path), skip_tokenizer_init=True, kv_cache_config=kv, max_seq_len=256)
+
+
+def _outputs(path, graphed: bool):
+    """Outputs of mixed sampling settings, then of a plain greedy batch, whose steps are spied on: whether each
+    draw was the graph's, and each LM head launched (its rows)."""
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
+    with _llm(path) as llm:
+        runner = llm._executor.worker.runner
+        if graphed:
+            runner.graphs = _EagerGraphs(runner)
+        eos = llm.info.vocab_size - 1
+        mixed = _summary(llm.generate(prompts, _mixed_params(eos), use_tqdm=False))
+
+        taken, lm_head_calls = [], []
+        sample, compute_logits = runner.sampler.sample, runner.model.compute_logits
+
+        def spy_sample(logits, rows, greedy=None):
+            pending = sample(logits, rows, greedy)
+            taken.append(greedy is not None and pending.tokens is greedy[0])
+            return pending
+
+        def spy_logits(hidden):
+            lm_head_calls.append(hidden.shape[0])
+            return compute_logits(hidden)
+
+        runner.sampler.sample, runner.model.compute_logits = spy_sample, spy_logits
+        before = runner.graphs.steps if graphed else 0
+        plain = _summary(llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False))
+        served = runner.graphs.steps - before if graphed else 0
+        runner.sampler.sample, runner.model.compute_logits = sample, compute_logits
+    return (mixed, plain), taken, lm_head_calls, served
+
+
+def test_graph_logits_and_greedy_draws_give_exactly_the_eager_outputs(tiny_model_dirs):
+    """Mixed sampling settings (greedy with logprobs, seeded n=2, penalties, min_tokens, beam search) and plain
+    greedy batches: the same tokens, logprobs and stops with the graphs' outputs as without them; the plain
+    greedy steps return the graphs' draws themselves and never launch the LM head after the graph."""
+    path = tiny_model_dirs["llama"]
+    eager, taken, lm_head_calls, _ = _outputs(path, graphed=False)
+    assert not any(taken) and len(lm_head_calls) == len(taken)
+    graphed, taken, lm_head_calls, served = _outputs(path, graphed=True)
+    assert graphed == eager
+    assert served >= 11 and sum(taken) == served  # 12 tokens: every decode step took the graph's draws
+    assert len(lm_head_calls) == len(taken)  # one LM head a step: inside the stand-in for decode steps
+
+
+def test_the_sampler_takes_precomputed_greedy_draws_only_for_plain_greedy_rows():
+    """Bit for bit the draws it would make; rows that report ranks, draw n > 1, penalise or sample ignore them."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    draws = greedy_draws(logits)
+    sampler = Sampler(seed=0)
+
+    def rows(**params) -> list[SamplingRow]:
+        return [SamplingRow(SamplingParams(max_tokens=4, **params), [1, 2], [3]) for _ in range(3)]
+
+    plain = sampler.sample(logits, rows(), draws)
+    assert plain.tokens is draws[0]
+    assert [r.token_ids for r in plain.results()] == [r.token_ids for r in sampler.sample(logits, rows()).results()]
+    assert [r.logprobs for r in plain.results()] == [r.logprobs for r in sampler.sample(logits, rows()).results()]
+    for params in ({"logprobs": 1}, {"repetition_penalty": 1.5}, {"temperature": 0.7, "seed": 1}, {"min_tokens": 2}):
+        assert sampler.sample(logits, rows(**params), draws).tokens is not draws[0], params
