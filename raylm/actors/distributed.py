@@ -243,8 +243,12 @@ def run_stage(runner: ModelRunner, comm: Communicator, plans: list[StepPlan]):
     outputs = []
     for plan in plans:
         intermediate = feed = None
-        if plan.feed_rows:  # an overlapped step (one stage): rank 0 sends the tokens its draws are producing
-            feed = (to_device(plan.feed_rows, runner.device), comm.broadcast_feed(None, len(plan.feed_rows)))
+        if plan.feed_rows:  # an overlapped step (one stage): the tokens rank 0's draws are producing
+            if plan.feed_sources is not None:  # its decode graph's greedy draws: this rank's graph has them too
+                tokens = runner.graph_feed(plan)
+            else:
+                tokens = comm.broadcast_feed(None, len(plan.feed_rows))
+            feed = (to_device(plan.feed_rows, runner.device), tokens)
         if comm.pp_rank > 0:
             shape = (plan.num_tokens, hidden_size)
             src = comm.neighbour(-1)
@@ -298,7 +302,7 @@ class DistributedRunner:
             return self._launch_pipelined(out, plan)
         fed = self.runner.feed_tokens(out, plan, previous)
         self.comm.broadcast_plans([plan])
-        if plan.feed_rows:
+        if plan.feed_rows and plan.feed_sources is None:
             fed = self.comm.broadcast_feed(fed, len(plan.feed_rows))
         return self.runner.launch_planned(out, plan, fed)
 

@@ -51,6 +51,9 @@ class StepPlan:
     prompt_logprobs: list[PromptLogprobSpec] = field(default_factory=list)
     # Rows whose input token is a placeholder: the step still in flight samples it, on the device.
     feed_rows: list[int] = field(default_factory=list)
+    # When that step's draws were its decode graph's greedy draws, which every tensor-parallel rank computed
+    # alike: their entries for feed_rows, which each rank takes from its own graph (nothing is broadcast).
+    feed_sources: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -407,7 +410,17 @@ class ModelRunner:
             raise RuntimeError("a step's input token is a placeholder, but no step in flight samples it")
         slots = previous.sample_slots()
         sources = [slots[id(out.decodes[row].seq)] for row in plan.feed_rows]
+        if previous.samples.precomputed:
+            plan.feed_sources = sources
         return previous.samples.tokens[to_device(sources, self.device)]
+
+    def graph_feed(self, plan: StepPlan) -> torch.Tensor:
+        """On the other ranks of a tensor-parallel stage: the tokens of plan.feed_rows from the greedy draws of
+        this rank's last decode graph (the step in flight), as rank 0's sampler took them from its own."""
+        graphed = self._graphed
+        if graphed is None or graphed.greedy is None:
+            raise RuntimeError("the plan feeds greedy draws of a decode graph, but this rank's last step had none")
+        return graphed.greedy[0][to_device(plan.feed_sources, self.device)]
 
     def launch_planned(self, out: SchedulerOutput, plan: StepPlan, fed: torch.Tensor | None) -> LaunchedStep:
         """Queues the forward, the logits and the draws of a planned step (`fed`: the tokens of its feed rows)."""

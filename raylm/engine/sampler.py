@@ -167,10 +167,11 @@ class PendingSamples:
     results() waits for the copy and returns one SampleResult per row."""
 
     def __init__(self, rows: list[SamplingRow], entries: list[list[int]], tokens: torch.Tensor,
-                 device_parts: dict[str, torch.Tensor], plain: bool):
+                 device_parts: dict[str, torch.Tensor], plain: bool, precomputed: bool = False):
         self.rows = rows
         self.entries = entries  # per row: positions of its samples in `tokens`
         self.plain = plain  # one draw per row and nothing reported but its log-probability
+        self.precomputed = precomputed  # the greedy draws a decode graph computed (Sampler.sample's `greedy`)
         self.tokens = tokens
         self._host: dict[str, torch.Tensor] = {}
         self._event = None
@@ -237,7 +238,8 @@ class Sampler:
         kinds = _RowKinds(rows)
         if greedy is not None and kinds.identity and kinds.plain and not kinds.processes:
             tokens, chosen = greedy
-            return PendingSamples(rows, [[i] for i in range(len(rows))], tokens, {"chosen": chosen}, True)
+            return PendingSamples(rows, [[i] for i in range(len(rows))], tokens, {"chosen": chosen}, True,
+                                  precomputed=True)
         logits = logits.float()
         device = logits.device
         processed = self._process(logits, rows) if kinds.processes else logits

@@ -279,18 +279,43 @@ class GraphStandIn:
                 return DecodeOutputs(hidden, logits, greedy_draws(logits))
 
         runner.graphs = EagerGraphs()
+        from raylm.actors.distributed import Communicator
 
-    def graph_steps(self) -> int:
-        return self.runner.graphs.steps
+        broadcast_feed, self.feed_broadcasts = Communicator.broadcast_feed, 0
+
+        def counted(comm, *args):  # this rank's process is this worker's alone
+            self.feed_broadcasts += 1
+            return broadcast_feed(comm, *args)
+
+        Communicator.broadcast_feed = counted
+
+    def graph_steps(self) -> tuple[int, int]:
+        return self.runner.graphs.steps, self.feed_broadcasts
 
 
-def test_graph_logits_at_tp2_keep_greedy_tokens(ray_cluster, tiny_model_dirs):
+def _mixed(llm: LLM) -> list:
+    params = [SamplingParams(max_tokens=NEW_TOKENS, logprobs=1), SamplingParams(max_tokens=9, temperature=0.8, seed=5),
+              SamplingParams(max_tokens=7, repetition_penalty=1.4)]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+    # Rounded: how the requests fall into steps depends on their arrival, and a step's shape moves the last bits.
+    return [(o.outputs[0].token_ids, [[(t, round(lp.logprob, 4)) for t, lp in sorted(step.items())]
+                                      for step in o.outputs[0].logprobs or []]) for o in outputs]
+
+
+def test_graph_logits_and_draws_at_tp2_keep_tokens(ray_cluster, tiny_model_dirs):
     """Every rank takes the logits its decode graph computed (all-gathered inside it) instead of computing them
-    after it, together: a rank that all-gathered alone would hang or mix steps."""
+    after it, together (a rank that all-gathered alone would hang or mix steps); a greedy step's input tokens
+    come from each rank's own graph draws, not from rank 0's broadcast (a step after an eager one, with a prefill,
+    still takes them by broadcast: the requests' arrival decides how many there are); sampled and penalised rows
+    give what they give without graphs."""
     path = tiny_model_dirs["llama"]
+    with LLM(str(path), tensor_parallel_size=2, kv_cache_config=KV) as llm:
+        mixed = _mixed(llm)
     with LLM(str(path), tensor_parallel_size=2, kv_cache_config=KV, worker_extension_cls=GraphStandIn) as llm:
         llm.collective_rpc("install_graph_stand_in")
         got = _generate(llm)
-        steps = llm.collective_rpc("graph_steps")
-    assert steps[0] == steps[1] >= NEW_TOKENS - 1
+        (steps, broadcasts), (peer_steps, peer_broadcasts) = llm.collective_rpc("graph_steps")
+        assert _mixed(llm) == mixed
+    assert steps == peer_steps >= NEW_TOKENS - 1
+    assert broadcasts == peer_broadcasts < 4  # of the 15 fed steps
     assert got == _hf_tokens(path)
