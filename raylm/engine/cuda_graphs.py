@@ -5,11 +5,11 @@ padding: their cache slot is -1 (nothing is written) and they attend to one key 
 a replay the runner refills the static buffers in place (token ids, positions, slots, block tables,
 context lengths); the graph then launches every kernel of the forward pass at once.
 
-On the last stage a graph also computes its rows' logits (the LM head, and at TP > 1 their all-gather) and the
-greedy token of each row with its log-probability (sampler.greedy_draws): what the host otherwise launches
-after every step, one eager operation at a time (at TP=2 on the H200 that host work, not the GPU, bounded a
-batch-1 step). A step whose rows are all plain greedy draws takes them as they are; others sample from the
-logits.
+On the last stage a graph also computes its rows' logits (the LM head, and at TP > 1 their all-gather), and for
+steps whose rows all draw greedily a second, small graph of each size the greedy token of each row with its
+log-probability (sampler.greedy_draws): what the host otherwise launches after every step, one eager operation
+at a time (at TP=2 on the H200 that host work, not the GPU, bounded a batch-1 step). Other steps sample from the
+logits, and pay nothing for the greedy graph.
 """
 
 from __future__ import annotations
@@ -123,6 +123,8 @@ class DecodeGraphs:
         self.turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, DecodeOutputs] = {}
+        self.greedy_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.greedy_outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.hidden_size = hidden_size
         self.dtype = dtype
 
@@ -145,7 +147,7 @@ class DecodeGraphs:
                                              device=logits.device)
         buffered = self.logits_buffer[:batch]
         buffered.copy_(logits)
-        return DecodeOutputs(hidden, buffered, greedy_draws(buffered))
+        return DecodeOutputs(hidden, buffered)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -162,6 +164,13 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self.outputs[batch] = self._forward(batch)
                 self.graphs[batch] = graph
+                if self.with_logits:
+                    logits = self.outputs[batch].logits
+                    greedy_draws(logits)  # warm-up
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        self.greedy_outputs[batch] = greedy_draws(logits)
+                    self.greedy_graphs[batch] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 
@@ -176,10 +185,11 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run_step(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
-                 contexts: list[tuple[list[int], int]], feed: tuple[torch.Tensor, torch.Tensor] | None = None
-                 ) -> DecodeOutputs:
-        """Replays the graph for these decodes; returns its outputs for their rows. feed = (rows, token ids on
-        the device) overwrites input rows whose token an earlier step, still in flight, samples."""
+                 contexts: list[tuple[list[int], int]], feed: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 greedy: bool = False) -> DecodeOutputs:
+        """Replays the graph for these decodes (and with `greedy`, on the last stage, the graph of their greedy
+        draws); returns its outputs for their rows. feed = (rows, token ids on the device) overwrites input rows
+        whose token an earlier step, still in flight, samples."""
         count = len(input_ids)
         batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
         host_vectors, host_table = self.staging[self.turn]
@@ -203,8 +213,15 @@ class DecodeGraphs:
             self.input_ids.index_copy_(0, *feed)
         if batch in self.graphs:
             self.graphs[batch].replay()
-            return self.outputs[batch].rows(count)
-        return self._forward(batch).rows(count)  # not captured (tests on the CPU): the same buffers, run eagerly
+            outputs = self.outputs[batch]
+            if greedy and batch in self.greedy_graphs:
+                self.greedy_graphs[batch].replay()
+                outputs = DecodeOutputs(outputs.hidden, outputs.logits, self.greedy_outputs[batch])
+        else:  # not captured (tests on the CPU): the same buffers, run eagerly
+            outputs = self._forward(batch)
+            if greedy and outputs.logits is not None:
+                outputs.greedy = greedy_draws(outputs.logits)
+        return outputs.rows(count)
 
 
 def graph_ladder_fits(arch, pp_size: int) -> bool:

@@ -54,6 +54,9 @@ class StepPlan:
     # When that step's draws were its decode graph's greedy draws, which every tensor-parallel rank computed
     # alike: their entries for feed_rows, which each rank takes from its own graph (nothing is broadcast).
     feed_sources: list[int] | None = None
+    # Whether every row is a decode of a request with greedy draws (Request.greedy_draws): a decode graph then
+    # computes the draws too.
+    greedy: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -120,7 +123,9 @@ def plan_step(out: SchedulerOutput, block_size: int) -> StepPlan:
     input_ids, positions, slots = plan.input_ids, plan.positions, plan.slot_mapping
     sample_rows, decode_contexts, feed_rows = plan.sample_rows, plan.decode_contexts, plan.feed_rows
     offset = 0
+    greedy = not out.prefills
     for item in out.decodes:  # one token each: the common case, kept cheap
+        greedy = greedy and item.request.greedy_draws
         seq, position = item.seq, item.start
         blocks = seq.block_ids
         token = seq.token_ids[position]
@@ -137,6 +142,7 @@ def plan_step(out: SchedulerOutput, block_size: int) -> StepPlan:
             if spec is not None:
                 plan.prompt_logprobs.append(spec)
         offset += 1
+    plan.greedy = greedy and offset > 0
     for item in out.prefills:
         first_row = offset
         span = range(item.start, item.start + item.num_tokens)
@@ -329,7 +335,7 @@ class ModelRunner:
         if (self.graphs is not None and intermediate is None and not plan.prefill_chunks
                 and self.graphs.fits(len(plan.decode_contexts), max(len(b) for b, _ in plan.decode_contexts))):
             self._graphed = self.graphs.run_step(plan.input_ids, plan.positions, plan.slot_mapping,
-                                                 plan.decode_contexts, feed)
+                                                 plan.decode_contexts, feed, greedy=plan.greedy)
             return self._graphed.hidden
         meta = self.build_metadata(
             decode_contexts=plan.decode_contexts,

@@ -126,11 +126,16 @@ class Request:
     # Whether a step of this request may be queued before its previous draw reaches the host, once it has
     # forked (see Progress.launched): no penalties (they read output tokens) and no beam search.
     plain_draws: bool = True
+    # Whether each of its steps draws the greedy token and reports nothing but its log-probability (what a decode
+    # graph can compute for a step of such requests: sampler.greedy_draws).
+    greedy_draws: bool = False
 
     def __post_init__(self) -> None:
         params = self.sampling_params
         self.stop_ids = params.all_stop_token_ids
         self.plain_draws = not (params.use_beam_search or params.has_penalties)
+        self.greedy_draws = (self.plain_draws and params.is_greedy and params.logprobs is None
+                             and not params.min_tokens and params.num_sequences == 1)
         if not self.sequences:
             generator = None
             if self.sampling_params.seed is not None:

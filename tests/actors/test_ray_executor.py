@@ -267,7 +267,7 @@ class GraphStandIn:
             def fits(self, num_seqs, max_blocks):
                 return True
 
-            def run_step(self, input_ids, positions, slot_mapping, contexts, feed=None):
+            def run_step(self, input_ids, positions, slot_mapping, contexts, feed=None, greedy=False):
                 self.steps += 1
                 runner.graphs = None
                 try:
@@ -276,7 +276,7 @@ class GraphStandIn:
                 finally:
                     runner.graphs = self
                 logits = runner.model.compute_logits(hidden)
-                return DecodeOutputs(hidden, logits, greedy_draws(logits))
+                return DecodeOutputs(hidden, logits, greedy_draws(logits) if greedy else None)
 
         runner.graphs = EagerGraphs()
         from raylm.actors.distributed import Communicator

@@ -1,6 +1,7 @@
-"""Decode graphs compute their rows' logits and greedy draws on the device (cuda_graphs.DecodeOutputs): the runner
-takes those logits instead of launching the LM head, and a batch of plain greedy rows takes the draws instead of
-sampling. On the CPU a stand-in replays nothing: it runs the eager decode and returns what a replay returns."""
+"""Decode graphs compute their rows' logits, and for steps of greedy requests their greedy draws, on the device
+(cuda_graphs.DecodeOutputs): the runner takes those logits instead of launching the LM head, and a batch of plain
+greedy rows takes the draws instead of sampling. On the CPU a stand-in replays nothing: it runs the eager decode
+and returns what a replay returns."""
 
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ class _EagerGraphs:
     def __init__(self, runner):
         self.runner = runner
         self.steps = 0
+        self.greedy_steps = 0
 
     def fits(self, num_seqs: int, max_blocks: int) -> bool:
         return True
 
-    def run_step(self, input_ids, positions, slot_mapping, contexts, feed=None) -> DecodeOutputs:
+    def run_step(self, input_ids, positions, slot_mapping, contexts, feed=None, greedy=False) -> DecodeOutputs:
         self.steps += 1
+        self.greedy_steps += greedy
         runner, self.runner.graphs = self.runner, None
         try:
             plan = StepPlan(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
@@ -33,7 +36,7 @@ class _EagerGraphs:
         finally:
             runner.graphs = self
         logits = runner.model.compute_logits(hidden)
-        return DecodeOutputs(hidden, logits, greedy_draws(logits))
+        return DecodeOutputs(hidden, logits, greedy_draws(logits) if greedy else None)
 
 
 def _llm(path) -> LLM:
@@ -51,6 +54,10 @@ def _outputs(path, graphed: bool):
             runner.graphs = _EagerGraphs(runner)
         eos = llm.info.vocab_size - 1
         mixed = _summary(llm.generate(prompts, _mixed_params(eos), use_tqdm=False))
+        if graphed:  # sampled rows: no step asks the graphs for greedy draws
+            greedy_before = runner.graphs.greedy_steps
+            llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.8), use_tqdm=False)
+            assert runner.graphs.greedy_steps == greedy_before
 
         taken, lm_head_calls = [], []
         sample, compute_logits = runner.sampler.sample, runner.model.compute_logits

@@ -65,8 +65,8 @@ def test_triton_attention_path_matches_torch_path(tiny_model_dirs, arch):
 def test_graph_buffers_give_the_eager_step(tiny_model_dirs):
     """DecodeGraphs.run refills its static buffers (one copy for ids, positions, slots and lengths; the block
     table) and runs the forward over them; on the CPU it runs uncaptured, which checks the buffers: padded to the
-    ladder's next size, the step equals the eager one, twice in a row (both staging sets); so do its logits (in
-    the graphs' shared buffer) and greedy draws."""
+    ladder's next size, the step equals the eager one, three times in a row (both staging sets); so do its logits
+    (in the graphs' shared buffer) and, when asked for, its greedy draws."""
     from raylm.engine.cuda_graphs import DecodeGraphs
     from raylm.kernels.triton_backend import build_triton_metadata
 
@@ -80,12 +80,15 @@ def test_graph_buffers_give_the_eager_step(tiny_model_dirs):
         eager_logits = loaded.model.compute_logits(eager.to(runner.dtype)).float()
     graphs = DecodeGraphs(loaded.model, runner.kv_caches, [1, 4], 8, loaded.arch.hidden_size, torch.float32,
                           DEVICE, None, logits=True)
-    for _ in range(2):
-        step = graphs.run_step([5, 9], [19, 4], [2 * 16 + 3, 3 * 16 + 4], [([1, 2], 20), ([3], 5)])
+    for greedy in (True, False, True):
+        step = graphs.run_step([5, 9], [19, 4], [2 * 16 + 3, 3 * 16 + 4], [([1, 2], 20), ([3], 5)], greedy=greedy)
         assert step.hidden.shape[0] == 2 and step.logits.shape == eager_logits.shape
         torch.testing.assert_close(step.hidden.float(), eager, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(step.logits.float(), eager_logits, atol=1e-4, rtol=1e-4)
         assert step.logits.data_ptr() == graphs.logits_buffer.data_ptr()
+        if not greedy:
+            assert step.greedy is None
+            continue
         tokens, logprobs = step.greedy
         assert tokens.tolist() == eager_logits.argmax(dim=-1).tolist()
         torch.testing.assert_close(logprobs, eager_logits.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0])
