@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from raylm.actors.symmetric_memory import all_reduce_norm_requested, fast_all_reduce, fused_norm
-from raylm.engine.model_runner import LaunchedStep, ModelOutput, ModelRunner, StepPlan, plan_step, to_device
+from raylm.engine.model_runner import LaunchedStep, ModelOutput, ModelRunner, StepPlan, plan_step
+from raylm.engine.sampler import row_index
 from raylm.engine.scheduler import SchedulerOutput
 from raylm.kernels.dispatch import env_flag
 from raylm.models.parallel import ParallelContext
@@ -248,7 +249,7 @@ def run_stage(runner: ModelRunner, comm: Communicator, plans: list[StepPlan]):
                 tokens = runner.graph_feed(plan)
             else:
                 tokens = comm.broadcast_feed(None, len(plan.feed_rows))
-            feed = (to_device(plan.feed_rows, runner.device), tokens)
+            feed = (row_index(plan.feed_rows, runner.device), tokens)
         if comm.pp_rank > 0:
             shape = (plan.num_tokens, hidden_size)
             src = comm.neighbour(-1)

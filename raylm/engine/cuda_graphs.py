@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from raylm.engine.sampler import greedy_draws
+from raylm.engine.sampler import greedy_draws, put_rows
 from raylm.kernels.triton_backend import TritonAttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -178,18 +178,18 @@ class DecodeGraphs:
         return 0 < num_seqs <= self.max_batch and max_blocks <= self.max_blocks
 
     def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
-            contexts: list[tuple[list[int], int]], feed: tuple[torch.Tensor, torch.Tensor] | None = None
+            contexts: list[tuple[list[int], int]], feed: tuple[torch.Tensor | int, torch.Tensor] | None = None
             ) -> torch.Tensor:
         """The final hidden states [n, hidden] of run_step."""
         return self.run_step(input_ids, positions, slot_mapping, contexts, feed).hidden
 
     @torch.inference_mode()
     def run_step(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
-                 contexts: list[tuple[list[int], int]], feed: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 contexts: list[tuple[list[int], int]], feed: tuple[torch.Tensor | int, torch.Tensor] | None = None,
                  greedy: bool = False) -> DecodeOutputs:
         """Replays the graph for these decodes (and with `greedy`, on the last stage, the graph of their greedy
-        draws); returns its outputs for their rows. feed = (rows, token ids on the device) overwrites input rows
-        whose token an earlier step, still in flight, samples."""
+        draws); returns its outputs for their rows. feed = (rows: a sampler.row_index, token ids on the device)
+        overwrites input rows whose token an earlier step, still in flight, samples."""
         count = len(input_ids)
         batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
         host_vectors, host_table = self.staging[self.turn]
@@ -210,7 +210,7 @@ class DecodeGraphs:
         else:
             self.flashinfer.plan(batch, contexts)
         if feed is not None:
-            self.input_ids.index_copy_(0, *feed)
+            put_rows(self.input_ids, *feed)
         if batch in self.graphs:
             self.graphs[batch].replay()
             outputs = self.outputs[batch]

@@ -16,7 +16,16 @@ from torch import nn
 from raylm.engine.beam_search import candidates_per_beam
 from raylm.engine.messages import TokenLogprob
 from raylm.engine.request import PLACEHOLDER
-from raylm.engine.sampler import PendingSamples, Sampler, SampleResult, SamplingRow, to_device
+from raylm.engine.sampler import (
+    PendingSamples,
+    Sampler,
+    SampleResult,
+    SamplingRow,
+    put_rows,
+    row_index,
+    take_rows,
+    to_device,
+)
 from raylm.engine.scheduler import ScheduledSequence, SchedulerOutput
 from raylm.kernels import dispatch
 from raylm.kernels.attention import build_metadata
@@ -327,9 +336,10 @@ class ModelRunner:
     # ------------------------------------------------------------------ the parts of a step
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan, intermediate=None, feed: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def forward(self, plan: StepPlan, intermediate=None, feed: tuple[torch.Tensor | int, torch.Tensor] | None = None):
         """This rank's share of the step: final hidden states on the last stage, (hidden, residual) before.
-        feed = (rows, token ids on the device) fills input rows whose token a step in flight is sampling."""
+        feed = (rows: a sampler.row_index, token ids on the device) fills input rows whose token a step in flight
+        is sampling."""
         self._copy_blocks(plan.block_copies)
         self._graphed = None
         if (self.graphs is not None and intermediate is None and not plan.prefill_chunks
@@ -347,7 +357,7 @@ class ModelRunner:
         )
         input_ids = to_device(plan.input_ids, self.device)
         if feed is not None:
-            input_ids.index_copy_(0, *feed)
+            put_rows(input_ids, *feed)
         return self.model(
             input_ids,
             to_device(plan.positions, self.device),
@@ -418,7 +428,7 @@ class ModelRunner:
         sources = [slots[id(out.decodes[row].seq)] for row in plan.feed_rows]
         if previous.samples.precomputed:
             plan.feed_sources = sources
-        return previous.samples.tokens[to_device(sources, self.device)]
+        return take_rows(previous.samples.tokens, row_index(sources, self.device))
 
     def graph_feed(self, plan: StepPlan) -> torch.Tensor:
         """On the other ranks of a tensor-parallel stage: the tokens of plan.feed_rows from the greedy draws of
@@ -426,11 +436,11 @@ class ModelRunner:
         graphed = self._graphed
         if graphed is None or graphed.greedy is None:
             raise RuntimeError("the plan feeds greedy draws of a decode graph, but this rank's last step had none")
-        return graphed.greedy[0][to_device(plan.feed_sources, self.device)]
+        return take_rows(graphed.greedy[0], row_index(plan.feed_sources, self.device))
 
     def launch_planned(self, out: SchedulerOutput, plan: StepPlan, fed: torch.Tensor | None) -> LaunchedStep:
         """Queues the forward, the logits and the draws of a planned step (`fed`: the tokens of its feed rows)."""
-        feed = (to_device(plan.feed_rows, self.device), fed) if plan.feed_rows else None
+        feed = (row_index(plan.feed_rows, self.device), fed) if plan.feed_rows else None
         hidden = self.forward(plan, feed=feed)
         logits, prompt_logprobs = self.compute_outputs(plan, hidden)
         positions, pending = self._draw(out, logits)

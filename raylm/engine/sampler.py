@@ -160,6 +160,28 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     return _to_device(torch.from_numpy(np.array(values, dtype=np.int64)), device)
 
 
+def row_index(rows: list[int], device: torch.device) -> torch.Tensor | int:
+    """Rows of a tensor to take or fill: their count when they are the leading ones in order (0, 1, ..., n - 1:
+    a slice, with no index to copy to the device, as in a step that feeds every row of the one before), else
+    their index on `device`."""
+    if rows[-1] == len(rows) - 1 and rows == list(range(len(rows))):
+        return len(rows)
+    return to_device(rows, device)
+
+
+def take_rows(tensor: torch.Tensor, index: torch.Tensor | int) -> torch.Tensor:
+    """tensor's rows at a row_index."""
+    return tensor[:index] if isinstance(index, int) else tensor[index]
+
+
+def put_rows(tensor: torch.Tensor, index: torch.Tensor | int, values: torch.Tensor) -> None:
+    """Writes values into tensor's rows at a row_index, in place."""
+    if isinstance(index, int):
+        tensor[:index].copy_(values)
+    else:
+        tensor.index_copy_(0, index, values)
+
+
 
 class PendingSamples:
     """A batch of draws still on the device: their copy to the host is queued behind the step that produced

@@ -107,3 +107,20 @@ def test_the_sampler_takes_precomputed_greedy_draws_only_for_plain_greedy_rows()
     assert [r.logprobs for r in plain.results()] == [r.logprobs for r in sampler.sample(logits, rows()).results()]
     for params in ({"logprobs": 1}, {"repetition_penalty": 1.5}, {"temperature": 0.7, "seed": 1}, {"min_tokens": 2}):
         assert sampler.sample(logits, rows(**params), draws).tokens is not draws[0], params
+
+
+def test_leading_rows_are_a_slice_and_others_an_index():
+    """A step that feeds every row of the one before, in order, copies no index to the device."""
+    from raylm.engine.sampler import put_rows, row_index, take_rows
+
+    cpu = torch.device("cpu")
+    source = torch.arange(10, 16)
+    assert row_index([0, 1, 2], cpu) == 3
+    assert take_rows(source, 3).data_ptr() == source.data_ptr()  # a view
+    shuffled = row_index([2, 0, 1], cpu)
+    assert shuffled.tolist() == [2, 0, 1] and take_rows(source, shuffled).tolist() == [12, 10, 11]
+    assert row_index([1, 2], cpu).tolist() == [1, 2] and row_index([0, 2], cpu).tolist() == [0, 2]
+    target = torch.zeros(6, dtype=torch.long)
+    put_rows(target, 2, torch.tensor([7, 8]))
+    put_rows(target, row_index([5, 3], cpu), torch.tensor([9, 4]))
+    assert target.tolist() == [7, 8, 0, 4, 0, 9]
