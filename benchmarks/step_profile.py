@@ -73,7 +73,7 @@ class KernelProfile:
             timer.wrap(engine.progress, "apply", "progress")
         # Wrapped on the module and the class: the distributed runner and the worker loop look them up per call.
         timer.wrap(distributed, "plan_step", "plan")
-        timer.wrap(distributed.Communicator, "broadcast_plans", "plan broadcast (gloo; others wait)")
+        timer.wrap(distributed.Communicator, "broadcast_plans", "plan broadcast (others wait)")
         timer.wrap(distributed.Communicator, "broadcast_feed", "feed broadcast (queued)")
         timer.wrap(self.runner, "forward", "forward launch")
         timer.wrap(self.runner, "compute_outputs", "logits")
@@ -84,7 +84,7 @@ class KernelProfile:
         """Host ms per step of each phase since start_phase_timer, and the steps (rank 0: engine steps; others:
         plans received, the last of which stops nothing here)."""
         totals = self._phase_timer.totals
-        steps = len(totals.get("step (all)") or totals.get("plan broadcast (gloo; others wait)") or [None])
+        steps = len(totals.get("step (all)") or totals.get("plan broadcast (others wait)") or [None])
         return {"steps": steps, "host_ms_per_step": self._phase_timer.summary(steps)}
 
     def start_kernel_profile(self) -> None:

@@ -2,7 +2,8 @@
 
 Ranks are laid out stage-major: rank = pp_rank * tp + tp_rank. `torch.distributed` is initialised through
 a TCPStore at rank 0: NCCL carries CUDA tensors (tensor-parallel all-reduces, pipeline activations on
-GPUs), gloo carries CPU tensors and control (the step plan that rank 0 broadcasts every iteration).
+GPUs), gloo carries CPU tensors and control; the step plan that rank 0 sends every iteration goes over TCP sockets of
+its own when there is one pipeline stage (PlanChannel), else over gloo.
 
 Rank 0 hosts the engine. Each step it broadcasts the plan (split into pp micro-batches), runs its own
 stage, and under pipeline parallelism receives the logits from the last stage; the other ranks run
@@ -40,6 +41,63 @@ _CONTROL_TIMEOUT = datetime.timedelta(days=30)
 # larger plan's remainder follows in a second.
 _PLAN_MESSAGE_BYTES = 16 << 10
 _SIZE_BYTES = 8
+# Socket buffers of the plan channel: a step's plan (a few hundred bytes at small batches, ~100 KB at large ones)
+# is handed to the kernel without waiting for the reader.
+_PLAN_SOCKET_BUFFER = 4 << 20
+
+
+class PlanChannel:
+    """Rank 0's step plans to the other ranks over TCP connections of their own (Nagle off): a plan costs a
+    pickle and one send per rank, without gloo's collective machinery (~20 against ~140 us for rank 0 on a small
+    CPU), and a reader waits in a blocking receive. Only with one pipeline stage, whose other ranks never wait on
+    rank 0's host for anything but the plan: a send that filled a reader's buffer is always read in time."""
+
+    def __init__(self, sockets: list[socket.socket]):
+        self.sockets = sockets
+
+    @classmethod
+    def open(cls, rank: int, world: int, address: str, control, timeout_s: float) -> PlanChannel:
+        """Rank 0 listens on `address` and tells the others its port over `control` (collective: every rank)."""
+        if rank == 0:
+            with socket.create_server((address, 0)) as server:
+                port = [server.getsockname()[1]]
+                dist.broadcast_object_list(port, src=0, group=control)
+                server.settimeout(timeout_s)
+                sockets = [server.accept()[0] for _ in range(world - 1)]
+        else:
+            port = [None]
+            dist.broadcast_object_list(port, src=0, group=control)
+            sockets = [socket.create_connection((address, port[0]), timeout=timeout_s)]
+        for sock in sockets:
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _PLAN_SOCKET_BUFFER)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _PLAN_SOCKET_BUFFER)
+        return cls(sockets)
+
+    def send(self, plans: list[StepPlan] | None) -> None:
+        data = pickle.dumps(plans, protocol=pickle.HIGHEST_PROTOCOL)
+        message = len(data).to_bytes(_SIZE_BYTES, "little") + data
+        for sock in self.sockets:
+            sock.sendall(message)
+
+    def receive(self) -> list[StepPlan] | None:
+        size = int.from_bytes(self._read(_SIZE_BYTES), "little")
+        return pickle.loads(self._read(size))
+
+    def _read(self, size: int) -> bytearray:
+        buffer = bytearray(size)
+        view, filled = memoryview(buffer), 0
+        while filled < size:
+            count = self.sockets[0].recv_into(view[filled:])
+            if count == 0:
+                raise ConnectionError("rank 0 closed the plan channel")
+            filled += count
+        return buffer
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close()
 
 
 @dataclass(frozen=True)
@@ -84,6 +142,7 @@ class Communicator:
     device: torch.device
     control: object  # gloo group over all ranks
     ctx: ParallelContext
+    plan_channel: PlanChannel | None = None
     _plan_message: torch.Tensor = field(default_factory=lambda: torch.empty(_PLAN_MESSAGE_BYTES, dtype=torch.uint8))
 
     @property
@@ -102,7 +161,13 @@ class Communicator:
         return self.layout.rank_of(self.layout.pp - 1, 0)
 
     def broadcast_plans(self, plans: list[StepPlan] | None) -> list[StepPlan] | None:
-        """Rank 0's plans (None: stop) to every rank, over gloo: one broadcast message for most steps."""
+        """Rank 0's plans (None: stop) to every rank: over the plan channel where there is one, else over gloo
+        (one broadcast message for most steps)."""
+        if self.plan_channel is not None:
+            if self.rank == 0:
+                self.plan_channel.send(plans)
+                return plans
+            return self.plan_channel.receive()
         message = self._plan_message.numpy()
         capacity = message.size - _SIZE_BYTES
         if self.rank == 0:
@@ -207,7 +272,8 @@ def init_distributed(rank: int, layout: RankLayout, address: str, port: int, dev
     ctx = ParallelContext(tp_rank=layout.tp_rank(rank), tp_size=layout.tp, tp_group=tp_group,
                           pp_rank=layout.pp_rank(rank), pp_size=layout.pp, ep_size=layout.ep, fast_all_reduce=fast,
                           defer_reduce=defer_reduce, fused_norm=fused)
-    return Communicator(rank, layout, device, control, ctx)
+    channel = PlanChannel.open(rank, world, address, control, timeout_s) if layout.pp == 1 else None
+    return Communicator(rank, layout, device, control, ctx, channel)
 
 
 def split_schedule(out: SchedulerOutput, parts: int) -> list[SchedulerOutput]:

@@ -46,17 +46,18 @@ def test_fewer_sequences_than_stages():
     assert _tokens(split_schedule(_step(3, []), 1)) == [3]
 
 
-def _broadcast_plans_rank(rank: int, port: int, plans_to_send: list, out_dir: str) -> None:
+def _broadcast_plans_rank(rank: int, port: int, plans_to_send: list, out_dir: str, channel: bool) -> None:
     import pickle
 
     import torch
     import torch.distributed as dist
 
-    from raylm.actors.distributed import Communicator, RankLayout
+    from raylm.actors.distributed import Communicator, PlanChannel, RankLayout
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        comm = Communicator(rank, RankLayout(tp=2, pp=1), torch.device("cpu"), dist.group.WORLD, None)
+        plan_channel = PlanChannel.open(rank, 2, "127.0.0.1", dist.group.WORLD, 60.0) if channel else None
+        comm = Communicator(rank, RankLayout(tp=2, pp=1), torch.device("cpu"), dist.group.WORLD, None, plan_channel)
         received = [comm.broadcast_plans(plans if rank == 0 else None) for plans in plans_to_send]
         with open(f"{out_dir}/rank{rank}.pkl", "wb") as file:
             pickle.dump(received, file)
@@ -64,9 +65,11 @@ def _broadcast_plans_rank(rank: int, port: int, plans_to_send: list, out_dir: st
         dist.destroy_process_group()
 
 
-def test_plans_reach_every_rank_whole_in_one_message_or_two(tmp_path):
-    """A step plan goes out in one gloo message when it fits the first (most decode steps), else in two; None
-    (stop) too. Both ranks end with rank 0's plans."""
+@pytest.mark.parametrize("channel", [False, True], ids=["gloo", "plan-channel"])
+def test_plans_reach_every_rank_whole(tmp_path, channel):
+    """Over gloo a step plan goes out in one message when it fits the first (most decode steps), else in two;
+    over the plan channel (one pipeline stage) as one socket message, small or ~200 KB; None (stop) too. Both
+    ranks end with rank 0's plans."""
     import multiprocessing
     import pickle
 
@@ -81,7 +84,7 @@ def test_plans_reach_every_rank_whole_in_one_message_or_two(tmp_path):
     sent = [small, large, small, None]
     context = multiprocessing.get_context("spawn")
     port = free_address()[1]
-    processes = [context.Process(target=_broadcast_plans_rank, args=(rank, port, sent, str(tmp_path)))
+    processes = [context.Process(target=_broadcast_plans_rank, args=(rank, port, sent, str(tmp_path), channel))
                  for rank in (0, 1)]
     for process in processes:
         process.start()
