@@ -74,9 +74,9 @@ class BlockTableStaging:
 
 @dataclass
 class DecodeOutputs:
-    """One replayed decode step, for its n rows (views of the graph's outputs, valid until the next replay is
-    queued): final hidden states [n, hidden], and on the last stage the logits [n, vocab] and greedy_draws of
-    them (tokens [n], log-probabilities [n]); None elsewhere."""
+    """One replayed decode step, for its n rows (views of the graphs' outputs, valid until the next replay is
+    queued): final hidden states [n, hidden]; on the last stage the logits [n, vocab], and when the step asked
+    for them their greedy_draws (tokens [n], log-probabilities [n]); None otherwise."""
 
     hidden: torch.Tensor
     logits: torch.Tensor | None = None
@@ -93,8 +93,8 @@ class DecodeGraphs:
                  logits: bool = False):
         """flashinfer: the FlashInfer backend's FlashInferDecodeGraphs, whose wrappers the graphs then attend
         through (planned before each replay); None for the Triton kernels (block tables and context lengths
-        in static buffers). logits: whether the graphs compute the logits and greedy draws too (the model's
-        last stage)."""
+        in static buffers). logits: whether the graphs compute the logits too, with a greedy-draw graph of
+        each size beside them (the model's last stage)."""
         self.model = model
         self.with_logits = logits
         # The logits of every graph, in one buffer of the largest batch (allocated at the first forward): the
