@@ -28,6 +28,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import add_model_args, build_llm, random_prompts, run_suffix, write_result  # noqa: E402
 
+STEP = "step (all)"
+WORKER_WAIT = "plan broadcast (others wait)"
+
+
+def wrap_engine_phases(timer: PhaseTimer, engine, runner) -> None:
+    """The engine's own phases of a step, on the process that hosts it (the runner's are wrapped apart)."""
+    timer.wrap(engine, "step", STEP)
+    timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(engine.progress, "apply", "progress")
+    timer.wrap(engine.progress, "launched", "launch bookkeeping")
+    timer.wrap(engine, "_stats", "stats")
+    timer.wrap(runner, "feed_tokens", "feed tokens (index)")
+
 
 class PhaseTimer:
     """Wraps methods so that each call's host time is added to its phase."""
@@ -49,7 +62,13 @@ class PhaseTimer:
         setattr(owner, name, timed)
 
     def summary(self, steps: int) -> dict[str, float]:
-        return {phase: 1000 * sum(values) / steps for phase, values in self.totals.items()}
+        """ms per step of each phase; with "step (all)" (the engine's step, around every other phase timed)
+        also the rest of the step's host time, in no phase."""
+        phases = {phase: 1000 * sum(values) / steps for phase, values in self.totals.items()}
+        if STEP in phases:
+            phases["other host work in the step"] = phases[STEP] - sum(
+                ms for phase, ms in phases.items() if phase not in (STEP, WORKER_WAIT))
+        return phases
 
 
 def print_phases(phases: dict[str, float]) -> None:
@@ -68,9 +87,9 @@ class KernelProfile:
         timer = self._phase_timer = PhaseTimer()
         engine = getattr(self, "engine", None)
         if engine is not None:  # rank 0 hosts the engine
-            timer.wrap(engine, "step", "step (all)")
-            timer.wrap(engine.scheduler, "schedule", "schedule")
-            timer.wrap(engine.progress, "apply", "progress")
+            wrap_engine_phases(timer, engine, self.runner)
+        else:
+            timer.wrap(self.runner, "graph_feed", "feed tokens (own graph)")
         # Wrapped on the module and the class: the distributed runner and the worker loop look them up per call.
         timer.wrap(distributed, "plan_step", "plan")
         timer.wrap(distributed.Communicator, "broadcast_plans", "plan broadcast (others wait)")
@@ -84,7 +103,7 @@ class KernelProfile:
         """Host ms per step of each phase since start_phase_timer, and the steps (rank 0: engine steps; others:
         plans received, the last of which stops nothing here)."""
         totals = self._phase_timer.totals
-        steps = len(totals.get("step (all)") or totals.get("plan broadcast (others wait)") or [None])
+        steps = len(totals.get(STEP) or totals.get(WORKER_WAIT) or [None])
         return {"steps": steps, "host_ms_per_step": self._phase_timer.summary(steps)}
 
     def start_kernel_profile(self) -> None:
@@ -242,14 +261,12 @@ def main() -> None:
     prompts, params = warmed_up_workload(args, llm)
 
     timer = PhaseTimer()
-    timer.wrap(engine, "step", "step (all)")
-    timer.wrap(engine.scheduler, "schedule", "schedule")
+    wrap_engine_phases(timer, engine, runner)
     timer.wrap(model_runner, "plan_step", "plan")
     timer.wrap(runner, "forward", "forward launch")
     timer.wrap(runner, "compute_outputs", "logits")
     timer.wrap(runner, "_draw", "sample (queued)")
     timer.wrap(runner, "collect", "collect (waits for the device)")
-    timer.wrap(engine.progress, "apply", "progress")
     cuda = runner.device.type == "cuda"
     profiler = None
     if cuda:
