@@ -142,6 +142,39 @@ def test_graphs_pad_odd_batches_and_match_eager(tiny_model_dirs):
     assert with_graphs == without
 
 
+def test_greedy_steps_take_the_graphs_draws(tiny_model_dirs):
+    """Plain greedy requests: decode steps take the logits and greedy draws their graphs computed (a greedy
+    graph beside each forward graph), giving HF's tokens and the log-probabilities of the run without graphs;
+    sampled steps take no precomputed draws."""
+    path = tiny_model_dirs["llama"]
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    with _llm(path, dtype="float32", cuda_graph_config=None) as llm:
+        eager = _run(llm, params)
+    with _llm(path, dtype="float32") as llm:
+        runner = llm._executor.worker.runner
+        assert runner.graphs.greedy_graphs.keys() == runner.graphs.graphs.keys()
+        taken: list[bool] = []
+        sample = runner.sampler.sample
+
+        def spy(logits, rows, greedy=None):
+            pending = sample(logits, rows, greedy)
+            taken.append(pending.precomputed)
+            return pending
+
+        runner.sampler.sample = spy
+        graphed = _run(llm, params)
+        greedy_steps = sum(taken)
+        taken.clear()
+        _run(llm, SamplingParams(max_tokens=8, temperature=0.8, seed=1))
+        runner.sampler.sample = sample
+    assert greedy_steps >= NEW_TOKENS - 2 and taken and not any(taken)
+    hf = _hf_cuda(path)
+    for prompt, without, with_graphs in zip(PROMPTS, eager, graphed):
+        assert with_graphs.outputs[0].token_ids == without.outputs[0].token_ids == hf_greedy(hf, prompt, NEW_TOKENS)
+        assert abs((with_graphs.outputs[0].cumulative_logprob or 0.0)
+                   - (without.outputs[0].cumulative_logprob or 0.0)) < 1e-3
+
+
 def test_sampling_features_on_the_gpu(tiny_model_dirs):
     path = tiny_model_dirs["llama"]
     with _llm(path, dtype="bfloat16") as llm:
