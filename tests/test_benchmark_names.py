@@ -14,7 +14,7 @@ def _args(**overrides) -> argparse.Namespace:
 
 def test_default_runs_have_no_suffix(monkeypatch):
     for name in ("RAYLM_TRITON_GEMV", "RAYLM_SYMM_MEM_ALLREDUCE", "RAYLM_ALLREDUCE_NORM", "RAYLM_L2_PREFETCH",
-                 "RAYLM_PP_OVERLAP", "RAYLM_PDL"):
+                 "RAYLM_PP_OVERLAP", "RAYLM_PDL", "RAYLM_GRAPH_LOGITS"):
         monkeypatch.delenv(name, raising=False)
     assert run_suffix(_args()) == ""
 
@@ -50,7 +50,8 @@ def test_switches_set_off_against_a_default_that_can_be_on_are_named(monkeypatch
     monkeypatch.setenv("RAYLM_L2_PREFETCH", "0")
     monkeypatch.setenv("RAYLM_PP_OVERLAP", "0")
     monkeypatch.setenv("RAYLM_PDL", "0")
-    assert run_suffix(_args(tp=2)) == "-tp2-nogemv-nosymm-nonorm-nopdl"
+    monkeypatch.setenv("RAYLM_GRAPH_LOGITS", "0")
+    assert run_suffix(_args(tp=2)) == "-tp2-nogemv-nosymm-nonorm-nographlogits-nopdl"
 
 
 def test_pdl_trigger_modes_other_than_the_default_are_named(monkeypatch):

@@ -8,6 +8,7 @@ samples. A single-process engine does all of it in `execute`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -318,9 +319,10 @@ class ModelRunner:
 
             flashinfer = FlashInferDecodeGraphs(self.build_metadata, batch_sizes, max_blocks, self.block_size,
                                                 self.arch.sliding_window, self.device)
+        # RAYLM_GRAPH_LOGITS=0 leaves the logits and greedy draws to eager launches after each graph.
+        logits = self.model.lm_head is not None and os.environ.get("RAYLM_GRAPH_LOGITS", "1") not in ("", "0")
         graphs = DecodeGraphs(self.model, self.kv_caches, batch_sizes, max_blocks, self.arch.hidden_size,
-                              self.dtype, self.device, self.arch.sliding_window, flashinfer,
-                              logits=self.model.lm_head is not None)
+                              self.dtype, self.device, self.arch.sliding_window, flashinfer, logits=logits)
         graphs.capture()
         self.graphs = graphs
 

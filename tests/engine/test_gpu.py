@@ -175,6 +175,19 @@ def test_greedy_steps_take_the_graphs_draws(tiny_model_dirs):
                    - (without.outputs[0].cumulative_logprob or 0.0)) < 1e-3
 
 
+def test_graph_logits_can_be_turned_off(tiny_model_dirs, monkeypatch):
+    """RAYLM_GRAPH_LOGITS=0: graphs of the forward alone, the logits and draws launched after them."""
+    monkeypatch.setenv("RAYLM_GRAPH_LOGITS", "0")
+    path = tiny_model_dirs["llama"]
+    with _llm(path, dtype="float32") as llm:
+        graphs = llm._executor.worker.runner.graphs
+        assert graphs.graphs and not graphs.with_logits and not graphs.greedy_graphs
+        outputs = _run(llm, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    hf = _hf_cuda(path)
+    for prompt, output in zip(PROMPTS, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(hf, prompt, NEW_TOKENS)
+
+
 def test_sampling_features_on_the_gpu(tiny_model_dirs):
     path = tiny_model_dirs["llama"]
     with _llm(path, dtype="bfloat16") as llm:
