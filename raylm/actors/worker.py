@@ -114,13 +114,9 @@ class Worker:
         self.timings["py_executor"]["final_kv_cache_creation_seconds"] = seconds
         self.timings["py_executor"]["kv_cache_capacity_configuration_seconds"] = seconds
         self.runner.warm_up_decode(self.spec.max_seq_len)
-        graph_config = self.spec.args.cuda_graph_config
-        if graph_config is not None and self.device.type == "cuda":
-            from raylm.engine.cuda_graphs import default_batch_sizes
-
+        sizes = self._graph_batch_sizes()
+        if sizes:
             begin = time.perf_counter()
-            limit = min(graph_config.max_batch_size or self.spec.args.max_batch_size, self.spec.args.max_batch_size)
-            sizes = graph_config.batch_sizes or default_batch_sizes(limit)
             self.runner.capture_graphs(sizes, self.spec.max_seq_len, self.ctx.pp_size)
             self.timings.setdefault("final_model_engine", {})["gen_cuda_graph_capture_seconds"] = (
                 time.perf_counter() - begin)
@@ -153,6 +149,17 @@ class Worker:
         self.build_engine(num_blocks)
         return info
 
+    def _graph_batch_sizes(self) -> list[int]:
+        """The decode graphs' batch sizes (none off CUDA or without cuda_graph_config)."""
+        from raylm.engine.cuda_graphs import default_batch_sizes
+
+        args = self.spec.args
+        graph_config = args.cuda_graph_config
+        if graph_config is None or self.device.type != "cuda":
+            return []
+        limit = min(graph_config.max_batch_size or args.max_batch_size, args.max_batch_size)
+        return graph_config.batch_sizes or default_batch_sizes(limit)
+
     def _num_blocks(self, kv_dtype: torch.dtype) -> int:
         kv_config = self.spec.args.kv_cache_config
         block_size = kv_config.tokens_per_block
@@ -162,6 +169,9 @@ class Worker:
             args = self.spec.args
             begin = time.perf_counter()
             activations = self.runner.profile_activation_memory(min(args.max_num_tokens, self.spec.max_seq_len))
+            sizes = self._graph_batch_sizes()
+            if sizes:  # held by the decode graphs for good, beside the KV cache
+                activations += self.runner.graph_logits_bytes(max(sizes), self.ctx.pp_size)
             self.timings.setdefault("initial_model_engine", {})["general_warmup_seconds"] = (
                 time.perf_counter() - begin)
             free, _ = torch.cuda.mem_get_info(self.device)

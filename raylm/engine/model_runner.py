@@ -248,6 +248,26 @@ class ModelRunner:
         element = torch.tensor([], dtype=kv_dtype).element_size()
         return 2 * self.num_local_layers * self.block_size * self.num_kv_heads * self.arch.head_dim * element
 
+    @property
+    def graph_logits(self) -> bool:
+        """Whether decode graphs compute the logits and greedy draws (the last stage; RAYLM_GRAPH_LOGITS=0 leaves
+        them to eager launches after the graph)."""
+        return self.model.lm_head is not None and os.environ.get("RAYLM_GRAPH_LOGITS", "1") not in ("", "0")
+
+    def graphs_fit(self, pp_size: int) -> bool:
+        """Whether capture_graphs captures decode graphs here (the kernels and the model allow them)."""
+        from raylm.engine.cuda_graphs import graph_ladder_fits
+
+        return self.attention_backend in ("triton", "flashinfer") and graph_ladder_fits(self.arch, pp_size)
+
+    def graph_logits_bytes(self, max_batch: int, pp_size: int) -> int:
+        """Device memory the decode graphs keep for logits (engine/cuda_graphs.py) when they compute them: the
+        LM head's output and the buffer it is copied to (the model's dtype) and the greedy draws' float32 copy,
+        for the largest graph."""
+        if not (self.graph_logits and self.graphs_fit(pp_size)):
+            return 0
+        return max_batch * self.arch.vocab_size * (2 * self.dtype.itemsize + 4)
+
     def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype) -> None:
         """num_blocks usable blocks plus the null block 0, which alone is zeroed: every other slot is
         written before attention reads it, so the rest is left uninitialised (and untouched on the CPU)."""
@@ -308,9 +328,9 @@ class ModelRunner:
 
     def capture_graphs(self, batch_sizes: list[int], max_seq_len: int, pp_size: int) -> None:
         """Captures decode CUDA graphs (when the device, the kernels and the model allow them)."""
-        from raylm.engine.cuda_graphs import DecodeGraphs, graph_ladder_fits
+        from raylm.engine.cuda_graphs import DecodeGraphs
 
-        if self.attention_backend not in ("triton", "flashinfer") or not graph_ladder_fits(self.arch, pp_size):
+        if not self.graphs_fit(pp_size):
             return
         max_blocks = -(-max_seq_len // self.block_size)
         flashinfer = None
@@ -319,10 +339,8 @@ class ModelRunner:
 
             flashinfer = FlashInferDecodeGraphs(self.build_metadata, batch_sizes, max_blocks, self.block_size,
                                                 self.arch.sliding_window, self.device)
-        # RAYLM_GRAPH_LOGITS=0 leaves the logits and greedy draws to eager launches after each graph.
-        logits = self.model.lm_head is not None and os.environ.get("RAYLM_GRAPH_LOGITS", "1") not in ("", "0")
         graphs = DecodeGraphs(self.model, self.kv_caches, batch_sizes, max_blocks, self.arch.hidden_size,
-                              self.dtype, self.device, self.arch.sliding_window, flashinfer, logits=logits)
+                              self.dtype, self.device, self.arch.sliding_window, flashinfer, logits=self.graph_logits)
         graphs.capture()
         self.graphs = graphs
 

@@ -124,3 +124,17 @@ def test_leading_rows_are_a_slice_and_others_an_index():
     put_rows(target, 2, torch.tensor([7, 8]))
     put_rows(target, row_index([5, 3], cpu), torch.tensor([9, 4]))
     assert target.tolist() == [7, 8, 0, 4, 0, 9]
+
+
+def test_kv_capacity_leaves_room_for_the_graphs_logits(tiny_model_dirs, monkeypatch):
+    """The decode graphs keep the largest batch's logits twice in the model's dtype and once in float32 for good:
+    the KV budget subtracts that, and nothing where no graph computes logits."""
+    from tests.kernels import tiny_runner
+
+    runner, loaded = tiny_runner(tiny_model_dirs["llama"], torch.float32, torch.device("cpu"))
+    assert runner.graph_logits_bytes(64, pp_size=1) == 0  # the torch attention path captures no graphs
+    runner.attention_backend = "triton"
+    assert runner.graph_logits_bytes(64, pp_size=1) == 64 * loaded.arch.vocab_size * (2 * 4 + 4)
+    assert runner.graph_logits_bytes(64, pp_size=2) == 0  # pipeline stages run eagerly
+    monkeypatch.setenv("RAYLM_GRAPH_LOGITS", "0")
+    assert runner.graph_logits_bytes(64, pp_size=1) == 0
