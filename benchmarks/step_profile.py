@@ -42,6 +42,14 @@ def wrap_engine_phases(timer: PhaseTimer, engine, runner) -> None:
     timer.wrap(runner, "feed_tokens", "feed tokens (index)")
 
 
+def wrap_runner_phases(timer: PhaseTimer, runner) -> None:
+    """The model runner's phases of a step, on every rank."""
+    timer.wrap(runner, "forward", "forward launch")
+    timer.wrap(runner, "compute_outputs", "logits")
+    timer.wrap(runner, "_draw", "sample (queued)")
+    timer.wrap(runner, "collect", "collect (waits for the device)")
+
+
 class PhaseTimer:
     """Wraps methods so that each call's host time is added to its phase."""
 
@@ -94,10 +102,7 @@ class KernelProfile:
         timer.wrap(distributed, "plan_step", "plan")
         timer.wrap(distributed.Communicator, "broadcast_plans", "plan broadcast (others wait)")
         timer.wrap(distributed.Communicator, "broadcast_feed", "feed broadcast (queued)")
-        timer.wrap(self.runner, "forward", "forward launch")
-        timer.wrap(self.runner, "compute_outputs", "logits")
-        timer.wrap(self.runner, "_draw", "sample (queued)")
-        timer.wrap(self.runner, "collect", "collect (waits for the device)")
+        wrap_runner_phases(timer, self.runner)
 
     def stop_phase_timer(self) -> dict:
         """Host ms per step of each phase since start_phase_timer, and the steps (rank 0: engine steps; others:
@@ -220,19 +225,20 @@ def profile_ranks(args: argparse.Namespace) -> None:
 
 
 def decode_gpu_ms(runner, batch: int, context: int, iters: int = 50) -> float | None:
-    """GPU time of one graphed decode forward of `batch` sequences at `context` tokens."""
+    """GPU time of one graphed decode forward of `batch` sequences at `context` tokens (with the logits, which the
+    graph computes on the last stage)."""
     graphs = runner.graphs
     blocks_per_seq = -(-context // runner.block_size)
     if graphs is None or runner.device.type != "cuda" or not graphs.fits(batch, blocks_per_seq):
         return None
     contexts = [(list(range(1, blocks_per_seq + 1)), context)] * batch
     args = ([1] * batch, [context - 1] * batch, [-1] * batch, contexts)
-    graphs.run(*args)
+    graphs.run_step(*args)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
-        graphs.run(*args)
+        graphs.run_step(*args)
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
@@ -263,10 +269,7 @@ def main() -> None:
     timer = PhaseTimer()
     wrap_engine_phases(timer, engine, runner)
     timer.wrap(model_runner, "plan_step", "plan")
-    timer.wrap(runner, "forward", "forward launch")
-    timer.wrap(runner, "compute_outputs", "logits")
-    timer.wrap(runner, "_draw", "sample (queued)")
-    timer.wrap(runner, "collect", "collect (waits for the device)")
+    wrap_runner_phases(timer, runner)
     cuda = runner.device.type == "cuda"
     profiler = None
     if cuda:

@@ -95,10 +95,6 @@ class PlanChannel:
             filled += count
         return buffer
 
-    def close(self) -> None:
-        for sock in self.sockets:
-            sock.close()
-
 
 @dataclass(frozen=True)
 class RankLayout:

@@ -10,12 +10,11 @@ device indices."""
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.distributed as dist
 
-from raylm.kernels.dispatch import triton_available
+from raylm.kernels.dispatch import env_switch, triton_available
 
 logger = logging.getLogger(__name__)
 
@@ -90,18 +89,12 @@ class SymmetricAllReduceNorm:
                                        prefetch=prefetch)
 
 
-def _switch(name: str, device_type: str) -> bool:
-    """The switch `name` when set ("0" or empty: off), else on for CUDA devices."""
-    value = os.environ.get(name)
-    return device_type == "cuda" if value is None else value not in ("", "0")
-
-
 def symmetric_all_reduce_requested(device_type: str) -> bool:
-    return _switch("RAYLM_SYMM_MEM_ALLREDUCE", device_type)
+    return env_switch("RAYLM_SYMM_MEM_ALLREDUCE", device_type == "cuda")
 
 
 def all_reduce_norm_requested(device_type: str) -> bool:
-    return _switch("RAYLM_ALLREDUCE_NORM", device_type)
+    return env_switch("RAYLM_ALLREDUCE_NORM", device_type == "cuda")
 
 
 def symmetric_memory_requested(device_type: str) -> bool:

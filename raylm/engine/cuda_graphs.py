@@ -177,12 +177,6 @@ class DecodeGraphs:
     def fits(self, num_seqs: int, max_blocks: int) -> bool:
         return 0 < num_seqs <= self.max_batch and max_blocks <= self.max_blocks
 
-    def run(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
-            contexts: list[tuple[list[int], int]], feed: tuple[torch.Tensor | int, torch.Tensor] | None = None
-            ) -> torch.Tensor:
-        """The final hidden states [n, hidden] of run_step."""
-        return self.run_step(input_ids, positions, slot_mapping, contexts, feed).hidden
-
     @torch.inference_mode()
     def run_step(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
                  contexts: list[tuple[list[int], int]], feed: tuple[torch.Tensor | int, torch.Tensor] | None = None,

@@ -8,7 +8,6 @@ samples. A single-process engine does all of it in `execute`.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -252,7 +251,7 @@ class ModelRunner:
     def graph_logits(self) -> bool:
         """Whether decode graphs compute the logits and greedy draws (the last stage; RAYLM_GRAPH_LOGITS=0 leaves
         them to eager launches after the graph)."""
-        return self.model.lm_head is not None and os.environ.get("RAYLM_GRAPH_LOGITS", "1") not in ("", "0")
+        return self.model.lm_head is not None and dispatch.env_switch("RAYLM_GRAPH_LOGITS", True)
 
     def graphs_fit(self, pp_size: int) -> bool:
         """Whether capture_graphs captures decode graphs here (the kernels and the model allow them)."""
@@ -398,7 +397,6 @@ class ModelRunner:
             if graphed is not None and graphed.hidden is hidden and graphed.logits is not None and every_row:
                 logits = graphed.logits  # the graph computed them
             else:
-                self._graphed = None
                 logits = self.model.compute_logits(hidden if every_row else
                                                    hidden[to_device(plan.sample_rows, self.device)])
         prompt_logprobs: dict[str, list[TokenLogprob]] = {}

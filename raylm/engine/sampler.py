@@ -135,9 +135,8 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None, 
 
 
 def greedy_draws(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's greedy token and its log-probability under the raw distribution, by the same operations the
-    sampler runs for a batch of plain greedy rows (so the two agree bit for bit): what a decode CUDA graph
-    computes for its rows, whether or not the step's rows are greedy."""
+    """Each row's greedy token and its log-probability under the raw distribution: the sampler's draws for a
+    batch of plain greedy rows, which a decode CUDA graph computes for a step of greedy requests."""
     logits = logits.float()
     tokens = logits.argmax(dim=-1)
     return tokens, logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
@@ -258,10 +257,10 @@ class Sampler:
         greedy: greedy_draws(logits), already queued (by a decode graph), which a batch of plain greedy rows
         takes instead of launching its own."""
         kinds = _RowKinds(rows)
-        if greedy is not None and kinds.identity and kinds.plain and not kinds.processes:
-            tokens, chosen = greedy
+        if kinds.identity and kinds.plain and not kinds.processes:  # plain greedy rows: one draw each
+            tokens, chosen = greedy if greedy is not None else greedy_draws(logits)
             return PendingSamples(rows, [[i] for i in range(len(rows))], tokens, {"chosen": chosen}, True,
-                                  precomputed=True)
+                                  precomputed=greedy is not None)
         logits = logits.float()
         device = logits.device
         processed = self._process(logits, rows) if kinds.processes else logits

@@ -29,9 +29,15 @@ STREAMING_PDL_MODE = PDL_TRIGGERS["tail"]
 _weight_streaming = False
 
 
+def env_switch(name: str, default: bool) -> bool:
+    """The switch `name` when set in the environment (off: empty or "0"; on: anything else), else `default`."""
+    value = os.environ.get(name)
+    return default if value is None else value not in ("", "0")
+
+
 def env_flag(name: str) -> bool:
-    """Whether the switch `name` is set in the environment (anything but unset, empty or "0")."""
-    return os.environ.get(name, "0") not in ("", "0")
+    """Whether the switch `name` is set on in the environment (off when unset)."""
+    return env_switch(name, False)
 
 
 @functools.cache

@@ -184,7 +184,8 @@ def test_decode_graphs_plan_flashinfer_before_every_step(fake_flashinfer, tiny_m
     graphs = DecodeGraphs(loaded.model, runner.kv_caches, [1, 4], 8, loaded.arch.hidden_size, torch.float32,
                           torch.device("cpu"), None, flashinfer)
     for step in range(2):
-        hidden = graphs.run([5, 9], [19, 4], [2 * 16 + 3, 3 * 16 + 4], [([1, 2], 20 + step), ([3], 5 + step)])
+        hidden = graphs.run_step([5, 9], [19, 4], [2 * 16 + 3, 3 * 16 + 4],
+                                 [([1, 2], 20 + step), ([3], 5 + step)]).hidden
         assert hidden.shape == (2, loaded.arch.hidden_size)
         indptr, indices, last = flashinfer.wrappers[4].plans[-1][0][:3]
         assert (indptr.tolist(), indices.tolist(), last.tolist()) == ([0, 2, 3, 4, 5], [1, 2, 3, 0, 0],
