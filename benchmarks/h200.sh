@@ -22,7 +22,9 @@
 #   bash benchmarks/h200.sh x2-check       # 2-GPU tests (but the fused all-reduce + RMSNorm's own), 8B TP=2 vs TP=1
 #                                          # parity                                                     (~9 min)
 #   bash benchmarks/h200.sh x2-throughput  # 8B 1000 x (1024, 1024) at TP=2 and at PP=2              (~7 min)
-#   bash benchmarks/h200.sh x2-pipeline    # the same at PP=2 with overlapped steps (RAYLM_PP_OVERLAP=1) (~6 min)
+#   bash benchmarks/h200.sh x2-pipeline    # PP=2 with overlapped steps (RAYLM_PP_OVERLAP=1): its test, then
+#                                          # 256 x (512, 128) without and with it                        (~6 min)
+#   bash benchmarks/h200.sh x2-pipeline-large  # 1000 x (1024, 1024) at PP=2 with it                    (~6 min)
 #   bash benchmarks/h200.sh x2-pipeline-profile  # its per-stage profile over 256 x (512, 128)      (~3 min)
 #   bash benchmarks/h200.sh x2-fast        # the fused all-reduce + RMSNorm's 2-GPU tests (one with the L2 prefetch);
 #                                          # 8B TP=2 batch 1 and 8 by default, and batch 1 on NCCL alone  (~8 min)
@@ -62,6 +64,26 @@ torch.testing.assert_close(gemv(x, w).float(), (x.float() @ w.float().T), atol=0
   fi
   [ "$(cat "$marker")" = ok ] && export TRITON_CACHE_AUTOTUNING=1
   return 0
+}
+# Runs a command under a time limit like `timeout`, but first has every raylm worker print its threads' Python
+# stacks (RayWorker registers SIGUSR1 for this) and keeps their logs' tails under $OUT/stacks/: a command that runs
+# out of time then shows where each rank waited.
+watched() {  # seconds command...
+  local seconds=$1 waited=0; shift
+  "$@" &
+  local pid=$!
+  while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt "$seconds" ]; do sleep 1; waited=$((waited + 1)); done
+  if kill -0 "$pid" 2>/dev/null; then
+    echo "still running after $seconds s: the workers' stacks go to ${OUT:-/tmp}/stacks/" >&2
+    pkill -USR1 -f "ray::RayWorker"
+    sleep 5
+    mkdir -p "${OUT:-/tmp}/stacks"
+    for log in /tmp/ray/session_latest/logs/worker-*.err; do
+      grep -q "most recent call first" "$log" 2>/dev/null && tail -200 "$log" > "${OUT:-/tmp}/stacks/$(basename "$log")"
+    done
+    kill "$pid"; sleep 5; kill -9 "$pid" 2>/dev/null
+  fi
+  wait "$pid"
 }
 dummy=(--load_format dummy)
 llama=benchmarks/configs/llama-3.1-8b
@@ -192,11 +214,24 @@ case "${1:-}" in
     throughput throughput-8b-n1000-pp2 "$llama" 1000 1024 1024 256 330 --pp 2
     ;;
   x2-pipeline)
-    # PP=2 with overlapped steps (RAYLM_PP_OVERLAP=1): its CPU-tested path on NCCL, then where its time goes (each
-    # stage's kernels and idle gaps over 256 x (512, 128)).
-    # PP=2 took 221 s for this workload plus ~60 s to start: its 300 s limit could cut a run that did not hang.
-    export RAYLM_PP_OVERLAP=1
-    throughput throughput-8b-n1000-pp2-overlap "$llama" 1000 1024 1024 256 450 --pp 2
+    # PP=2 with overlapped steps (RAYLM_PP_OVERLAP=1): its 2-GPU test, then 256 x (512, 128) without and with it. Its
+    # first run on NCCL (1000 x (1024, 1024), 2026-11-30) ran past 450 s without a word: each run here is watched,
+    # and prints the workers' stacks if it runs out of time.
+    timeout 150 python -m pytest tests/actors/test_multi_gpu.py -q -p no:cacheprovider --tb=short \
+      -k overlapped_pipeline 2>&1 | grep -v "^(RayWorker" | tail -8
+    use_gemv_tuning_cache
+    for overlap in 0 1; do
+      RAYLM_PP_OVERLAP=$overlap watched 180 python benchmarks/throughput.py --model "$llama" "${dummy[@]}" \
+        --num_prompts 256 --input_len 512 --output_len 128 --max_batch_size 256 --pp 2 \
+        $(output_json "throughput-8b-n256-pp2-overlap$overlap") 2>&1 | grep -v "^(RayWorker" | tail -3
+    done
+    ;;
+  x2-pipeline-large)
+    # 1000 x (1024, 1024) at PP=2 with overlapped steps (without: 221 s plus ~60 s to start).
+    use_gemv_tuning_cache
+    RAYLM_PP_OVERLAP=1 watched 500 python benchmarks/throughput.py --model "$llama" "${dummy[@]}" --num_prompts 1000 \
+      --input_len 1024 --output_len 1024 --max_batch_size 256 --pp 2 $(output_json throughput-8b-n1000-pp2-overlap) \
+      2>&1 | grep -v "^(RayWorker" | tail -3
     ;;
   x2-pipeline-profile)
     export RAYLM_PP_OVERLAP=1
@@ -206,7 +241,7 @@ case "${1:-}" in
     ;;
   *)
     echo "usage: bash benchmarks/h200.sh check|latency|throughput|peers|gemv|sweep|pdl|prefetch|prefetch-profile|flashinfer|" \
-      "x2-check|x2-throughput|x2-pipeline|x2-pipeline-profile|x2-fast|x2-profile" >&2
+      "x2-check|x2-throughput|x2-pipeline|x2-pipeline-large|x2-pipeline-profile|x2-fast|x2-profile" >&2
     exit 2
     ;;
 esac

@@ -7,9 +7,11 @@ every iteration's output gathered since the last one. The other ranks run the wo
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import os
 import queue
+import signal
 import traceback
 from typing import Any
 
@@ -24,6 +26,9 @@ from raylm.engine.messages import EngineRequest, StepOutput
 from raylm.models.loader import load_hf_config
 from raylm.models.registry import resolve_architecture
 
+# `kill -USR1 PID` makes a worker print every thread's Python stack to its log (Ray's worker-*.err): where each
+# rank waits when a step hangs. benchmarks/h200.sh does this before it stops a command that ran out of time.
+STACKS_SIGNAL = signal.SIGUSR1
 # Concurrency groups of the actor: ordered control messages, the output long poll, the blocking loops.
 CONCURRENCY_GROUPS = {"control": 1, "outputs": 1, "loop": 1}
 # Set in a worker's runtime_env when its ranks must see every GPU of the node (each at a distinct index, as the
@@ -65,6 +70,7 @@ def resolve_extension(extension: type | str | None) -> type | None:
 
 class RayWorker:
     def __init__(self, spec: WorkerSpec, rank: int, layout: RankLayout, extension: type | str | None = None):
+        faulthandler.register(STACKS_SIGNAL, all_threads=True)
         self.gpu_index = own_gpu_index() if spec.device == "cuda" else None
         self.bind_gpu()
         self.spec = spec

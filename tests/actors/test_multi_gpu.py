@@ -1,6 +1,7 @@
 """Two GPUs: TP=2 and PP=2 greedy tokens equal one GPU's (and HF's) in fp32 with the default all-reduces (symmetric
-memory, fused into the RMSNorm), with each of them alone and with NCCL alone, and an AsyncLLM sharing a caller's
-2-bundle placement group, GPU by GPU, with another actor. Runs only where 2 CUDA devices are."""
+memory, fused into the RMSNorm), with each of them alone and with NCCL alone, PP=2 with overlapped steps, and an
+AsyncLLM sharing a caller's 2-bundle placement group, GPU by GPU, with another actor. Runs only where 2 CUDA
+devices are."""
 
 from __future__ import annotations
 
@@ -57,6 +58,28 @@ def test_two_gpu_greedy_tokens_equal_one_gpu_and_hf(ray_cluster, tiny_model_dirs
         del hf
         torch.cuda.empty_cache()
     assert _greedy(path, **layout) == _one_gpu[arch]
+
+
+class PipelineProbe:
+    def overlaps_pipeline(self) -> bool:
+        return self.engine.overlap and self.engine.scheduler.skip_in_flight
+
+
+def test_overlapped_pipeline_steps_give_the_same_tokens(ray_cluster, tiny_model_dirs, monkeypatch):
+    """RAYLM_PP_OVERLAP=1 over NCCL: the first stage runs step N+1 while the last finishes step N (their activations
+    and logits cross while the other stage computes); a budget of 16 tokens a step chunks the prompts, so steps
+    overlap from the first."""
+    monkeypatch.setenv("RAYLM_PP_OVERLAP", "1")
+    path = tiny_model_dirs["llama"]
+    with LLM(str(path), device="cuda", dtype="float32", skip_tokenizer_init=True, kv_cache_config=KV,
+             max_seq_len=1024, pipeline_parallel_size=2, max_num_tokens=16,
+             worker_extension_cls=PipelineProbe) as llm:
+        assert llm.collective_rpc("overlaps_pipeline", target_ranks=[0]) == [True]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
+                               SamplingParams(max_tokens=NEW_TOKENS), use_tqdm=False)
+    if "llama" not in _one_gpu:
+        _one_gpu["llama"] = _greedy(path)
+    assert [o.outputs[0].token_ids for o in outputs] == _one_gpu["llama"]
 
 
 @pytest.fixture(scope="module")

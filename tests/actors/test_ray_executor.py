@@ -319,3 +319,32 @@ def test_graph_logits_and_draws_at_tp2_keep_tokens(ray_cluster, tiny_model_dirs)
     assert steps == peer_steps >= NEW_TOKENS - 1
     assert broadcasts == peer_broadcasts < 4  # of the 15 fed steps
     assert got == _hf_tokens(path)
+
+
+def test_a_worker_prints_its_stacks_on_sigusr1(ray_cluster, tiny_model_dirs):
+    """`kill -USR1` on a worker writes every thread's Python stack to its Ray log (how benchmarks/h200.sh shows
+    where each rank waits in a command that ran out of time), and the worker carries on."""
+    import os
+    import signal
+
+    import ray
+
+    logs = os.path.join(ray._private.worker.global_worker.node.get_session_dir_path(), "logs")
+    with LLM(str(tiny_model_dirs["llama"]), pipeline_parallel_size=2, kv_cache_config=KV) as llm:
+        pids = [int(device.rsplit("-", 1)[1]) for device in llm.collective_rpc("report_device_id")]
+        for pid in pids:
+            os.kill(pid, signal.SIGUSR1)
+        stacks = {}
+        deadline = time.monotonic() + 30
+        while len(stacks) < len(pids) and time.monotonic() < deadline:
+            for pid in pids:
+                for name in os.listdir(logs):
+                    if name.startswith("worker-") and name.endswith(f"-{pid}.err"):
+                        with open(os.path.join(logs, name)) as log:
+                            text = log.read()
+                        if "most recent call first" in text:
+                            stacks[pid] = text
+            time.sleep(0.2)
+        assert len(stacks) == len(pids)
+        assert "worker_loop" in stacks[pids[1]]  # rank 1 waits for rank 0's next plan
+        assert _generate(llm) == _hf_tokens(tiny_model_dirs["llama"])
