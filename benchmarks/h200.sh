@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU issue's workloads on one H200, split so that each part fits one 10-minute device command:
-#   bash benchmarks/h200.sh check        # GPU tests: kernels against their torch references, the engine (~7 min)
+#   bash benchmarks/h200.sh check        # GPU tests: kernels against their torch references, the engine, the
+#                                        # sampler's tests with logits on the GPU                  (~7 min)
 #   bash benchmarks/h200.sh latency      # the latency workloads, then step profiles                (~3 min)
 #   bash benchmarks/h200.sh throughput   # 8B 1000 x (1024, 1024), median of 3 runs                (~7 min)
 #   bash benchmarks/h200.sh peers        # 8B 256 x (512, 128) and SmolLM2 1024 x (256, 256), median of 3,
@@ -108,7 +109,8 @@ throughput() {  # name model prompts input output max_batch seconds [extra...]
 case "${1:-}" in
   check)
     # The PDL tests run in their own part (pdl).
-    timeout 560 python -m pytest tests/kernels tests/engine/test_gpu.py tests/engine/test_overlap.py -q -k "not pdl" \
+    timeout 560 python -m pytest tests/kernels tests/engine/test_gpu.py tests/engine/test_overlap.py \
+      tests/engine/test_sampler.py -q -k "not pdl" \
       -p no:cacheprovider --durations=5 2>&1 | tail -15
     ;;
   latency)

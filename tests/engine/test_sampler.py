@@ -5,6 +5,9 @@ Distribution tests draw 20,000 tokens with fixed seeds and compare the counts wi
 probabilities computed here independently of raylm: every token must be within five standard errors of
 its expected count, and the chi-square statistic below its 1e-4 critical value, so a wrong distribution
 fails (test_distribution_check_rejects_* prove the check has that power).
+
+Every test runs on the CPU and, where CUDA is, again with the logits on the GPU (marked `gpu`): the sampler
+draws where its logits are, as the engine's does on a GPU.
 """
 
 from __future__ import annotations
@@ -22,9 +25,24 @@ LOGITS = [2.0, 1.2, 0.9, 0.5, 0.1, -0.3, -1.0, -2.5]  # distinct, descending: to
 VOCAB = len(LOGITS)
 NUM_DRAWS = 20_000
 EOS = 2
+DEVICE = torch.device("cpu")  # where the tests put logits: set per test by the `device` fixture
 
 
 # ------------------------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(autouse=True, params=["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def device(request):
+    global DEVICE
+    DEVICE = torch.device(request.param)
+    yield DEVICE
+    DEVICE = torch.device("cpu")
+
+
+def _tensor(values, **kwargs) -> torch.Tensor:
+    """Logits on the test's device."""
+    return torch.tensor(values, device=DEVICE, **kwargs)
 
 
 def _softmax(values: list[float]) -> list[float]:
@@ -101,7 +119,7 @@ def _row(params: SamplingParams, seed: int | None = None, num_samples: int = 1, 
 
 def _sample(rows: list[SamplingRow], logits: list[list[float]] | None = None, sampler_seed: int = 0
             ) -> list[SampleResult]:
-    batch = torch.tensor(logits if logits is not None else [LOGITS] * len(rows))
+    batch = _tensor(logits if logits is not None else [LOGITS] * len(rows))
     return Sampler(sampler_seed)(batch, rows)
 
 
@@ -246,7 +264,7 @@ def test_sampling_in_a_batch_row_follows_that_rows_own_logits():
 
 
 def test_filter_logits_top_k_masks_all_but_the_k_largest():
-    logits = torch.tensor([0.3, 2.0, -1.0, 1.5, 0.0])
+    logits = _tensor([0.3, 2.0, -1.0, 1.5, 0.0])
     filtered = filter_logits(logits, top_k=2, top_p=None, min_p=None)
     assert torch.isinf(filtered).tolist() == [True, False, True, False, True]
     assert filtered[1] == 2.0 and filtered[3] == 1.5
@@ -254,23 +272,23 @@ def test_filter_logits_top_k_masks_all_but_the_k_largest():
 
 @pytest.mark.parametrize(("top_k", "top_p", "min_p"), [(None, None, None), (0, 1.0, 0.0), (VOCAB, None, None)])
 def test_filter_logits_disabled_filters_leave_logits_unchanged(top_k, top_p, min_p):
-    logits = torch.tensor(LOGITS)
+    logits = _tensor(LOGITS)
     assert torch.equal(filter_logits(logits, top_k, top_p, min_p), logits)
 
 
 def test_filter_logits_does_not_modify_its_input():
-    logits = torch.tensor(LOGITS)
+    logits = _tensor(LOGITS)
     filter_logits(logits, top_k=2, top_p=0.5, min_p=0.5)
-    assert torch.equal(logits, torch.tensor(LOGITS))
+    assert torch.equal(logits, _tensor(LOGITS))
 
 
 def test_filter_logits_top_p_keeps_the_top_token_even_when_it_alone_exceeds_p():
-    filtered = filter_logits(torch.tensor([5.0, 0.0, 0.0]), top_k=None, top_p=0.1, min_p=None)
+    filtered = filter_logits(_tensor([5.0, 0.0, 0.0]), top_k=None, top_p=0.1, min_p=None)
     assert torch.isfinite(filtered).tolist() == [True, False, False]
 
 
 def test_filter_logits_filters_each_row_of_a_batch_independently():
-    batch = torch.tensor([LOGITS, list(reversed(LOGITS))])
+    batch = _tensor([LOGITS, list(reversed(LOGITS))])
     filtered = filter_logits(batch, top_k=3, top_p=None, min_p=None)
     assert torch.isfinite(filtered[0]).nonzero().flatten().tolist() == [0, 1, 2]
     assert torch.isfinite(filtered[1]).nonzero().flatten().tolist() == [5, 6, 7]
@@ -283,7 +301,7 @@ def test_filter_logits_filters_each_row_of_a_batch_independently():
 
 
 def test_filter_logits_keeps_surviving_logits_unchanged():
-    logits = torch.tensor(LOGITS)
+    logits = _tensor(LOGITS)
     filtered = filter_logits(logits, top_k=5, top_p=0.9, min_p=0.1)
     kept = torch.isfinite(filtered)
     assert torch.equal(filtered[kept], logits[kept])
@@ -325,7 +343,7 @@ def test_greedy_picks_the_argmax_after_penalties():
 
 def _penalised(params: SamplingParams, prompt: list[int], output: list[int],
                logits: list[float] = LOGITS) -> list[float]:
-    values = torch.tensor(logits)
+    values = _tensor(logits)
     apply_penalties(values, params, prompt, output)
     return values.tolist()
 
@@ -387,14 +405,14 @@ def test_repetition_then_presence_and_frequency_penalties_combine():
 
 
 def test_neutral_penalties_change_nothing():
-    assert _penalised(SamplingParams(), prompt=[0, 1], output=[2, 2]) == torch.tensor(LOGITS).tolist()
+    assert _penalised(SamplingParams(), prompt=[0, 1], output=[2, 2]) == _tensor(LOGITS).tolist()
 
 
 def test_sampler_does_not_modify_the_callers_logits():
-    logits = torch.tensor([LOGITS])
+    logits = _tensor([LOGITS])
     params = _with_eos(temperature=1.0, repetition_penalty=3.0, presence_penalty=1.0, min_tokens=4)
     Sampler(0)(logits, [_row(params, seed=0, prompt=[0], output=[1])])
-    assert torch.equal(logits, torch.tensor([LOGITS]))
+    assert torch.equal(logits, _tensor([LOGITS]))
 
 
 # ------------------------------------------------------------------------------------------- min_tokens
@@ -477,7 +495,7 @@ def test_seeded_row_draws_do_not_depend_on_the_other_rows_in_the_batch():
         sampler = Sampler(batch_before * 10 + batch_after)
         steps = []
         for _ in range(30):  # successive steps: the row's generator carries its state across calls
-            results = sampler(torch.tensor([LOGITS] * len(rows)), rows)
+            results = sampler(_tensor([LOGITS] * len(rows)), rows)
             steps.append(results[batch_before].token_ids[0])
         return steps
 
@@ -562,7 +580,7 @@ def test_no_top_list_without_top_logprobs_but_the_chosen_logprob_is_reported(log
 
 
 def test_logprobs_are_computed_in_float32_from_half_precision_logits():
-    logits = torch.tensor([LOGITS], dtype=torch.bfloat16)
+    logits = _tensor([LOGITS], dtype=torch.bfloat16)
     [result] = Sampler(0)(logits, [_row(SamplingParams(logprobs=2))])
     expected = torch.log_softmax(logits.float(), dim=-1)[0]
     assert result.logprobs == pytest.approx([expected[0].item()])
@@ -600,18 +618,7 @@ def test_beam_rows_and_sampling_rows_share_a_batch():
     assert len(sampled.token_ids) == 4
 
 
-# ------------------------------------------------------------------------------------------- device
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded-cpu-generator"])
-def test_sampling_cuda_logits_draws_tokens(seeded):
-    logits = torch.tensor([LOGITS], device="cuda")
-    # A CPU generator, as Request.__post_init__ builds one for a seeded request.
-    row = _row(SamplingParams(temperature=1.0), seed=0 if seeded else None, num_samples=8)
-    [result] = Sampler(0)(logits, [row])
-    assert len(result.token_ids) == 8
+# ------------------------------------------------------------------------------------------- rows
 
 
 def test_sampling_rows_are_made_once_for_sequences_whose_row_never_changes():
