@@ -19,6 +19,7 @@ import itertools
 import logging
 import pickle
 import socket
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from raylm.actors.symmetric_memory import all_reduce_norm_requested, fast_all_reduce, fused_norm
-from raylm.engine.model_runner import LaunchedStep, ModelOutput, ModelRunner, StepPlan, plan_step
+from raylm.engine.model_runner import LaunchedStep, ModelOutput, ModelRunner, RanksOutOfStep, StepPlan, plan_step
 from raylm.engine.sampler import row_index
 from raylm.engine.scheduler import SchedulerOutput
 from raylm.kernels.dispatch import env_flag
@@ -359,23 +360,35 @@ class DistributedRunner:
         self.can_overlap = not self.pipelined or pipeline_overlap_requested()
         self._unreceived: PipelinedStep | None = None
 
+    @contextmanager
+    def _ranks_in_step(self):
+        """Around what rank 0 does once a step's plan is on its way to the other ranks: a failure there leaves
+        them out of step with it (RanksOutOfStep)."""
+        try:
+            yield
+        except Exception as exc:
+            raise RanksOutOfStep(f"a step failed on rank 0 after the other ranks had started it: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+
     def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep | PipelinedStep:
         plan = plan_step(out, self.runner.block_size)
         if self.pipelined:
             return self._launch_pipelined(out, plan)
         fed = self.runner.feed_tokens(out, plan, previous)
-        self.comm.broadcast_plans([plan])
-        if plan.feed_rows and plan.feed_sources is None:
-            fed = self.comm.broadcast_feed(fed, len(plan.feed_rows))
-        return self.runner.launch_planned(out, plan, fed)
+        with self._ranks_in_step():
+            self.comm.broadcast_plans([plan])
+            if plan.feed_rows and plan.feed_sources is None:
+                fed = self.comm.broadcast_feed(fed, len(plan.feed_rows))
+            return self.runner.launch_planned(out, plan, fed)
 
     def collect(self, launched: LaunchedStep | PipelinedStep) -> ModelOutput:
         if not isinstance(launched, PipelinedStep):
             return self.runner.collect(launched)
-        if launched.outputs is None:  # no later step was launched
-            self._receive_pending()
-        for send in launched.sends:
-            send.wait()
+        with self._ranks_in_step():
+            if launched.outputs is None:  # no later step was launched
+                self._receive_pending()
+            for send in launched.sends:
+                send.wait()
         logits, prompt_logprobs = launched.outputs
         return ModelOutput(self.runner.sample(launched.out, logits), prompt_logprobs)
 
@@ -386,11 +399,12 @@ class DistributedRunner:
         buffers wait for their receiver)."""
         if plan.feed_rows:
             raise RuntimeError("a pipelined step's input is a placeholder: the scheduler must hold such sequences")
-        self.comm.broadcast_plans([plan])
-        hidden, residual = self.runner.forward(plan)
-        self._receive_pending()
-        dst = self.comm.neighbour(1)
-        sends = [self.comm.isend_tensor(t, dst) for t in (hidden, residual)]
+        with self._ranks_in_step():
+            self.comm.broadcast_plans([plan])
+            hidden, residual = self.runner.forward(plan)
+            self._receive_pending()
+            dst = self.comm.neighbour(1)
+            sends = [self.comm.isend_tensor(t, dst) for t in (hidden, residual)]
         self._unreceived = step = PipelinedStep(out, plan, sends)
         return step
 
@@ -403,10 +417,11 @@ class DistributedRunner:
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         layout = self.comm.layout
         plans = [plan_step(piece, self.runner.block_size) for piece in split_schedule(out, layout.pp)]
-        self.comm.broadcast_plans(plans)
-        outputs = run_stage(self.runner, self.comm, plans)
-        if layout.pp > 1:
-            outputs = [self._receive_outputs() for _ in plans]
+        with self._ranks_in_step():
+            self.comm.broadcast_plans(plans)
+            outputs = run_stage(self.runner, self.comm, plans)
+            if layout.pp > 1:
+                outputs = [self._receive_outputs() for _ in plans]
         logits = [logit for logit, _ in outputs if logit is not None]
         prompt_logprobs = {}
         for _, entries in outputs:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from raylm.engine.kv_cache import KVCacheManager
 from raylm.engine.messages import EngineRequest, RequestDelta, StepOutput
-from raylm.engine.model_runner import LaunchedStep, ModelOutput, ModelRunner
+from raylm.engine.model_runner import LaunchedStep, ModelOutput, ModelRunner, RanksOutOfStep
 from raylm.engine.progress import Progress
 from raylm.engine.request import FinishReason, Request
 from raylm.engine.scheduler import Scheduler, SchedulerOutput
@@ -125,7 +125,9 @@ class EngineCore:
                 else:
                     model_output = self.runner.execute(out)
                     self.progress.launched(out, placeholders=False)
-            except Exception as exc:  # a failed step fails its requests, never the engine
+            except RanksOutOfStep:  # the ranks cannot go on together: the engine stops
+                raise
+            except Exception as exc:  # otherwise a failed step fails its requests, never the engine
                 deltas.extend(self._fail(out, exc))
             else:
                 if not self.overlap:
@@ -150,6 +152,8 @@ class EngineCore:
         out = in_flight.launched.out
         try:
             model_output = self.runner.collect(in_flight.launched)
+        except RanksOutOfStep:
+            raise
         except Exception as exc:
             deltas = self._fail(out, exc)
         else:

@@ -78,6 +78,12 @@ class ModelOutput:
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
+class RanksOutOfStep(RuntimeError):
+    """A step failed on rank 0 after its plan had gone to the other ranks, which ran (or wait in) a step that
+    rank 0 did not finish: their collectives no longer pair up with rank 0's, so the engine stops with this error
+    instead of failing the step's requests and going on (as one rank does)."""
+
+
 @dataclass
 class LaunchedStep:
     """A step queued on the device: its draws are on their way to the host."""

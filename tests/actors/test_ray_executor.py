@@ -348,3 +348,41 @@ def test_a_worker_prints_its_stacks_on_sigusr1(ray_cluster, tiny_model_dirs):
         assert len(stacks) == len(pids)
         assert "worker_loop" in stacks[pids[1]]  # rank 1 waits for rank 0's next plan
         assert _generate(llm) == _hf_tokens(tiny_model_dirs["llama"])
+
+
+class FailingForward:
+    """Makes rank 0's next forward raise, after the step's plan has gone to the other ranks."""
+
+    def fail_next_forward(self) -> None:
+        runner = self.engine.runner.runner
+        forward = runner.forward
+
+        def failing(*args, **kwargs):
+            runner.forward = forward
+            raise RuntimeError("injected forward failure")
+
+        runner.forward = failing
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_a_step_failing_on_rank_0_after_its_plan_went_out_stops_the_engine(ray_cluster, tiny_model_dirs, tp, pp):
+    """The other ranks already run (or wait in) that step, so their collectives no longer pair up with rank 0's:
+    the engine stops with a clear error instead of going on out of step (which hangs or computes garbage), its
+    requests fail quickly, health reports it, and shutdown still releases every worker."""
+    llm = LLM(str(tiny_model_dirs["llama"]), tensor_parallel_size=tp, pipeline_parallel_size=pp, kv_cache_config=KV,
+              worker_extension_cls=FailingForward)
+    try:
+        assert _generate(llm) == _hf_tokens(tiny_model_dirs["llama"])
+        llm.collective_rpc("fail_next_forward", target_ranks=[0])
+        started = time.time()
+        with pytest.raises(RuntimeError, match="other ranks had started it.*injected forward failure"):
+            llm.generate([5, 6, 7], SamplingParams(max_tokens=8))
+        assert time.time() - started < 10
+        with pytest.raises(RuntimeError, match="not running"):
+            llm.check_health()
+    finally:
+        llm.shutdown()
+    deadline = time.time() + 10
+    while (_alive_workers(ray_cluster) or _live_groups()) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _alive_workers(ray_cluster) == [] and _live_groups() == []
