@@ -66,9 +66,9 @@ torch.testing.assert_close(gemv(x, w).float(), (x.float() @ w.float().T), atol=0
   [ "$(cat "$marker")" = ok ] && export TRITON_CACHE_AUTOTUNING=1
   return 0
 }
-# Runs a command under a time limit like `timeout`, but first has every raylm worker print its threads' Python
-# stacks (RayWorker registers SIGUSR1 for this) and keeps their logs' tails under $OUT/stacks/: a command that runs
-# out of time then shows where each rank waited.
+# Runs a command under a time limit like `timeout` (the latency and throughput runs here all go through it), but
+# first has every raylm worker print its threads' Python stacks (RayWorker registers SIGUSR1 for this) and keeps
+# their logs' tails under $OUT/stacks/: a command that runs out of time then shows where each rank waited.
 watched() {  # seconds command...
   local seconds=$1 waited=0; shift
   "$@" &
@@ -93,7 +93,7 @@ smol=benchmarks/configs/smollm2-135m
 latency() {  # name model batch [extra...]
   local name=$1 model=$2 batch=$3; shift 3
   use_gemv_tuning_cache
-  timeout 150 python benchmarks/latency.py --model "$model" "${dummy[@]}" --max_batch_size "$batch" \
+  watched 150 python benchmarks/latency.py --model "$model" "${dummy[@]}" --max_batch_size "$batch" \
     --batch_size "$batch" --input_len 32 --output_len 128 --num_iters 3 $(output_json "$name") "$@" \
     2>&1 | tail -4
 }
@@ -101,7 +101,7 @@ latency() {  # name model batch [extra...]
 throughput() {  # name model prompts input output max_batch seconds [extra...]
   local name=$1 model=$2 prompts=$3 input=$4 output=$5 batch=$6 seconds=$7; shift 7
   use_gemv_tuning_cache
-  timeout "$seconds" python benchmarks/throughput.py --model "$model" "${dummy[@]}" --num_prompts "$prompts" \
+  watched "$seconds" python benchmarks/throughput.py --model "$model" "${dummy[@]}" --num_prompts "$prompts" \
     --input_len "$input" --output_len "$output" --max_batch_size "$batch" $(output_json "$name") "$@" \
     2>&1 | tail -5
 }
