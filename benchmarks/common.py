@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import platform
 import random
+import signal
 import time
 from pathlib import Path
 
 import torch
 
 RESULTS = Path(__file__).parent / "results"
+
+# With RAYLM_STACKS_DIR set (benchmarks/h200.sh's `watched`), `kill -USR1` makes a benchmark write every thread's
+# stack to a file there: where an engine running in this process (one GPU) waits, as its Ray workers print theirs.
+if os.environ.get("RAYLM_STACKS_DIR"):
+    os.makedirs(os.environ["RAYLM_STACKS_DIR"], exist_ok=True)
+    _STACKS = open(os.path.join(os.environ["RAYLM_STACKS_DIR"], f"benchmark-{os.getpid()}.txt"), "w")
+    faulthandler.register(signal.SIGUSR1, file=_STACKS, all_threads=True)
 
 
 def add_model_args(parser: argparse.ArgumentParser, peer: bool = True) -> None:

@@ -71,12 +71,13 @@ torch.testing.assert_close(gemv(x, w).float(), (x.float() @ w.float().T), atol=0
 # their logs' tails under $OUT/stacks/: a command that runs out of time then shows where each rank waited.
 watched() {  # seconds command...
   local seconds=$1 waited=0; shift
-  "$@" &
+  RAYLM_STACKS_DIR="${OUT:-/tmp}/stacks" "$@" &
   local pid=$!
   while kill -0 "$pid" 2>/dev/null && [ "$waited" -lt "$seconds" ]; do sleep 1; waited=$((waited + 1)); done
   if kill -0 "$pid" 2>/dev/null; then
     echo "still running after $seconds s: the workers' stacks go to ${OUT:-/tmp}/stacks/" >&2
     pkill -USR1 -f "ray::RayWorker"
+    kill -USR1 "$pid"  # the benchmark itself (benchmarks/common.py), where a one-GPU engine runs
     sleep 5
     mkdir -p "${OUT:-/tmp}/stacks"
     for log in /tmp/ray/session_latest/logs/worker-*.err; do
