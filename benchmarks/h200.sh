@@ -218,23 +218,17 @@ case "${1:-}" in
     ;;
   x2-pipeline)
     # PP=2 with overlapped steps (RAYLM_PP_OVERLAP=1): its 2-GPU test, then 256 x (512, 128) without and with it. Its
-    # first run on NCCL (1000 x (1024, 1024), 2026-11-30) ran past 450 s without a word: each run here is watched,
-    # and prints the workers' stacks if it runs out of time.
+    # first run on NCCL (1000 x (1024, 1024), 2026-11-30) ran past 450 s without a word: runs here are watched
+    # (the throughput helper), and leave the workers' stacks if they run out of time.
     timeout 150 python -m pytest tests/actors/test_multi_gpu.py -q -p no:cacheprovider --tb=short \
       -k overlapped_pipeline 2>&1 | grep -v "^(RayWorker" | tail -8
-    use_gemv_tuning_cache
     for overlap in 0 1; do
-      RAYLM_PP_OVERLAP=$overlap watched 180 python benchmarks/throughput.py --model "$llama" "${dummy[@]}" \
-        --num_prompts 256 --input_len 512 --output_len 128 --max_batch_size 256 --pp 2 \
-        $(output_json "throughput-8b-n256-pp2-overlap$overlap") 2>&1 | grep -v "^(RayWorker" | tail -3
+      RAYLM_PP_OVERLAP=$overlap throughput "throughput-8b-n256-pp2-overlap$overlap" "$llama" 256 512 128 256 180 --pp 2
     done
     ;;
   x2-pipeline-large)
     # 1000 x (1024, 1024) at PP=2 with overlapped steps (without: 221 s plus ~60 s to start).
-    use_gemv_tuning_cache
-    RAYLM_PP_OVERLAP=1 watched 500 python benchmarks/throughput.py --model "$llama" "${dummy[@]}" --num_prompts 1000 \
-      --input_len 1024 --output_len 1024 --max_batch_size 256 --pp 2 $(output_json throughput-8b-n1000-pp2-overlap) \
-      2>&1 | grep -v "^(RayWorker" | tail -3
+    RAYLM_PP_OVERLAP=1 throughput throughput-8b-n1000-pp2-overlap "$llama" 1000 1024 1024 256 500 --pp 2
     ;;
   x2-pipeline-profile)
     export RAYLM_PP_OVERLAP=1

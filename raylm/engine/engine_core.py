@@ -125,9 +125,7 @@ class EngineCore:
                 else:
                     model_output = self.runner.execute(out)
                     self.progress.launched(out, placeholders=False)
-            except RanksOutOfStep:  # the ranks cannot go on together: the engine stops
-                raise
-            except Exception as exc:  # otherwise a failed step fails its requests, never the engine
+            except Exception as exc:  # a failed step fails its requests (_fail says when it stops the engine)
                 deltas.extend(self._fail(out, exc))
             else:
                 if not self.overlap:
@@ -152,8 +150,6 @@ class EngineCore:
         out = in_flight.launched.out
         try:
             model_output = self.runner.collect(in_flight.launched)
-        except RanksOutOfStep:
-            raise
         except Exception as exc:
             deltas = self._fail(out, exc)
         else:
@@ -171,6 +167,8 @@ class EngineCore:
         return deltas
 
     def _fail(self, out: SchedulerOutput, exc: Exception) -> list[RequestDelta]:
+        if isinstance(exc, RanksOutOfStep):  # the ranks cannot go on together: the engine stops
+            raise exc
         logger.exception("engine step failed")
         failed = {item.request.request_id for item in out.scheduled}
         message = f"engine step failed: {type(exc).__name__}: {exc}"

@@ -172,6 +172,14 @@ def _live_groups() -> list:
     return [g for g in list_placement_groups() if g.state != "REMOVED"]
 
 
+def _assert_workers_and_groups_gone(ray_module, timeout: float = 10.0) -> None:
+    """Every RayWorker actor and placement group is gone within `timeout` seconds (shutdown is asynchronous)."""
+    deadline = time.time() + timeout
+    while (_alive_workers(ray_module) or _live_groups()) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _alive_workers(ray_module) == [] and _live_groups() == []
+
+
 def test_shutdown_leaves_no_actors_or_placement_groups_and_two_engines_coexist(ray_cluster, tiny_model_dirs):
     first = LLM(str(tiny_model_dirs["llama"]), tensor_parallel_size=2, kv_cache_config=KV)
     second = LLM(str(tiny_model_dirs["qwen2"]), pipeline_parallel_size=2, kv_cache_config=KV)
@@ -180,10 +188,7 @@ def test_shutdown_leaves_no_actors_or_placement_groups_and_two_engines_coexist(r
     assert _generate(second) == _hf_tokens(tiny_model_dirs["qwen2"])
     first.shutdown()
     second.shutdown()
-    deadline = time.time() + 10
-    while (_alive_workers(ray_cluster) or _live_groups()) and time.time() < deadline:
-        time.sleep(0.2)
-    assert _alive_workers(ray_cluster) == [] and _live_groups() == []
+    _assert_workers_and_groups_gone(ray_cluster)
 
 
 def test_killing_a_worker_fails_requests_quickly_and_health_reports_it(ray_cluster, tiny_model_dirs):
@@ -204,10 +209,7 @@ def test_killing_a_worker_fails_requests_quickly_and_health_reports_it(ray_clust
             llm.generate([1, 2, 3])
     finally:
         llm.shutdown()
-    deadline = time.time() + 10
-    while (_alive_workers(ray_cluster) or _live_groups()) and time.time() < deadline:
-        time.sleep(0.2)
-    assert _alive_workers(ray_cluster) == [] and _live_groups() == []
+    _assert_workers_and_groups_gone(ray_cluster)
 
 
 def test_dummy_weights_are_one_model_across_parallel_layouts(ray_cluster, tiny_model_dirs):
@@ -382,7 +384,4 @@ def test_a_step_failing_on_rank_0_after_its_plan_went_out_stops_the_engine(ray_c
             llm.check_health()
     finally:
         llm.shutdown()
-    deadline = time.time() + 10
-    while (_alive_workers(ray_cluster) or _live_groups()) and time.time() < deadline:
-        time.sleep(0.2)
-    assert _alive_workers(ray_cluster) == [] and _live_groups() == []
+    _assert_workers_and_groups_gone(ray_cluster)
