@@ -74,17 +74,18 @@ def parallel_suffix(args: argparse.Namespace) -> str:
 # The kernel switches (RAYLM_* environment variables) a result name records when they are set: '-<short>' on, and
 # for the switches that can be on by default '-no<short>' off (the GEMV and PDL for weight-streaming models:
 # kernels/dispatch.py; the symmetric all-reduce and the fused all-reduce + norm for TP > 1 on GPUs:
-# actors/symmetric_memory.py; the logits and greedy draws inside the decode graphs: engine/cuda_graphs.py).
+# actors/symmetric_memory.py; the logits and greedy draws inside the decode graphs: engine/cuda_graphs.py; overlapped
+# pipeline steps: actors/distributed.py).
 SWITCHES = (("RAYLM_TRITON_GEMV", "gemv"), ("RAYLM_SYMM_MEM_ALLREDUCE", "symm"), ("RAYLM_ALLREDUCE_NORM", "norm"),
             ("RAYLM_L2_PREFETCH", "l2"), ("RAYLM_PP_OVERLAP", "overlap"), ("RAYLM_GRAPH_LOGITS", "graphlogits"),
             ("RAYLM_PDL", "pdl"))
 _ON_BY_DEFAULT = ("RAYLM_TRITON_GEMV", "RAYLM_SYMM_MEM_ALLREDUCE", "RAYLM_ALLREDUCE_NORM", "RAYLM_PDL",
-                  "RAYLM_GRAPH_LOGITS")
+                  "RAYLM_GRAPH_LOGITS", "RAYLM_PP_OVERLAP")
 
 
 def switch_suffix() -> str:
     """'-gemv', '-symm', '-norm', '-l2' (and '-<N>mib' for a RAYLM_L2_PREFETCH_MIB cap), '-overlap',
-    '-graphlogits', '-pdl' for each switch set on ('-nogemv', '-nosymm', '-nonorm', '-nographlogits', '-nopdl' for
+    '-graphlogits', '-pdl' for each switch set on ('-nogemv', '-nosymm', '-nonorm', '-nooverlap', '-nographlogits', '-nopdl' for
     those that can be on by default, set off), then PDL's trigger mode when not `start` ('-after_wait', '-exit',
     '-tail'), in that order; '' with none set."""
     from raylm.kernels.dispatch import PDL_TRIGGERS, env_flag

@@ -23,9 +23,9 @@
 #   bash benchmarks/h200.sh x2-check       # 2-GPU tests (but the fused all-reduce + RMSNorm's own), 8B TP=2 vs TP=1
 #                                          # parity                                                     (~9 min)
 #   bash benchmarks/h200.sh x2-throughput  # 8B 1000 x (1024, 1024) at TP=2 and at PP=2              (~7 min)
-#   bash benchmarks/h200.sh x2-pipeline    # PP=2 with overlapped steps (RAYLM_PP_OVERLAP=1): its test, then
-#                                          # 256 x (512, 128) without and with it                        (~6 min)
-#   bash benchmarks/h200.sh x2-pipeline-large  # 1000 x (1024, 1024) at PP=2 with it                    (~6 min)
+#   bash benchmarks/h200.sh x2-pipeline    # PP=2's overlapped steps (the default): their test, then
+#                                          # 256 x (512, 128) without (RAYLM_PP_OVERLAP=0) and with them  (~6 min)
+#   bash benchmarks/h200.sh x2-pipeline-large  # 1000 x (1024, 1024) at PP=2 without them             (~6 min)
 #   bash benchmarks/h200.sh x2-pipeline-profile  # its per-stage profile over 256 x (512, 128)      (~3 min)
 #   bash benchmarks/h200.sh x2-fast        # the fused all-reduce + RMSNorm's 2-GPU tests (one with the L2 prefetch);
 #                                          # 8B TP=2 batch 1 and 8 by default, and batch 1 on NCCL alone  (~8 min)
@@ -217,9 +217,10 @@ case "${1:-}" in
     throughput throughput-8b-n1000-pp2 "$llama" 1000 1024 1024 256 330 --pp 2
     ;;
   x2-pipeline)
-    # PP=2 with overlapped steps (RAYLM_PP_OVERLAP=1): its 2-GPU test, then 256 x (512, 128) without and with it. Its
-    # first run on NCCL (1000 x (1024, 1024), 2026-11-30) ran past 450 s without a word: runs here are watched
-    # (the throughput helper), and leave the workers' stacks if they run out of time.
+    # PP=2's overlapped steps: their 2-GPU test, then 256 x (512, 128) without and with them. Their first run on
+    # NCCL hung (the last stage's first send waited for a connection that rank 0 joins only later; links are now
+    # made at start-up): runs here are watched (the throughput helper), and leave the workers' stacks if they run
+    # out of time.
     timeout 150 python -m pytest tests/actors/test_multi_gpu.py -q -p no:cacheprovider --tb=short \
       -k overlapped_pipeline 2>&1 | grep -v "^(RayWorker" | tail -8
     for overlap in 0 1; do
@@ -227,11 +228,10 @@ case "${1:-}" in
     done
     ;;
   x2-pipeline-large)
-    # 1000 x (1024, 1024) at PP=2 with overlapped steps (without: 221 s plus ~60 s to start).
-    RAYLM_PP_OVERLAP=1 throughput throughput-8b-n1000-pp2-overlap "$llama" 1000 1024 1024 256 500 --pp 2
+    # 1000 x (1024, 1024) at PP=2 in micro-batches (x2-throughput runs it with overlapped steps, the default).
+    RAYLM_PP_OVERLAP=0 throughput throughput-8b-n1000-pp2-overlap0 "$llama" 1000 1024 1024 256 500 --pp 2
     ;;
   x2-pipeline-profile)
-    export RAYLM_PP_OVERLAP=1
     timeout 150 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 256 --batch_size 256 \
       --input_len 512 --output_len 128 --pp 2 --kernels 12 --gaps 8 $(output_json step-llama-3.1-8b-b256-pp2-overlap) \
       2>&1 | grep -v "^(RayWorker" | tail -48

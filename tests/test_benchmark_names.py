@@ -26,7 +26,7 @@ def test_layout_backend_and_switches_are_named_in_order(monkeypatch):
     monkeypatch.setenv("RAYLM_L2_PREFETCH", "1")
     monkeypatch.setenv("RAYLM_PP_OVERLAP", "0")
     monkeypatch.setenv("RAYLM_PDL", "1")
-    assert run_suffix(_args(tp=2, attention_backend="flashinfer")) == "-tp2-flashinfer-gemv-nosymm-norm-l2-pdl"
+    assert run_suffix(_args(tp=2, attention_backend="flashinfer")) == "-tp2-flashinfer-gemv-nosymm-norm-l2-nooverlap-pdl"
     monkeypatch.setenv("RAYLM_PP_OVERLAP", "1")
     assert run_suffix(_args(pp=2)) == "-pp2-gemv-nosymm-norm-l2-overlap-pdl"
     monkeypatch.setenv("RAYLM_L2_PREFETCH_MIB", "24")
@@ -42,8 +42,8 @@ def test_layout_backend_and_switches_are_named_in_order(monkeypatch):
 
 def test_switches_set_off_against_a_default_that_can_be_on_are_named(monkeypatch):
     """The GEMV and PDL are on by default for weight-streaming models (kernels/dispatch.py), the symmetric
-    all-reduce and the fused all-reduce + norm for TP > 1 on GPUs: a run that turns them off must not overwrite
-    the default run's result; the L2 prefetch and the pipeline overlap are off by default."""
+    all-reduce and the fused all-reduce + norm for TP > 1 on GPUs, overlapped steps for pipelines: a run that
+    turns them off must not overwrite the default run's result; the L2 prefetch is off by default."""
     monkeypatch.setenv("RAYLM_TRITON_GEMV", "0")
     monkeypatch.setenv("RAYLM_SYMM_MEM_ALLREDUCE", "0")
     monkeypatch.setenv("RAYLM_ALLREDUCE_NORM", "0")
@@ -51,7 +51,7 @@ def test_switches_set_off_against_a_default_that_can_be_on_are_named(monkeypatch
     monkeypatch.setenv("RAYLM_PP_OVERLAP", "0")
     monkeypatch.setenv("RAYLM_PDL", "0")
     monkeypatch.setenv("RAYLM_GRAPH_LOGITS", "0")
-    assert run_suffix(_args(tp=2)) == "-tp2-nogemv-nosymm-nonorm-nographlogits-nopdl"
+    assert run_suffix(_args(tp=2)) == "-tp2-nogemv-nosymm-nonorm-nooverlap-nographlogits-nopdl"
 
 
 def test_pdl_trigger_modes_other_than_the_default_are_named(monkeypatch):

@@ -30,7 +30,7 @@ from raylm.actors.symmetric_memory import all_reduce_norm_requested, fast_all_re
 from raylm.engine.model_runner import LaunchedStep, ModelOutput, ModelRunner, RanksOutOfStep, StepPlan, plan_step
 from raylm.engine.sampler import row_index
 from raylm.engine.scheduler import SchedulerOutput
-from raylm.kernels.dispatch import env_flag
+from raylm.kernels.dispatch import env_switch
 from raylm.models.parallel import ParallelContext
 
 logger = logging.getLogger(__name__)
@@ -270,7 +270,28 @@ def init_distributed(rank: int, layout: RankLayout, address: str, port: int, dev
                           pp_rank=layout.pp_rank(rank), pp_size=layout.pp, ep_size=layout.ep, fast_all_reduce=fast,
                           defer_reduce=defer_reduce, fused_norm=fused)
     channel = PlanChannel.open(rank, world, address, control, timeout_s) if layout.pp == 1 else None
+    if layout.pp > 1:
+        _connect_pipeline(rank, layout, device)
     return Communicator(rank, layout, device, control, ctx, channel)
+
+
+def _connect_pipeline(rank: int, layout: RankLayout, device: torch.device) -> None:
+    """Makes every point-to-point link a pipeline uses (activations to the next stage, outputs from the last
+    stage's leader to rank 0) before the first step. NCCL connects a pair on its first transfer, and the sender
+    waits there on its host until the receiver joins: with overlapped steps the last stage sends step N's outputs
+    while rank 0 waits for it in step N+1's plan broadcast, so a first connection made then never completes. The
+    links are made one at a time in the same order on every rank, which cannot deadlock."""
+    links = [(layout.rank_of(stage, t), layout.rank_of(stage + 1, t))
+             for stage in range(layout.pp - 1) for t in range(layout.tp)]
+    links.append((layout.rank_of(layout.pp - 1, 0), 0))
+    probe = torch.zeros(1, device=device)
+    for src, dst in links:
+        if rank == src:
+            dist.send(probe, dst)
+        elif rank == dst:
+            dist.recv(probe, src)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def split_schedule(out: SchedulerOutput, parts: int) -> list[SchedulerOutput]:
@@ -329,7 +350,9 @@ def run_stage(runner: ModelRunner, comm: Communicator, plans: list[StepPlan]):
 
 
 def pipeline_overlap_requested() -> bool:
-    return env_flag("RAYLM_PP_OVERLAP")
+    """Whether pipelines overlap consecutive steps (the default; RAYLM_PP_OVERLAP=0 runs each step to the end in
+    micro-batches)."""
+    return env_switch("RAYLM_PP_OVERLAP", True)
 
 
 @dataclass
@@ -347,10 +370,10 @@ class DistributedRunner:
     """Rank 0's view of a multi-rank model: the engine calls it as it would a single runner. With one pipeline
     stage, steps overlap as on one rank (launch / collect): the plan goes to the other ranks over gloo while
     the device is busy, and the tokens of placeholder inputs follow on the device (a broadcast from rank 0's
-    draws), so no rank waits for its device between steps. Pipelines run each step to the end in micro-batches
-    (execute), or with RAYLM_PP_OVERLAP=1 overlap steps (launch / collect of PipelinedStep): the scheduler then
-    keeps sequences whose draw is in flight out of the next step, so consecutive steps hold different sequences
-    and the first stage computes step N+1 while the last finishes step N."""
+    draws), so no rank waits for its device between steps. Pipelines overlap steps (launch / collect of
+    PipelinedStep): the scheduler keeps sequences whose draw is in flight out of the next step, so consecutive
+    steps hold different sequences and the first stage computes step N+1 while the last finishes step N; with
+    RAYLM_PP_OVERLAP=0 they run each step to the end in micro-batches (execute)."""
 
     def __init__(self, runner: ModelRunner, comm: Communicator):
         self.runner = runner
