@@ -111,8 +111,8 @@ case "${1:-}" in
   check)
     # The PDL tests run in their own part (pdl).
     timeout 560 python -m pytest tests/kernels tests/engine/test_gpu.py tests/engine/test_overlap.py \
-      tests/engine/test_sampler.py -q -k "not pdl" \
-      -p no:cacheprovider --durations=5 2>&1 | tail -15
+      tests/engine/test_sampler.py -q -rs -k "not pdl" \
+      -p no:cacheprovider --durations=5 2>&1 | tail -20
     ;;
   latency)
     latency latency-smollm2-b1 "$smol" 1 --peer hf
