@@ -85,9 +85,9 @@ _ON_BY_DEFAULT = ("RAYLM_TRITON_GEMV", "RAYLM_SYMM_MEM_ALLREDUCE", "RAYLM_ALLRED
 
 def switch_suffix() -> str:
     """'-gemv', '-symm', '-norm', '-l2' (and '-<N>mib' for a RAYLM_L2_PREFETCH_MIB cap), '-overlap',
-    '-graphlogits', '-pdl' for each switch set on ('-nogemv', '-nosymm', '-nonorm', '-nooverlap', '-nographlogits', '-nopdl' for
-    those that can be on by default, set off), then PDL's trigger mode when not `start` ('-after_wait', '-exit',
-    '-tail'), in that order; '' with none set."""
+    '-graphlogits', '-pdl' for each switch set on ('-nogemv', '-nosymm', '-nonorm', '-nooverlap', '-nographlogits',
+    '-nopdl' for those that can be on by default, set off), then PDL's trigger mode when not `start` ('-after_wait',
+    '-exit', '-tail'), in that order; '' with none set."""
     from raylm.kernels.dispatch import PDL_TRIGGERS, env_flag
 
     suffix = ""

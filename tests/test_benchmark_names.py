@@ -26,7 +26,8 @@ def test_layout_backend_and_switches_are_named_in_order(monkeypatch):
     monkeypatch.setenv("RAYLM_L2_PREFETCH", "1")
     monkeypatch.setenv("RAYLM_PP_OVERLAP", "0")
     monkeypatch.setenv("RAYLM_PDL", "1")
-    assert run_suffix(_args(tp=2, attention_backend="flashinfer")) == "-tp2-flashinfer-gemv-nosymm-norm-l2-nooverlap-pdl"
+    expected = "-tp2-flashinfer-gemv-nosymm-norm-l2-nooverlap-pdl"
+    assert run_suffix(_args(tp=2, attention_backend="flashinfer")) == expected
     monkeypatch.setenv("RAYLM_PP_OVERLAP", "1")
     assert run_suffix(_args(pp=2)) == "-pp2-gemv-nosymm-norm-l2-overlap-pdl"
     monkeypatch.setenv("RAYLM_L2_PREFETCH_MIB", "24")
