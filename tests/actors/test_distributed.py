@@ -1,8 +1,10 @@
-"""actors/distributed.py: pipeline micro-batches are contiguous slices of a step with about equal token counts."""
+"""actors/distributed.py: pipeline micro-batches are contiguous slices of a step with about equal token counts;
+pipelines make their point-to-point links at start-up, in an order that cannot deadlock."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from raylm.actors.distributed import split_schedule
 from raylm.engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -93,3 +95,56 @@ def test_plans_reach_every_rank_whole(tmp_path, channel):
         assert process.exitcode == 0
     for rank in (0, 1):
         assert pickle.loads((tmp_path / f"rank{rank}.pkl").read_bytes()) == sent
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 2), (2, 2), (2, 3), (1, 4)])
+def test_pipeline_links_are_made_at_start_up_without_deadlock(monkeypatch, tp, pp):
+    """Each rank makes its links as NCCL does a pair's first transfer: sender and receiver wait for each other.
+    Every link a pipeline uses (activations to the next stage, the last stage's outputs to rank 0) is made once,
+    and every rank gets through (a rank taking them in another order than its peers would wait forever)."""
+    import threading
+
+    from raylm.actors import distributed
+
+    layout = distributed.RankLayout(tp=tp, pp=pp)
+    meetings: dict[tuple[int, int], threading.Barrier] = {}
+    made: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def meet(src: int, dst: int) -> None:
+        with lock:
+            barrier = meetings.setdefault((src, dst), threading.Barrier(2, timeout=5))
+        if barrier.wait() == 0:
+            with lock:
+                made.append((src, dst))
+
+    class Rendezvous:
+        def __init__(self, rank: int):
+            self.rank = rank
+
+        def send(self, tensor, dst):
+            meet(self.rank, dst)
+
+        def recv(self, tensor, src):
+            meet(src, self.rank)
+
+    by_thread: dict[int, Rendezvous] = {}
+    monkeypatch.setattr(distributed.dist, "send", lambda t, dst: by_thread[threading.get_ident()].send(t, dst))
+    monkeypatch.setattr(distributed.dist, "recv", lambda t, src: by_thread[threading.get_ident()].recv(t, src))
+    errors = []
+
+    def rank_main(rank: int) -> None:
+        by_thread[threading.get_ident()] = Rendezvous(rank)
+        try:
+            distributed._connect_pipeline(rank, layout, torch.device("cpu"))
+        except Exception as exc:  # a broken barrier: this rank waited for a peer that never came
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(layout.world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    forward = {(layout.rank_of(s, t), layout.rank_of(s + 1, t)) for s in range(pp - 1) for t in range(tp)}
+    assert sorted(made) == sorted(forward | {(layout.rank_of(pp - 1, 0), 0)})
