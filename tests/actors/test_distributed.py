@@ -3,9 +3,12 @@ pipelines make their point-to-point links at start-up, in an order that cannot d
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
+from raylm.actors import distributed
 from raylm.actors.distributed import split_schedule
 from raylm.engine.scheduler import ScheduledSequence, SchedulerOutput
 
@@ -102,10 +105,6 @@ def test_pipeline_links_are_made_at_start_up_without_deadlock(monkeypatch, tp, p
     """Each rank makes its links as NCCL does a pair's first transfer: sender and receiver wait for each other.
     Every link a pipeline uses (activations to the next stage, the last stage's outputs to rank 0) is made once,
     and every rank gets through (a rank taking them in another order than its peers would wait forever)."""
-    import threading
-
-    from raylm.actors import distributed
-
     layout = distributed.RankLayout(tp=tp, pp=pp)
     meetings: dict[tuple[int, int], threading.Barrier] = {}
     made: list[tuple[int, int]] = []
@@ -118,23 +117,13 @@ def test_pipeline_links_are_made_at_start_up_without_deadlock(monkeypatch, tp, p
             with lock:
                 made.append((src, dst))
 
-    class Rendezvous:
-        def __init__(self, rank: int):
-            self.rank = rank
-
-        def send(self, tensor, dst):
-            meet(self.rank, dst)
-
-        def recv(self, tensor, src):
-            meet(src, self.rank)
-
-    by_thread: dict[int, Rendezvous] = {}
-    monkeypatch.setattr(distributed.dist, "send", lambda t, dst: by_thread[threading.get_ident()].send(t, dst))
-    monkeypatch.setattr(distributed.dist, "recv", lambda t, src: by_thread[threading.get_ident()].recv(t, src))
+    this_rank = threading.local()
+    monkeypatch.setattr(distributed.dist, "send", lambda tensor, dst: meet(this_rank.value, dst))
+    monkeypatch.setattr(distributed.dist, "recv", lambda tensor, src: meet(src, this_rank.value))
     errors = []
 
     def rank_main(rank: int) -> None:
-        by_thread[threading.get_ident()] = Rendezvous(rank)
+        this_rank.value = rank
         try:
             distributed._connect_pipeline(rank, layout, torch.device("cpu"))
         except Exception as exc:  # a broken barrier: this rank waited for a peer that never came
