@@ -80,7 +80,7 @@ def main() -> None:
         sys.exit(f"benchmarks/allreduce.py needs {args.gpus} CUDA devices, found {torch.cuda.device_count()}")
     import tempfile
 
-    from raylm.actors.distributed import free_address
+    from raylm.actors.transport import free_address
 
     with tempfile.TemporaryDirectory() as folder:
         raw = Path(folder) / "rank0.json"

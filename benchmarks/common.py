@@ -41,6 +41,9 @@ def add_model_args(parser: argparse.ArgumentParser, peer: bool = True) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     parser.add_argument("--attention_backend", default="auto", choices=["auto", "torch", "triton", "flashinfer"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="PATH=VALUE",
+                        help="any LLM setting, as `raylm serve --set` takes it (kernel_config.pdl=off, "
+                             "cuda_graph_config.capture_logits=false, ...); named in the result file's name")
     parser.add_argument("--output_json", default=None, help="result file (default: benchmarks/results/<name>.json)")
 
 
@@ -51,19 +54,37 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[li
     return [[rng.randrange(low, vocab_size) for _ in range(length)] for _ in range(num)]
 
 
-def build_llm(args: argparse.Namespace, max_seq_len: int, executor: str = "auto", **options):
-    """An LLM for the benchmark's model arguments; options go to LLM as they are (worker_extension_cls...)."""
-    from raylm import LLM, KvCacheConfig
+def settings(args: argparse.Namespace) -> list[tuple[str, object]]:
+    """The run's --set assignments as (dotted path, value), checked as `raylm serve --set` checks them."""
+    from raylm.serving.config_sources import parse_assignment
 
-    return LLM(
-        executor=executor, **options,
+    return [parse_assignment(text) for text in getattr(args, "settings", [])]
+
+
+def llm_options(args: argparse.Namespace, max_seq_len: int) -> dict:
+    """The LLM keyword arguments of the benchmark's model arguments, with its --set assignments applied."""
+    options = dict(
         model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
         tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, max_seq_len=max_seq_len,
         skip_tokenizer_init=args.load_format == "dummy", seed=args.seed, attention_backend=args.attention_backend,
-        kv_cache_config=KvCacheConfig(max_tokens=args.kv_cache_max_tokens, enable_block_reuse=False,
-                                      free_gpu_memory_fraction=args.kv_cache_free_gpu_memory_fraction),
+        kv_cache_config={"max_tokens": args.kv_cache_max_tokens, "enable_block_reuse": False,
+                         "free_gpu_memory_fraction": args.kv_cache_free_gpu_memory_fraction},
     )
+    for path, value in settings(args):
+        *parents, leaf = path.split(".")
+        tree = options
+        for name in parents:
+            tree = tree.setdefault(name, {})
+        tree[leaf] = value
+    return options
+
+
+def build_llm(args: argparse.Namespace, max_seq_len: int, executor: str = "auto", **options):
+    """An LLM for the benchmark's model arguments; options go to LLM as they are (worker_extension_cls...)."""
+    from raylm import LLM
+
+    return LLM(executor=executor, **options, **llm_options(args, max_seq_len))
 
 
 def parallel_suffix(args: argparse.Namespace) -> str:
@@ -71,44 +92,25 @@ def parallel_suffix(args: argparse.Namespace) -> str:
     return "".join(f"-{name}{size}" for name, size in (("tp", args.tp), ("pp", args.pp)) if size > 1)
 
 
-# The kernel switches (RAYLM_* environment variables) a result name records when they are set: '-<short>' on, and
-# for the switches that can be on by default '-no<short>' off (the GEMV and PDL for weight-streaming models:
-# kernels/dispatch.py; the symmetric all-reduce and the fused all-reduce + norm for TP > 1 on GPUs:
-# actors/symmetric_memory.py; the logits and greedy draws inside the decode graphs: engine/cuda_graphs.py; overlapped
-# pipeline steps: actors/distributed.py).
-SWITCHES = (("RAYLM_TRITON_GEMV", "gemv"), ("RAYLM_SYMM_MEM_ALLREDUCE", "symm"), ("RAYLM_ALLREDUCE_NORM", "norm"),
-            ("RAYLM_L2_PREFETCH", "l2"), ("RAYLM_PP_OVERLAP", "overlap"), ("RAYLM_GRAPH_LOGITS", "graphlogits"),
-            ("RAYLM_PDL", "pdl"))
-_ON_BY_DEFAULT = ("RAYLM_TRITON_GEMV", "RAYLM_SYMM_MEM_ALLREDUCE", "RAYLM_ALLREDUCE_NORM", "RAYLM_PDL",
-                  "RAYLM_GRAPH_LOGITS", "RAYLM_PP_OVERLAP")
-
-
-def switch_suffix() -> str:
-    """'-gemv', '-symm', '-norm', '-l2' (and '-<N>mib' for a RAYLM_L2_PREFETCH_MIB cap), '-overlap',
-    '-graphlogits', '-pdl' for each switch set on ('-nogemv', '-nosymm', '-nonorm', '-nooverlap', '-nographlogits',
-    '-nopdl' for those that can be on by default, set off), then PDL's trigger mode when not `start` ('-after_wait',
-    '-exit', '-tail'), in that order; '' with none set."""
-    from raylm.kernels.dispatch import PDL_TRIGGERS, env_flag
-
+def settings_suffix(args: argparse.Namespace) -> str:
+    """One part per --set assignment, in order: '-<field>' for true, '-no<field>' for false, '-<field>-<value>'
+    otherwise (the field: the path's last name), so that a run with a setting changed never overwrites the default
+    run's result."""
     suffix = ""
-    for name, short in SWITCHES:
-        if env_flag(name):
-            suffix += f"-{short}"
-            if name == "RAYLM_L2_PREFETCH" and os.environ.get("RAYLM_L2_PREFETCH_MIB"):  # the cap, when tuned
-                suffix += f"-{os.environ['RAYLM_L2_PREFETCH_MIB'].strip()}mib"
-        elif name in _ON_BY_DEFAULT and name in os.environ:
-            suffix += f"-no{short}"
-    mode = os.environ.get("RAYLM_PDL", "0").strip().lower()
-    if PDL_TRIGGERS.get(mode, 0) > PDL_TRIGGERS["start"]:
-        suffix += f"-{mode}"
+    for path, value in settings(args):
+        field = path.rsplit(".", 1)[-1]
+        if isinstance(value, bool):
+            suffix += f"-{field}" if value else f"-no{field}"
+        else:
+            suffix += f"-{field}-{value}"
     return suffix
 
 
 def run_suffix(args: argparse.Namespace) -> str:
-    """parallel_suffix, then '-<backend>' when an attention backend was chosen, then switch_suffix (part of
+    """parallel_suffix, then '-<backend>' when an attention backend was chosen, then settings_suffix (part of
     result names)."""
     backend = "" if args.attention_backend == "auto" else f"-{args.attention_backend}"
-    return parallel_suffix(args) + backend + switch_suffix()
+    return parallel_suffix(args) + backend + settings_suffix(args)
 
 
 def release_device_memory(device: str) -> None:

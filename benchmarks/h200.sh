@@ -9,13 +9,9 @@
 #   bash benchmarks/h200.sh gemv         # the decode GEMV against cuBLAS, then 8B batch 1 with it on: latency
 #                                        # and step profile                                         (~3 min)
 #   bash benchmarks/h200.sh sweep        # throughput against batch size, SmolLM2 (with HF) and 8B   (~4 min)
-#   bash benchmarks/h200.sh pdl          # programmatic dependent launch (RAYLM_PDL): its GPU tests, then 8B batch 1
-#                                        # by default (GEMV + PDL tail), PDL off, at exit, with neither; batch 8,
-#                                        # and the step profile of the default                       (~6 min)
-#   bash benchmarks/h200.sh prefetch     # the next GEMV's weight pulled into L2 by the small kernels before it
-#                                        # (RAYLM_L2_PREFETCH=1): its GPU tests, 8B batch 1 with and without it,
-#                                        # alternating (2 runs each), then with a 24 MiB cap          (~7 min)
-#   bash benchmarks/h200.sh prefetch-profile  # with it: 8B batch 8 and the batch-1 step profile      (~3 min)
+#   bash benchmarks/h200.sh pdl          # programmatic dependent launch (kernel_config.pdl): its GPU tests, then
+#                                        # 8B batch 1 by default (GEMV + PDL tail), PDL off, at exit, with
+#                                        # neither; batch 8, and the step profile of the default     (~6 min)
 #   bash benchmarks/h200.sh flashinfer   # attention_backend="flashinfer": its GPU tests, then 8B latency batch 8
 #                                        # and 8B 256 x (512, 128); needs .gpu/flashinfer.tar.xz from
 #                                        # benchmarks/flashinfer_bundle.sh (its first JIT compiles take minutes)
@@ -24,14 +20,16 @@
 #                                          # parity                                                     (~9 min)
 #   bash benchmarks/h200.sh x2-throughput  # 8B 1000 x (1024, 1024) at TP=2 and at PP=2              (~7 min)
 #   bash benchmarks/h200.sh x2-pipeline    # PP=2's overlapped steps (the default): their test, then
-#                                          # 256 x (512, 128) without (RAYLM_PP_OVERLAP=0) and with them  (~6 min)
+#                                          # 256 x (512, 128) without (disable_pipeline_overlap) and with them
+#                                          #                                                          (~6 min)
 #   bash benchmarks/h200.sh x2-pipeline-large  # 1000 x (1024, 1024) at PP=2 without them             (~6 min)
 #   bash benchmarks/h200.sh x2-pipeline-profile  # its per-stage profile over 256 x (512, 128)      (~3 min)
-#   bash benchmarks/h200.sh x2-fast        # the fused all-reduce + RMSNorm's 2-GPU tests (one with the L2 prefetch);
+#   bash benchmarks/h200.sh x2-fast        # the fused all-reduce + RMSNorm's 2-GPU tests;
 #                                          # 8B TP=2 batch 1 and 8 by default, and batch 1 on NCCL alone  (~8 min)
 #   bash benchmarks/h200.sh x2-profile     # all-reduce latency NCCL vs symmetric memory; the 8B TP=2 batch-1
 #                                          # per-rank profile                                            (~3 min)
-# Results go to benchmarks/results/ under the scripts' own names, or to $OUT/results/NAME.json when OUT is set (as
+# Engine settings are changed with the benchmarks' --set PATH=VALUE (as `raylm serve --set`), which also names the
+# result files. Results go to benchmarks/results/ under the scripts' own names, or to $OUT/results/NAME.json when OUT is set (as
 # on the device machine, whose $OUT comes back).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -134,9 +132,10 @@ case "${1:-}" in
   gemv)
     timeout 150 python -m pytest tests/kernels/test_triton_gemv.py -q -p no:cacheprovider 2>&1 | tail -2
     timeout 150 python benchmarks/gemv.py $(output_json gemv-llama-3.1-8b) 2>&1 | tail -25
-    (export RAYLM_TRITON_GEMV=1; latency latency-8b-b1-gemv "$llama" 1
-     timeout 100 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
-       --kernels 12 --gaps 8 $(output_json step-llama-3.1-8b-b1-gemv) 2>&1 | tail -31)
+    gemv_on=(--set kernel_config.decode_gemv=true)
+    latency latency-8b-b1-gemv "$llama" 1 "${gemv_on[@]}"
+    timeout 100 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
+      --kernels 12 --gaps 8 "${gemv_on[@]}" $(output_json step-llama-3.1-8b-b1-gemv) 2>&1 | tail -31
     ;;
   sweep)
     for spec in "$smol smollm2-135m --peer hf" "$llama llama-3.1-8b"; do
@@ -151,30 +150,14 @@ case "${1:-}" in
   pdl)
     timeout 200 python -m pytest tests/kernels/test_pdl.py "tests/engine/test_gpu.py::test_pdl_changes_no_token_or_logprob" \
       -q -x --tb=short -p no:cacheprovider 2>&1 | tail -15
-    # The default for this model is the GEMV with PDL `tail` (kernels/dispatch.py); each switch set, against it.
+    # The default for this model is the GEMV with PDL `tail` (kernels/policy.py); each setting changed, against it.
     latency latency-8b-b1 "$llama" 1
-    RAYLM_PDL=0 latency latency-8b-b1-nopdl "$llama" 1
-    RAYLM_PDL=exit latency latency-8b-b1-pdl-exit "$llama" 1
-    RAYLM_TRITON_GEMV=0 RAYLM_PDL=0 latency latency-8b-b1-nogemv-nopdl "$llama" 1
+    latency latency-8b-b1-nopdl "$llama" 1 --set kernel_config.pdl=off
+    latency latency-8b-b1-pdl-exit "$llama" 1 --set kernel_config.pdl=exit
+    latency latency-8b-b1-nogemv-nopdl "$llama" 1 --set kernel_config.decode_gemv=false --set kernel_config.pdl=off
     latency latency-8b-b8 "$llama" 8
     timeout 100 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
       --kernels 8 --gaps 8 $(output_json step-llama-3.1-8b-b1) 2>&1 | tail -27
-    ;;
-  prefetch)
-    timeout 150 python -m pytest tests/kernels/test_l2_prefetch.py tests/kernels/test_triton_allreduce.py \
-      "tests/engine/test_gpu.py::test_l2_prefetch_changes_no_token_or_logprob" -q -x --tb=short -p no:cacheprovider \
-      2>&1 | tail -8
-    # Alternating, so that drift of the machine falls on both settings alike; then a larger cap per kernel.
-    for run in a b; do
-      latency "latency-8b-b1-$run" "$llama" 1
-      RAYLM_L2_PREFETCH=1 latency "latency-8b-b1-l2-$run" "$llama" 1
-    done
-    RAYLM_L2_PREFETCH=1 RAYLM_L2_PREFETCH_MIB=24 latency latency-8b-b1-l2-24mib "$llama" 1
-    ;;
-  prefetch-profile)
-    RAYLM_L2_PREFETCH=1 latency latency-8b-b8-l2 "$llama" 8
-    RAYLM_L2_PREFETCH=1 timeout 100 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 \
-      --batch_size 1 --kernels 8 --gaps 8 $(output_json step-llama-3.1-8b-b1-l2) 2>&1 | tail -27
     ;;
   flashinfer)
     if [ ! -f .gpu/flashinfer.tar.xz ]; then
@@ -205,7 +188,8 @@ case "${1:-}" in
       --tb=short 2>&1 | grep -v "^(RayWorker" | tail -30
     latency latency-8b-b1-tp2 "$llama" 1 --tp 2
     latency latency-8b-b8-tp2 "$llama" 8 --tp 2
-    RAYLM_SYMM_MEM_ALLREDUCE=0 RAYLM_ALLREDUCE_NORM=0 latency latency-8b-b1-tp2-nosymm-nonorm "$llama" 1 --tp 2
+    latency latency-8b-b1-tp2-nosymm-nonorm "$llama" 1 --tp 2 --set kernel_config.symmetric_memory_allreduce=false \
+      --set kernel_config.fused_allreduce_norm=false
     ;;
   x2-profile)
     timeout 90 python benchmarks/allreduce.py $(output_json allreduce-2gpu) 2>&1 | tail -8
@@ -224,12 +208,14 @@ case "${1:-}" in
     timeout 150 python -m pytest tests/actors/test_multi_gpu.py -q -p no:cacheprovider --tb=short \
       -k overlapped_pipeline 2>&1 | grep -v "^(RayWorker" | tail -8
     for overlap in 0 1; do
-      RAYLM_PP_OVERLAP=$overlap throughput "throughput-8b-n256-pp2-overlap$overlap" "$llama" 256 512 128 256 180 --pp 2
+      throughput "throughput-8b-n256-pp2-overlap$overlap" "$llama" 256 512 128 256 180 --pp 2 \
+        --set "disable_pipeline_overlap=$([ $overlap = 1 ] && echo false || echo true)"
     done
     ;;
   x2-pipeline-large)
     # 1000 x (1024, 1024) at PP=2 in micro-batches (x2-throughput runs it with overlapped steps, the default).
-    RAYLM_PP_OVERLAP=0 throughput throughput-8b-n1000-pp2-overlap0 "$llama" 1000 1024 1024 256 500 --pp 2
+    throughput throughput-8b-n1000-pp2-overlap0 "$llama" 1000 1024 1024 256 500 --pp 2 \
+      --set disable_pipeline_overlap=true
     ;;
   x2-pipeline-profile)
     timeout 150 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 256 --batch_size 256 \
@@ -237,7 +223,7 @@ case "${1:-}" in
       2>&1 | grep -v "^(RayWorker" | tail -48
     ;;
   *)
-    echo "usage: bash benchmarks/h200.sh check|latency|throughput|peers|gemv|sweep|pdl|prefetch|prefetch-profile|flashinfer|" \
+    echo "usage: bash benchmarks/h200.sh check|latency|throughput|peers|gemv|sweep|pdl|flashinfer|" \
       "x2-check|x2-throughput|x2-pipeline|x2-pipeline-large|x2-pipeline-profile|x2-fast|x2-profile" >&2
     exit 2
     ;;

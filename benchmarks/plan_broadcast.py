@@ -20,7 +20,7 @@ from benchmarks.common import write_result  # noqa: E402
 
 
 def _plan(batch: int):
-    from raylm.engine.model_runner import StepPlan
+    from raylm.engine.step_plan import StepPlan
 
     blocks = [list(range(row * 40, row * 40 + 40)) for row in range(batch)]
     return [StepPlan(input_ids=[7] * batch, positions=[620] * batch, slot_mapping=list(range(batch)),
@@ -32,7 +32,7 @@ def _rank(rank: int, port: int, channel: bool, batch: int, sends: int, queue) ->
     import torch
     import torch.distributed as dist
 
-    from raylm.actors.distributed import Communicator, PlanChannel, RankLayout
+    from raylm.actors.transport import Communicator, PlanChannel, RankLayout
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--sends", type=int, default=2000)
     parser.add_argument("--output_json", default=None)
     args = parser.parse_args()
-    from raylm.actors.distributed import free_address
+    from raylm.actors.transport import free_address
 
     context = mp.get_context("spawn")
     result = {}

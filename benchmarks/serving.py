@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import add_model_args, random_prompts, write_result  # noqa: E402
+from benchmarks.common import add_model_args, llm_options, random_prompts, write_result  # noqa: E402
 
 
 @dataclass
@@ -180,21 +180,15 @@ async def measure(send: Send, args: argparse.Namespace, workload: Workload) -> d
 
 
 def serve_args(args: argparse.Namespace):
-    from raylm import KvCacheConfig
     from raylm.serving.config import ServeArgs
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    return ServeArgs(
-        model=args.model or "smollm2-135m-instruct", load_format=args.load_format, dtype=args.dtype,
-        device=args.device, max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
-        max_seq_len=args.input_len + args.output_len + 16, skip_tokenizer_init=args.load_format == "dummy",
-        seed=args.seed, attention_backend=args.attention_backend,
-        kv_cache_config=KvCacheConfig(max_tokens=args.kv_cache_max_tokens, enable_block_reuse=False,
-                                                      free_gpu_memory_fraction=args.kv_cache_free_gpu_memory_fraction),
-        served_model_name="bench", host="127.0.0.1", port=port, max_queue=max(1024, args.num_prompts), api_key=None,
-    )
+    options = llm_options(args, max_seq_len=args.input_len + args.output_len + 16)
+    options["model"] = options["model"] or "smollm2-135m-instruct"
+    return ServeArgs(**options, served_model_name="bench", host="127.0.0.1", port=port,
+                     max_queue=max(1024, args.num_prompts), api_key=None)
 
 
 async def _over_http(base_url: str, model: str, api_key: str | None, args, workload: Workload) -> dict:

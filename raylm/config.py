@@ -39,7 +39,11 @@ class KvCacheConfig(StrictModel):
 class SchedulerConfig(StrictModel):
     """Scheduling policy knobs beyond the batch limits."""
 
-    capacity_scheduler_policy: Literal["GUARANTEED_NO_EVICT", "MAX_UTILIZATION"] = "MAX_UTILIZATION"
+    capacity_scheduler_policy: Literal["GUARANTEED_NO_EVICT", "MAX_UTILIZATION"] = Field(
+        default="MAX_UTILIZATION",
+        description="MAX_UTILIZATION admits requests while their prompts fit and preempts when decodes run out of "
+                    "blocks; GUARANTEED_NO_EVICT admits a request only when blocks for its prompt and all of its "
+                    "max_tokens are free beside those every running request may still need, so none is preempted.")
 
 
 class CudaGraphConfig(StrictModel):
@@ -49,6 +53,9 @@ class CudaGraphConfig(StrictModel):
     max_batch_size: int | None = Field(
         default=None, ge=1,
         description="Largest batch captured when batch_sizes is unset (default: the engine's max_batch_size).")
+    capture_logits: bool = Field(
+        default=True, description="Decode graphs also compute the logits and, for greedy requests, the draws; "
+                                  "false launches them eagerly after the graph.")
 
     @field_validator("batch_sizes")
     @classmethod
@@ -56,6 +63,33 @@ class CudaGraphConfig(StrictModel):
         if value is not None and (not value or min(value) < 1):
             raise ValueError(f"cuda_graph_config.batch_sizes must be positive integers, got {value}")
         return value
+
+
+class KernelConfig(StrictModel):
+    """Which kernels the model runs on a GPU. The defaults are the fastest measured on the H200
+    (docs/benchmarks.md); each choice changes speed, never results beyond floating-point rounding."""
+
+    triton: bool = Field(default=True, description="Triton kernels for CUDA tensors (attention, RMSNorm, RoPE, "
+                                                   "SiLU-mul); false runs the torch reference throughout.")
+    decode_gemv: bool | None = Field(
+        default=None, description="Decode-sized linear layers (at most 8 rows) through the Triton GEMV instead of "
+                                  "cuBLAS; null: on for models with at least 4 GiB of weights per rank, whose decode "
+                                  "steps stream weights.")
+    pdl: Literal["auto", "off", "start", "after_wait", "exit", "tail"] = Field(
+        default="auto", description="Programmatic dependent launch of the Triton decode kernels (compute capability "
+                                    "9.0+): when a kernel lets the next one start. auto: 'tail' for models whose "
+                                    "decode steps stream weights, else off.")
+    symmetric_memory_allreduce: bool | None = Field(
+        default=None, description="Small tensor-parallel all-reduces through torch symmetric memory instead of NCCL; "
+                                  "null: on for TP > 1 on CUDA (NCCL where symmetric memory is unavailable).")
+    fused_allreduce_norm: bool | None = Field(
+        default=None, description="The o / down projections leave their all-reduce to the RMSNorm after them, done "
+                                  "in one kernel with the residual add on GPUs; null: on for TP > 1 on CUDA.")
+
+    @field_validator("pdl", mode="before")
+    @classmethod
+    def _pdl_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML reads a bare `off` (--set kernel_config.pdl=off) as false
 
 
 class LlmArgs(StrictModel):
@@ -80,7 +114,8 @@ class LlmArgs(StrictModel):
     max_batch_size: int = Field(default=256, ge=1)
     max_num_tokens: int = Field(default=8192, ge=1)
     max_seq_len: int | None = Field(default=None, ge=1)
-    max_input_len: int | None = Field(default=None, ge=1)
+    max_input_len: int | None = Field(default=None, ge=1, description="Longest prompt accepted, in tokens "
+                                                                    "(default: max_seq_len - 1).")
     enable_chunked_prefill: bool = True
     kv_cache_config: KvCacheConfig = Field(default_factory=KvCacheConfig)
     scheduler_config: SchedulerConfig = Field(default_factory=SchedulerConfig)
@@ -89,6 +124,10 @@ class LlmArgs(StrictModel):
     disable_overlap_scheduler: bool = Field(
         default=False, description="Schedule and queue each iteration only after the previous one's tokens reach "
                                    "the host, instead of while the device computes it.")
+    disable_pipeline_overlap: bool = Field(
+        default=False, description="Pipelines run each step through the stages in micro-batches instead of having "
+                                   "the first stage work on step N+1 while the last finishes step N.")
+    kernel_config: KernelConfig = Field(default_factory=KernelConfig)
 
     worker_extension_cls: Any = Field(
         default=None, description="A class (or 'module.Class') whose methods are mixed into every worker, "

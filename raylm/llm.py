@@ -110,8 +110,8 @@ class LLM:
                 raise ValueError("placement_groups, placement_bundle_indices and per_worker_gpu_share need "
                                  "executor='ray'")
             return LocalExecutor(spec)
-        from raylm.actors.distributed import RankLayout
         from raylm.actors.ray_executor import RayExecutor
+        from raylm.actors.transport import RankLayout
 
         if device == "cpu":
             spec.cpu_threads = max(1, (os.cpu_count() or 1) // args.world_size)

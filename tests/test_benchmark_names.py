@@ -1,67 +1,45 @@
-"""Benchmark result names record the run's layout, attention backend and experimental kernel switches, so that
-runs with a switch on never overwrite the default run's result."""
+"""Benchmark result names record the run's layout, attention backend and the settings it changed (--set), so
+that a run with a setting changed never overwrites the default run's result; --set reaches the engine's
+arguments."""
 
 from __future__ import annotations
 
 import argparse
 
-from benchmarks.common import run_suffix
+import pytest
+
+from benchmarks.common import add_model_args, llm_options, run_suffix
+from raylm.config import LlmArgs
+from raylm.serving.config_sources import ConfigError
 
 
-def _args(**overrides) -> argparse.Namespace:
-    return argparse.Namespace(**{"tp": 1, "pp": 1, "attention_backend": "auto", **overrides})
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    return parser.parse_args(list(argv))
 
 
-def test_default_runs_have_no_suffix(monkeypatch):
-    for name in ("RAYLM_TRITON_GEMV", "RAYLM_SYMM_MEM_ALLREDUCE", "RAYLM_ALLREDUCE_NORM", "RAYLM_L2_PREFETCH",
-                 "RAYLM_PP_OVERLAP", "RAYLM_PDL", "RAYLM_GRAPH_LOGITS"):
-        monkeypatch.delenv(name, raising=False)
+def test_default_runs_have_no_suffix():
     assert run_suffix(_args()) == ""
 
 
-def test_layout_backend_and_switches_are_named_in_order(monkeypatch):
-    monkeypatch.setenv("RAYLM_TRITON_GEMV", "1")
-    monkeypatch.setenv("RAYLM_SYMM_MEM_ALLREDUCE", "0")
-    monkeypatch.setenv("RAYLM_ALLREDUCE_NORM", "1")
-    monkeypatch.setenv("RAYLM_L2_PREFETCH", "1")
-    monkeypatch.setenv("RAYLM_PP_OVERLAP", "0")
-    monkeypatch.setenv("RAYLM_PDL", "1")
-    expected = "-tp2-flashinfer-gemv-nosymm-norm-l2-nooverlap-pdl"
-    assert run_suffix(_args(tp=2, attention_backend="flashinfer")) == expected
-    monkeypatch.setenv("RAYLM_PP_OVERLAP", "1")
-    assert run_suffix(_args(pp=2)) == "-pp2-gemv-nosymm-norm-l2-overlap-pdl"
-    monkeypatch.setenv("RAYLM_L2_PREFETCH_MIB", "24")
-    assert run_suffix(_args(pp=2)) == "-pp2-gemv-nosymm-norm-l2-24mib-overlap-pdl"
-    monkeypatch.delenv("RAYLM_SYMM_MEM_ALLREDUCE")
-    monkeypatch.delenv("RAYLM_L2_PREFETCH_MIB")
-    monkeypatch.delenv("RAYLM_PP_OVERLAP")
-    monkeypatch.setenv("RAYLM_PDL", "0")
-    monkeypatch.delenv("RAYLM_ALLREDUCE_NORM")
-    monkeypatch.delenv("RAYLM_L2_PREFETCH")
-    assert run_suffix(_args()) == "-gemv-nopdl"
+def test_layout_backend_and_settings_are_named_in_order():
+    args = _args("--tp", "2", "--attention_backend", "flashinfer", "--set", "kernel_config.decode_gemv=true",
+                 "--set", "kernel_config.symmetric_memory_allreduce=false", "--set", "kernel_config.pdl=exit",
+                 "--set", "disable_pipeline_overlap=true")
+    assert run_suffix(args) == ("-tp2-flashinfer-decode_gemv-nosymmetric_memory_allreduce-pdl-exit"
+                                "-disable_pipeline_overlap")
+    assert run_suffix(_args("--pp", "2", "--set", "cuda_graph_config.capture_logits=false")) == "-pp2-nocapture_logits"
 
 
-def test_switches_set_off_against_a_default_that_can_be_on_are_named(monkeypatch):
-    """The GEMV and PDL are on by default for weight-streaming models (kernels/dispatch.py), the symmetric
-    all-reduce and the fused all-reduce + norm for TP > 1 on GPUs, overlapped steps for pipelines: a run that
-    turns them off must not overwrite the default run's result; the L2 prefetch is off by default."""
-    monkeypatch.setenv("RAYLM_TRITON_GEMV", "0")
-    monkeypatch.setenv("RAYLM_SYMM_MEM_ALLREDUCE", "0")
-    monkeypatch.setenv("RAYLM_ALLREDUCE_NORM", "0")
-    monkeypatch.setenv("RAYLM_L2_PREFETCH", "0")
-    monkeypatch.setenv("RAYLM_PP_OVERLAP", "0")
-    monkeypatch.setenv("RAYLM_PDL", "0")
-    monkeypatch.setenv("RAYLM_GRAPH_LOGITS", "0")
-    assert run_suffix(_args(tp=2)) == "-tp2-nogemv-nosymm-nonorm-nooverlap-nographlogits-nopdl"
+def test_settings_reach_the_engine_arguments_beside_the_flags():
+    options = llm_options(_args("--max_batch_size", "8", "--set", "kernel_config.pdl=off",
+                                "--set", "kv_cache_config.tokens_per_block=16"), max_seq_len=64)
+    args = LlmArgs(**{**options, "model": "m"})
+    assert args.kernel_config.pdl == "off" and args.max_batch_size == 8
+    assert args.kv_cache_config.tokens_per_block == 16 and args.kv_cache_config.enable_block_reuse is False
 
 
-def test_pdl_trigger_modes_other_than_the_default_are_named(monkeypatch):
-    monkeypatch.delenv("RAYLM_TRITON_GEMV", raising=False)
-    monkeypatch.delenv("RAYLM_SYMM_MEM_ALLREDUCE", raising=False)
-    monkeypatch.delenv("RAYLM_ALLREDUCE_NORM", raising=False)
-    monkeypatch.delenv("RAYLM_L2_PREFETCH", raising=False)
-    monkeypatch.delenv("RAYLM_PP_OVERLAP", raising=False)
-    for mode, suffix in (("start", "-pdl"), ("exit", "-pdl-exit"), ("tail", "-pdl-tail"),
-                         ("after_wait", "-pdl-after_wait")):
-        monkeypatch.setenv("RAYLM_PDL", mode)
-        assert run_suffix(_args()) == suffix
+def test_unknown_settings_are_rejected_naming_the_path():
+    with pytest.raises(ConfigError, match="kernel_config.no_such"):
+        llm_options(_args("--set", "kernel_config.no_such=1"), max_seq_len=64)

@@ -13,10 +13,10 @@ import time
 from collections import deque
 from typing import Any
 
-from raylm.actors.distributed import RankLayout
 from raylm.actors.executor import Executor
 from raylm.actors.ray_worker import ALL_GPUS_VISIBLE, CONCURRENCY_GROUPS, RayWorker
 from raylm.actors.symmetric_memory import symmetric_memory_requested
+from raylm.actors.transport import RankLayout
 from raylm.actors.worker import WorkerSpec
 from raylm.engine.messages import EngineRequest, StepOutput
 from raylm.placement import resolve_placement
@@ -74,8 +74,8 @@ class RayExecutor(Executor):
         self._loop_refs: list = []
         self._pending: deque[StepOutput] = deque()
         self._dead: str | None = None
-        settings = {name: value for name, value in os.environ.items() if name.startswith("RAYLM_")}
-        if layout.tp > 1 and symmetric_memory_requested(spec.device):
+        settings = {}
+        if layout.tp > 1 and symmetric_memory_requested(spec.args.kernel_config, spec.device):
             settings[ALL_GPUS_VISIBLE] = "1"  # symmetric-memory rendezvous needs distinct device indices
         try:
             for rank, (group, bundle) in enumerate(self.placement.bundles):
@@ -83,7 +83,7 @@ class RayExecutor(Executor):
                                                             placement_group_bundle_index=bundle)
                 options = dict(num_cpus=0 if use_gpu else 1, num_gpus=self.placement.gpu_share,
                                scheduling_strategy=strategy, name=None)
-                if settings:  # raylm's own switches reach workers on any cluster, not only one this process started
+                if settings:
                     options["runtime_env"] = {"env_vars": settings}
                 self.actors.append(remote_cls.options(**options).remote(spec, rank, layout, worker_extension_cls))
             address, port = ray.get(self.actors[0].node_address.remote())

@@ -17,10 +17,11 @@ from typing import Any
 
 import torch
 
-from raylm.actors.distributed import Communicator, DistributedRunner, RankLayout, free_address, init_distributed
-from raylm.actors.distributed import worker_loop as run_worker_loop
+from raylm.actors.distributed_runner import DistributedRunner
+from raylm.actors.distributed_runner import worker_loop as run_worker_loop
 from raylm.actors.engine_loop import EngineLoop
 from raylm.actors.symmetric_memory import all_reduce_norm_requested
+from raylm.actors.transport import Communicator, RankLayout, free_address, init_distributed
 from raylm.actors.worker import EngineInfo, Worker, WorkerSpec
 from raylm.engine.messages import EngineRequest, StepOutput
 from raylm.models.loader import load_hf_config
@@ -102,14 +103,15 @@ class RayWorker:
             torch.device(self.spec.device)
         if self.layout.world_size > 1:
             self.comm = init_distributed(self.rank, self.layout, address, port, device,
-                                         dtype=getattr(torch, self.spec.dtype), hidden_size=self._hidden_size())
+                                         dtype=getattr(torch, self.spec.dtype), hidden_size=self._hidden_size(),
+                                         kernel_config=self.spec.args.kernel_config)
             self.worker = self.worker_cls(self.spec, self.comm.ctx)
         else:
             self.worker = self.worker_cls(self.spec)
 
     def _hidden_size(self) -> int | None:
         """The model's hidden size where a fused all-reduce + RMSNorm is asked for (its buffers' width)."""
-        if not all_reduce_norm_requested(self.spec.device):
+        if not all_reduce_norm_requested(self.spec.args.kernel_config, self.spec.device):
             return None
         hf_config = load_hf_config(self.spec.source, self.spec.args.trust_remote_code)
         return resolve_architecture(hf_config)[1].hidden_size
@@ -125,7 +127,8 @@ class RayWorker:
     def start_engine(self, num_blocks: int) -> dict:
         """Rank 0: builds the engine core over all ranks and starts its loop; returns the start-up timings."""
         self.bind_gpu()
-        runner = DistributedRunner(self.worker.runner, self.comm) if self.comm is not None else None
+        overlap = not self.spec.args.disable_pipeline_overlap
+        runner = DistributedRunner(self.worker.runner, self.comm, overlap) if self.comm is not None else None
         engine = self.worker.build_engine(num_blocks, runner)
         self.loop = EngineLoop(engine, self.outputs.put, on_thread_start=self.bind_gpu)
         self.loop.start()

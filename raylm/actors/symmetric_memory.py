@@ -1,9 +1,9 @@
 """Collectives through torch symmetric memory (buffers that every GPU of a tensor-parallel group maps over NVLink)
-for the small tensors of decode steps: a one-shot all-reduce (RAYLM_SYMM_MEM_ALLREDUCE) and the all-reduce fused
-with the residual add and RMSNorm after it (RAYLM_ALLREDUCE_NORM). Both are on by default for tensor parallelism on
-CUDA (measured faster on 2 x H200: Llama-3.1-8B TP=2 batch 1 3.6-3.8 -> 3.05 ms/token, docs/benchmarks.md); "0"
-turns either off, "1" turns the fused norm's split of the all-reduce on for CPU runs too (gloo: all-reduce, then
-add + norm). Where symmetric memory is unavailable (no NVLink peer access, an older torch) NCCL carries the
+for the small tensors of decode steps: a one-shot all-reduce (kernel_config.symmetric_memory_allreduce) and the
+all-reduce fused with the residual add and RMSNorm after it (kernel_config.fused_allreduce_norm). Both are on by
+default for tensor parallelism on CUDA (measured faster on 2 x H200, docs/benchmarks.md); false turns either off,
+and fused_allreduce_norm=true turns the split of the all-reduce on for CPU runs too (gloo: all-reduce, then add +
+norm). Where symmetric memory is unavailable (no NVLink peer access, an older torch) NCCL carries the
 all-reduces. Workers that use them see every GPU of the node (ray_executor.py), as the rendezvous needs distinct
 device indices."""
 
@@ -14,7 +14,8 @@ import logging
 import torch
 import torch.distributed as dist
 
-from raylm.kernels.dispatch import env_switch, triton_available
+from raylm.config import KernelConfig
+from raylm.kernels.policy import triton_available
 
 logger = logging.getLogger(__name__)
 
@@ -81,31 +82,36 @@ class SymmetricAllReduceNorm:
                 and 0 < partial.shape[0] <= self.MAX_ROWS and partial.stride(1) == 1)
 
     def __call__(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 prefetch: torch.Tensor | None = None):
+                 pdl: int = 0):
         from raylm.kernels.triton_allreduce import all_reduce_add_rms_norm
 
         return all_reduce_add_rms_norm(partial, residual.contiguous(), weight, eps, buffers=self.buffers,
                                        flags=self.flags, state=self.state, rank=self.rank, max_rows=self.MAX_ROWS,
-                                       prefetch=prefetch)
+                                       pdl=pdl)
 
 
-def symmetric_all_reduce_requested(device_type: str) -> bool:
-    return env_switch("RAYLM_SYMM_MEM_ALLREDUCE", device_type == "cuda")
+def symmetric_all_reduce_requested(config: KernelConfig, device_type: str) -> bool:
+    """kernel_config.symmetric_memory_allreduce, null meaning on CUDA."""
+    setting = config.symmetric_memory_allreduce
+    return device_type == "cuda" if setting is None else setting
 
 
-def all_reduce_norm_requested(device_type: str) -> bool:
-    return env_switch("RAYLM_ALLREDUCE_NORM", device_type == "cuda")
+def all_reduce_norm_requested(config: KernelConfig, device_type: str) -> bool:
+    """kernel_config.fused_allreduce_norm, null meaning on CUDA."""
+    setting = config.fused_allreduce_norm
+    return device_type == "cuda" if setting is None else setting
 
 
-def symmetric_memory_requested(device_type: str) -> bool:
+def symmetric_memory_requested(config: KernelConfig, device_type: str) -> bool:
     """Whether tensor-parallel workers on `device_type` will ask for symmetric memory (and so must see every GPU
     of the node)."""
-    return device_type == "cuda" and (symmetric_all_reduce_requested(device_type)
-                                      or all_reduce_norm_requested(device_type))
+    return device_type == "cuda" and (symmetric_all_reduce_requested(config, device_type)
+                                      or all_reduce_norm_requested(config, device_type))
 
 
 def fast_all_reduce(group, device: torch.device, dtype: torch.dtype | None) -> SymmetricAllReduce | None:
-    if device.type != "cuda" or dtype is None or not symmetric_all_reduce_requested(device.type):
+    """The symmetric-memory all-reduce on a CUDA device, or None where it is unavailable (NCCL then)."""
+    if device.type != "cuda" or dtype is None:
         return None
     try:
         return SymmetricAllReduce(group, device, dtype)

@@ -102,7 +102,9 @@ class Worker:
         self.arch = loaded.arch
         self.runner = ModelRunner(loaded.model, loaded.arch, self.device, self.dtype,
                                   args.kv_cache_config.tokens_per_block, seed=args.seed,
-                                  attention_backend=args.attention_backend)
+                                  attention_backend=args.attention_backend, kernel_config=args.kernel_config,
+                                  capture_logits=args.cuda_graph_config is not None
+                                  and args.cuda_graph_config.capture_logits)
         self.timings["model_loader"] = loaded.timings
         self.timings["py_executor"]["model_engine_creation_seconds"] = time.perf_counter() - begin
         return self._num_blocks(self.kv_dtype)
@@ -138,6 +140,7 @@ class Worker:
             event_buffer_max_size=kv_config.event_buffer_max_size,
             iter_stats_max_iterations=args.iter_stats_max_iterations,
             overlap_scheduling=not args.disable_overlap_scheduler,
+            guarantee_no_evict=args.scheduler_config.capacity_scheduler_policy == "GUARANTEED_NO_EVICT",
         ))
         self.timings["py_executor"]["total_py_executor_creation_seconds"] = time.perf_counter() - self._begin
         return self.engine

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 from raylm.engine.kv_cache import KVCacheManager
 from raylm.engine.messages import EngineRequest, RequestDelta, StepOutput
-from raylm.engine.model_runner import LaunchedStep, ModelOutput, ModelRunner, RanksOutOfStep
 from raylm.engine.progress import Progress
 from raylm.engine.request import FinishReason, Request
 from raylm.engine.scheduler import Scheduler, SchedulerOutput
 from raylm.engine.stats import iteration_stats
+from raylm.engine.step_runner import ModelOutput, RanksOutOfStep, StepRunner
 
 logger = logging.getLogger(__name__)
 
@@ -39,31 +39,32 @@ class EngineLimits:
     event_buffer_max_size: int
     iter_stats_max_iterations: int
     overlap_scheduling: bool = True
+    guarantee_no_evict: bool = False  # scheduler_config.capacity_scheduler_policy == "GUARANTEED_NO_EVICT"
 
 
 @dataclass
 class InFlight:
     """A launched step whose results are not applied yet."""
 
-    launched: LaunchedStep
+    launched: object  # what the runner's launch returned
     overlappable: bool  # every sequence drawing in it holds a placeholder
     start: float
 
 
 class EngineCore:
-    def __init__(self, runner: ModelRunner, limits: EngineLimits):
+    def __init__(self, runner: StepRunner, limits: EngineLimits):
         self.runner = runner
         self.limits = limits
         self.kv_cache = KVCacheManager(limits.num_blocks, limits.block_size, limits.enable_block_reuse,
                                        limits.event_buffer_max_size)
         self.scheduler = Scheduler(self.kv_cache, limits.max_batch_size, limits.max_num_tokens,
-                                   limits.enable_chunked_prefill)
+                                   limits.enable_chunked_prefill, limits.guarantee_no_evict)
         self.progress = Progress(self.scheduler, limits.max_seq_len)
         self.requests: dict[str, Request] = {}
         self.iteration = 0
-        self.overlap = limits.overlap_scheduling and getattr(runner, "can_overlap", False)
-        # A pipeline overlaps different sequences in consecutive steps (actors/distributed.py).
-        self.scheduler.skip_in_flight = self.overlap and getattr(runner, "pipelined", False)
+        self.overlap = limits.overlap_scheduling and runner.can_overlap
+        # A pipeline overlaps different sequences in consecutive steps (actors/distributed_runner.py).
+        self.scheduler.skip_in_flight = self.overlap and runner.pipelined
         self.in_flight: InFlight | None = None
 
     @property

@@ -1,87 +1,38 @@
 """The model runner: owns the device tensors (weights, KV cache), turns a schedule into a forward pass,
-and calls the sampler on the rows that need a token.
+and calls the sampler on the rows that need a token. It is the engine's StepRunner on one device.
 
-A step is described by a StepPlan, plain data that every rank of a multi-rank engine receives: each rank
-runs `forward` on its shard or stage, the last stage computes the logits the plan asks for, and rank 0
-samples. A single-process engine does all of it in `execute`.
+A step is described by a StepPlan (engine/step_plan.py), plain data that every rank of a multi-rank engine
+receives: each rank runs `forward` on its shard or stage, the last stage computes the logits the plan asks for,
+and rank 0 samples. A single-process engine does all of it in `launch` / `collect` or `execute`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from raylm.engine.beam_search import candidates_per_beam
+from raylm.config import KernelConfig
 from raylm.engine.messages import TokenLogprob
-from raylm.engine.request import PLACEHOLDER
 from raylm.engine.sampler import (
     PendingSamples,
     Sampler,
     SampleResult,
-    SamplingRow,
     put_rows,
     row_index,
     take_rows,
     to_device,
 )
-from raylm.engine.scheduler import ScheduledSequence, SchedulerOutput
-from raylm.kernels import dispatch
+from raylm.engine.scheduler import SchedulerOutput
+from raylm.engine.step_plan import StepPlan, plan_step
+from raylm.engine.step_runner import ModelOutput
 from raylm.kernels.attention import build_metadata
-from raylm.kernels.dispatch import use_triton
+from raylm.kernels.policy import KernelPolicy, choose_kernel_policy, set_kernel_policy
 from raylm.models.arch import ArchConfig
 
 # Prompt log-probabilities are computed this many positions at a time, to bound the logits' memory.
 _PROMPT_LOGPROB_ROWS = 256
-
-
-@dataclass
-class PromptLogprobSpec:
-    """Prompt positions whose next-token log-probabilities a request asked for."""
-
-    request_id: str
-    rows: list[int]  # rows of the step's hidden states (position p scores prompt token p + 1)
-    targets: list[int]  # the prompt tokens scored
-    num_top: int
-
-
-@dataclass
-class StepPlan:
-    """What every rank needs to run one step: flattened tokens, cache slots, and which logits to produce."""
-
-    input_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slot_mapping: list[int] = field(default_factory=list)
-    decode_contexts: list[tuple[list[int], int]] = field(default_factory=list)
-    prefill_chunks: list[tuple[list[int], int, int]] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-    sample_rows: list[int] = field(default_factory=list)
-    prompt_logprobs: list[PromptLogprobSpec] = field(default_factory=list)
-    # Rows whose input token is a placeholder: the step still in flight samples it, on the device.
-    feed_rows: list[int] = field(default_factory=list)
-    # When that step's draws were its decode graph's greedy draws, which every tensor-parallel rank computed
-    # alike: their entries for feed_rows, which each rank takes from its own graph (nothing is broadcast).
-    feed_sources: list[int] | None = None
-    # Whether every row is a decode of a request with greedy draws (Request.greedy_draws): a decode graph then
-    # computes the draws too.
-    greedy: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.input_ids)
-
-
-@dataclass
-class ModelOutput:
-    samples: list[SampleResult | None]  # aligned with SchedulerOutput.scheduled
-    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
-
-
-class RanksOutOfStep(RuntimeError):
-    """A step failed on rank 0 after its plan had gone to the other ranks, which ran (or wait in) a step that
-    rank 0 did not finish: their collectives no longer pair up with rank 0's, so the engine stops with this error
-    instead of failing the step's requests and going on (as one rank does)."""
 
 
 @dataclass
@@ -102,22 +53,6 @@ class LaunchedStep:
                 for position, entries in zip(self.positions, self.samples.entries) if len(entries) == 1}
 
 
-def _sampling_row(item: ScheduledSequence) -> SamplingRow:
-    request, seq = item.request, item.seq
-    row = seq.sampling_row
-    if row is not None:
-        return row
-    params = request.sampling_params
-    # The sampler reads output tokens for penalties and min_tokens only; min_tokens only counts them.
-    output = seq.output_token_ids if params.min_tokens or not request.plain_draws else ()
-    num_samples = params.num_sequences if not request.is_beam_search and not request.forked else 1
-    beam_candidates = candidates_per_beam(params) if request.is_beam_search else 0
-    row = SamplingRow(params, request.prompt_token_ids, output, seq.generator, num_samples, beam_candidates)
-    if request.plain_draws and not params.min_tokens and num_samples == 1:
-        seq.sampling_row = row  # nothing in it changes while the sequence runs: made once, not every step
-    return row
-
-
 def logprob_entries(logprobs: torch.Tensor, targets: torch.Tensor, num_top: int) -> list[TokenLogprob]:
     """(logprob, rank, top ids, top logprobs) of each row's target token."""
     chosen = logprobs.gather(1, targets[:, None])
@@ -131,83 +66,23 @@ def logprob_entries(logprobs: torch.Tensor, targets: torch.Tensor, num_top: int)
     return [(lp, rank, top_ids, top_lps) for lp, rank, (top_ids, top_lps) in zip(chosen_list, rank_list, tops)]
 
 
-def plan_step(out: SchedulerOutput, block_size: int) -> StepPlan:
-    """Flattens a schedule (decodes first, then prefill chunks) into a StepPlan. Runs on rank 0, where the
-    requests live; records which prompt log-probabilities this step reports."""
-    plan = StepPlan(block_copies=list(out.block_copies))
-    input_ids, positions, slots = plan.input_ids, plan.positions, plan.slot_mapping
-    sample_rows, decode_contexts, feed_rows = plan.sample_rows, plan.decode_contexts, plan.feed_rows
-    offset = 0
-    greedy = not out.prefills
-    for item in out.decodes:  # one token each: the common case, kept cheap
-        greedy = greedy and item.request.greedy_draws
-        seq, position = item.seq, item.start
-        blocks = seq.block_ids
-        token = seq.token_ids[position]
-        if token == PLACEHOLDER:
-            feed_rows.append(offset)
-        input_ids.append(token)
-        positions.append(position)
-        slots.append(blocks[position // block_size] * block_size + position % block_size)
-        decode_contexts.append((blocks, position + 1))
-        if item.completes:
-            sample_rows.append(offset)
-        if item.request.wants_prompt_logprobs:
-            spec = _prompt_logprob_spec(item, offset)
-            if spec is not None:
-                plan.prompt_logprobs.append(spec)
-        offset += 1
-    plan.greedy = greedy and offset > 0
-    for item in out.prefills:
-        first_row = offset
-        span = range(item.start, item.start + item.num_tokens)
-        blocks = item.seq.block_ids
-        input_ids.extend(item.token_ids)
-        positions.extend(span)
-        slots.extend(blocks[pos // block_size] * block_size + pos % block_size for pos in span)
-        offset += item.num_tokens
-        plan.prefill_chunks.append((blocks, item.start, item.num_tokens))
-        if item.completes:
-            sample_rows.append(offset - 1)
-        spec = _prompt_logprob_spec(item, first_row)
-        if spec is not None:
-            plan.prompt_logprobs.append(spec)
-    return plan
-
-
-def _prompt_logprob_spec(item: ScheduledSequence, first_row: int) -> PromptLogprobSpec | None:
-    request = item.request
-    if not request.wants_prompt_logprobs or request.forked:
-        return None
-    last_target = min(item.start + item.num_tokens, request.num_prompt_tokens - 1)
-    first_target = max(item.start + 1, request.prompt_logprobs_next)
-    if first_target > last_target:
-        return None
-    request.prompt_logprobs_next = last_target + 1
-    return PromptLogprobSpec(
-        request_id=request.request_id,
-        rows=[first_row + target - 1 - item.start for target in range(first_target, last_target + 1)],
-        targets=request.prompt_token_ids[first_target : last_target + 1],
-        num_top=request.sampling_params.prompt_logprobs or 0,
-    )
-
-
-def resolve_attention_backend(requested: str, device: torch.device) -> str:
-    """The attention backend a runner on `device` uses for attention_backend=requested: "auto" is Triton on a
-    CUDA device with Triton, else the torch reference; "triton" and "flashinfer" must be usable there."""
+def resolve_attention_backend(requested: str, kernels: KernelPolicy) -> str:
+    """The attention backend of a runner whose kernel policy is `kernels`, for attention_backend=requested: "auto"
+    is Triton where the policy runs Triton kernels (a CUDA device, Triton, kernel_config.triton), else the torch
+    reference; "triton" and "flashinfer" must be usable there."""
     if requested not in ("auto", "torch", "triton", "flashinfer"):
         raise ValueError(f"attention_backend must be one of 'auto', 'torch', 'triton', 'flashinfer'; got {requested!r}")
-    on_triton = use_triton(torch.empty(0, device=device))
+    on_triton = kernels.triton
     if requested == "auto":
         return "triton" if on_triton else "torch"
     if requested == "triton" and not on_triton:
-        raise ValueError("attention_backend='triton' needs a CUDA device and Triton")
+        raise ValueError("attention_backend='triton' needs a CUDA device, Triton and kernel_config.triton")
     if requested == "flashinfer":
         from raylm.kernels.flashinfer_backend import flashinfer_available
 
         if not (on_triton and flashinfer_available()):
-            raise ValueError("attention_backend='flashinfer' needs a CUDA device, Triton (it writes the KV cache) "
-                             "and the flashinfer package (pip install flashinfer-python)")
+            raise ValueError("attention_backend='flashinfer' needs a CUDA device, Triton (it writes the KV cache; "
+                             "kernel_config.triton) and the flashinfer package (pip install flashinfer-python)")
     return requested
 
 
@@ -218,7 +93,10 @@ def weight_bytes(model: nn.Module) -> int:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, arch: ArchConfig, device: torch.device, dtype: torch.dtype,
-                 block_size: int, seed: int = 0, attention_backend: str = "auto"):
+                 block_size: int, seed: int = 0, attention_backend: str = "auto",
+                 kernel_config: KernelConfig | None = None, capture_logits: bool = True):
+        """`kernel_config` chooses the model's kernels (kernels/policy.py); `capture_logits`: decode graphs compute
+        the logits and greedy draws too (cuda_graph_config.capture_logits)."""
         self.model = model
         self.arch = arch
         self.device = device
@@ -232,9 +110,12 @@ class ModelRunner:
         # The last decode graph replay's outputs (cuda_graphs.DecodeOutputs), for the compute_outputs and _draw
         # of the same step: its logits and greedy draws are already queued.
         self._graphed = None
-        if device.type == "cuda":  # the decode kernels' default for this process (kernels/dispatch.py)
-            dispatch.set_weight_streaming(dispatch.streams_weights(weight_bytes(model)))
-        self.attention_backend = resolve_attention_backend(attention_backend, device)
+        config = kernel_config or KernelConfig()
+        self.kernels = choose_kernel_policy(device, weight_bytes(model), config.triton, config.decode_gemv,
+                                            config.pdl)
+        set_kernel_policy(model, self.kernels)
+        self.capture_logits = capture_logits
+        self.attention_backend = resolve_attention_backend(attention_backend, self.kernels)
         self.build_metadata = build_metadata
         if self.attention_backend == "triton":
             from raylm.kernels.triton_backend import build_triton_metadata
@@ -255,9 +136,9 @@ class ModelRunner:
 
     @property
     def graph_logits(self) -> bool:
-        """Whether decode graphs compute the logits and greedy draws (the last stage; RAYLM_GRAPH_LOGITS=0 leaves
-        them to eager launches after the graph)."""
-        return self.model.lm_head is not None and dispatch.env_switch("RAYLM_GRAPH_LOGITS", True)
+        """Whether decode graphs compute the logits and greedy draws (the last stage, unless capture_logits is off:
+        eager launches after the graph then)."""
+        return self.model.lm_head is not None and self.capture_logits
 
     def graphs_fit(self, pp_size: int) -> bool:
         """Whether capture_graphs captures decode graphs here (the kernels and the model allow them)."""
@@ -428,7 +309,8 @@ class ModelRunner:
             return positions, None
         graphed = self._graphed
         greedy = graphed.greedy if graphed is not None and graphed.logits is logits else None
-        return positions, self.sampler.sample(logits, [_sampling_row(scheduled[i]) for i in positions], greedy)
+        rows = [scheduled[i].request.sampling_row(scheduled[i].seq) for i in positions]
+        return positions, self.sampler.sample(logits, rows, greedy)
 
     @staticmethod
     def _align(out: SchedulerOutput, positions: list[int], pending: PendingSamples | None
@@ -440,6 +322,7 @@ class ModelRunner:
         return samples
 
     can_overlap = True  # launch() queues a step without waiting for the device
+    pipelined = False
 
     def feed_tokens(self, out: SchedulerOutput, plan: StepPlan, previous: LaunchedStep | None) -> torch.Tensor | None:
         """The tokens of plan.feed_rows (inputs that are placeholders): the entries of `previous` (the step in

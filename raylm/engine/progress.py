@@ -12,6 +12,7 @@ from raylm.engine.messages import RequestDelta, SequenceDelta, TokenLogprob
 from raylm.engine.request import PLACEHOLDER, FinishReason, Request, RequestStatus, Sequence
 from raylm.engine.sampler import SampleResult
 from raylm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from raylm.engine.step_plan import prompt_logprob_targets
 
 
 def _child_generator(request: Request, index: int) -> torch.Generator | None:
@@ -56,6 +57,10 @@ class Progress:
         every = True
         for item in out.scheduled:
             seq = item.seq
+            if item.request.wants_prompt_logprobs:  # this step reports these positions (step_plan.py)
+                targets = prompt_logprob_targets(item)
+                if targets is not None:
+                    item.request.prompt_logprobs_next = targets[1] + 1
             seq.num_computed_tokens += item.num_tokens
             if item.completes:
                 if placeholders and overlap_safe(item.request):

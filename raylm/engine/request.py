@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from raylm.engine.beam_search import candidates_per_beam
+from raylm.engine.sampler import SamplingRow
 from raylm.sampling_params import SamplingParams
 
 # The token id at a position whose token a step still in flight is sampling (overlapped scheduling).
@@ -50,8 +52,8 @@ class Sequence:
     last_block_hash: int | None = None
     # Per-token (token logprob, rank, top-k ids, top-k logprobs), kept for beam search outputs only.
     logprob_history: list[tuple] = field(default_factory=list)
-    # The sampler's view of this sequence when it never changes between steps (see model_runner._sampling_row).
-    sampling_row: object = None
+    # The sampler's view of this sequence when it never changes between steps (Request.sampling_row).
+    sampling_row: SamplingRow | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -167,6 +169,22 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.sampling_params.prompt_logprobs is not None
+
+    def sampling_row(self, seq: Sequence) -> SamplingRow:
+        """The sampler's view of `seq` for its next draw. Kept on the sequence where nothing in it changes while the
+        sequence runs (plain draws, no min_tokens, one sample a row): made once, not every step."""
+        row = seq.sampling_row
+        if row is not None:
+            return row
+        params = self.sampling_params
+        # The sampler reads output tokens for penalties and min_tokens only; min_tokens only counts them.
+        output = seq.output_token_ids if params.min_tokens or not self.plain_draws else ()
+        num_samples = params.num_sequences if not self.is_beam_search and not self.forked else 1
+        beam_candidates = candidates_per_beam(params) if self.is_beam_search else 0
+        row = SamplingRow(params, self.prompt_token_ids, output, seq.generator, num_samples, beam_candidates)
+        if self.plain_draws and not params.min_tokens and num_samples == 1:
+            seq.sampling_row = row
+        return row
 
     def sort_key(self) -> tuple[float, float]:
         """Scheduling order: higher priority first, then first come first served."""

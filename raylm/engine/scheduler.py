@@ -5,6 +5,10 @@ requests go first, in priority order (higher priority, then earlier arrival); a 
 into chunks across steps. When the cache runs out of blocks, the lowest-priority running request is
 preempted: its blocks are freed and it is computed again later (recompute). Waiting requests are then
 admitted in the same order until one does not fit. A request's sequences are scheduled together.
+
+Under the GUARANTEED_NO_EVICT policy a waiting request is admitted only when the free blocks cover all it may ever
+need (its prompt and max_tokens, for each of its sequences) beside what every running request may still need, so
+no request is preempted; MAX_UTILIZATION (the default) admits while the next chunk fits and preempts when needed.
 """
 
 from __future__ import annotations
@@ -54,14 +58,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_batch_size: int, max_num_tokens: int,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, guarantee_no_evict: bool = False):
         self.kv_cache = kv_cache
+        self.guarantee_no_evict = guarantee_no_evict
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         # Pipelines set this: a request whose draw is still in flight (a placeholder token) waits for it instead
         # of joining the next step, so that consecutive steps hold different sequences and the stages work on
-        # both at once (actors/distributed.py).
+        # both at once (actors/distributed_runner.py).
         self.skip_in_flight = False
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -93,6 +98,22 @@ class Scheduler:
         request.num_preemptions += 1
         self.running.remove(request)
         self.add_request(request)
+
+    # ------------------------------------------------------------------ capacity
+
+    def _blocks_at_most(self, request: Request) -> int:
+        """The most blocks a request can hold: its prompt and every output token, in each of its sequences."""
+        params = request.sampling_params
+        tokens = request.num_prompt_tokens + params.max_tokens
+        return -(-tokens // self.kv_cache.block_size) * params.num_sequences
+
+    def _fits_for_good(self, request: Request) -> bool:
+        """Whether the free blocks cover all that `request` and every running request may still take."""
+        reserved = 0
+        for running in self.running:
+            held = {block for seq in running.sequences for block in seq.block_ids}
+            reserved += max(0, self._blocks_at_most(running) - len(held))
+        return self._blocks_at_most(request) + reserved <= self.kv_cache.num_free_blocks
 
     # ------------------------------------------------------------------ planning
 
@@ -199,6 +220,8 @@ class Scheduler:
             request = self.waiting[0]
             if self.skip_in_flight and request.awaits_draw:  # preempted while its draw was in flight
                 break
+            if self.guarantee_no_evict and self.running and not self._fits_for_good(request):
+                break  # (with nothing running it goes ahead: it could never be admitted otherwise)
             looks_up = not request.forked and request.sequences[0].num_computed_tokens == 0
             hits = self.kv_cache.match_prefix(request) if looks_up else []
             first = request.sequences[0]

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from raylm.kernels.policy import KernelPolicy
 from raylm.kernels.rotary import apply_rotary
 
 
@@ -37,11 +38,11 @@ class AttentionMetadata:
 
     def attend(self, q, k, v, k_cache, v_cache, scale: float,
                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-               prefetch: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention of q over the cache after storing k and v; with rope = (cos, sin), q and k rotated first.
-        `prefetch` (a hint of the GPU kernels: kernels/l2_prefetch.py) is not used here."""
+               kernels: KernelPolicy = KernelPolicy()) -> torch.Tensor:
+        """Attention of q over the cache after storing k and v; with rope = (cos, sin), q and k rotated first
+        (by the kernel the policy `kernels` chooses)."""
         if rope is not None:
-            q, k = apply_rotary(q, k, rope)
+            q, k = apply_rotary(q, k, rope, kernels)
         return paged_attention(q, k, v, k_cache, v_cache, self, scale)
 
 

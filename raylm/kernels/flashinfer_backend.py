@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from raylm.kernels.policy import KernelPolicy
+
 PLAN_SETS = 3
 WORKSPACE_BYTES = 256 * 1024 * 1024
 
@@ -66,18 +68,17 @@ class FlashInferAttentionMetadata:
 
     def attend(self, q, k, v, k_cache, v_cache, scale: float,
                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-               prefetch: torch.Tensor | None = None) -> torch.Tensor:
+               kernels: KernelPolicy = KernelPolicy()) -> torch.Tensor:
         """Attention of q over the cache after storing k and v at their slots; with rope = (cos, sin), q and k
-        are rotated first, in the same kernel that stores them. `prefetch` (kernels/l2_prefetch.py) is a hint
-        of the Triton kernels, not used here."""
+        are rotated first, in the same (Triton) kernel that stores them, launched as the kernel policy says."""
         from raylm.kernels.triton_kv_cache import rotary_write_kv_cache, write_kv_cache
 
         if scale != self.scale:
             raise ValueError(f"this step was planned for softmax scale {self.scale}, the layer uses {scale}")
         if rope is None:
-            write_kv_cache(k, v, k_cache, v_cache, self.slot_mapping)
+            write_kv_cache(k, v, k_cache, v_cache, self.slot_mapping, kernels.pdl)
         else:
-            q = rotary_write_kv_cache(q, k, v, rope[0], rope[1], k_cache, v_cache, self.slot_mapping)
+            q = rotary_write_kv_cache(q, k, v, rope[0], rope[1], k_cache, v_cache, self.slot_mapping, kernels.pdl)
         cache = (k_cache, v_cache)
         if self.prefill is None:
             return self.decode.run(q, cache)

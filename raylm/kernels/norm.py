@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from raylm.kernels.dispatch import use_triton
+from raylm.kernels.policy import KernelPolicy
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -18,27 +18,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
+    kernels = KernelPolicy()  # the model's kernel policy (kernels/policy.py: set_kernel_policy)
+
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
-    def forward(self, x, residual: torch.Tensor | None = None, prefetch: torch.Tensor | None = None):
+    def forward(self, x, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual). x may be a row-parallel
         layer's Unreduced partial sum (models/parallel.py): the sum over ranks is then taken first, in one kernel
-        with the add and the norm where the context's fused_norm takes it. `prefetch`: the weight of the GEMV
-        after the norm, which the GPU kernels may pull into L2 meanwhile (kernels/l2_prefetch.py)."""
+        with the add and the norm where the context's fused_norm takes it."""
+        pdl = self.kernels.pdl
         if hasattr(x, "partial"):  # Unreduced
             fused = x.ctx.fused_norm
             if residual is not None and fused is not None and fused.fits(x.partial):
-                return fused(x.partial, residual, self.weight, self.eps, prefetch)
+                return fused(x.partial, residual, self.weight, self.eps, pdl)
             x = x.reduce()
-        if use_triton(x):
+        if self.kernels.on_triton(x):
             from raylm.kernels import triton_ops
 
             if residual is None:
-                return triton_ops.rms_norm(x, self.weight, self.eps, prefetch)
-            return triton_ops.fused_add_rms_norm(x, residual, self.weight, self.eps, prefetch)
+                return triton_ops.rms_norm(x, self.weight, self.eps, pdl)
+            return triton_ops.fused_add_rms_norm(x, residual, self.weight, self.eps, pdl)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         x = x + residual

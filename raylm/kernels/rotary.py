@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from raylm.kernels.dispatch import use_triton
+from raylm.kernels.policy import KernelPolicy
 
 
 def rope_inv_freq(head_dim: int, theta: float, rope_type: str = "default", factor: float = 1.0,
@@ -56,10 +56,12 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
-    """q: [T, Hq, D], k: [T, Hk, D]; cos_sin from RotaryEmbedding.cos_sin."""
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                 kernels: KernelPolicy = KernelPolicy()):
+    """q: [T, Hq, D], k: [T, Hk, D]; cos_sin from RotaryEmbedding.cos_sin; the Triton kernel where the kernel
+    policy `kernels` has it."""
     cos, sin = cos_sin
-    if use_triton(q):
+    if kernels.on_triton(q):
         from raylm.kernels.triton_ops import rotary_embedding
 
         return rotary_embedding(q, k, cos, sin)

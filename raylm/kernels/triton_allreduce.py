@@ -25,7 +25,8 @@ the same order (tensor-parallel ranks run the same model), so the parities agree
 A program waits a few minutes at most for a flag, then traps: a rank that died shows as a CUDA error rather
 than as GPUs spinning forever.
 
-On by default for tensor parallelism on CUDA; RAYLM_ALLREDUCE_NORM=0 turns it off (actors/symmetric_memory.py).
+On by default for tensor parallelism on CUDA; kernel_config.fused_allreduce_norm=false turns it off
+(actors/symmetric_memory.py).
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from raylm.kernels.l2_prefetch import prefetch_args, prefetch_programs, prefetch_share
-from raylm.kernels.pdl import pdl_options, pdl_wait
+from raylm.kernels.pdl import launch_options, pdl_wait
 
 # How long a program waits for a flag before it traps (the GPU's global timer, in ns): longer than any rank lags
 # another while it compiles or tunes kernels at start-up on a cold cache. (A count of polls measured ~100 s on
@@ -53,18 +53,13 @@ def _global_time_ns(dependency):
 @triton.jit(do_not_specialize=["rows"])
 def _all_reduce_add_rms_norm_kernel(
     partial_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, buffers_ptr, flags_ptr, state_ptr, rows,
-    hidden_size, eps, stride_partial, stride_residual, stride_out, stride_residual_out, prefetch_ptr, prefetch_bytes,
-    RANK: tl.constexpr, WORLD: tl.constexpr, MAX_ROWS: tl.constexpr, BLOCK: tl.constexpr,
-    PREFETCH: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
+    hidden_size, eps, stride_partial, stride_residual, stride_out, stride_residual_out,
+    RANK: tl.constexpr, WORLD: tl.constexpr, MAX_ROWS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = 0,
 ):
     """buffers_ptr / flags_ptr: each rank's exchange buffer [2, WORLD, MAX_ROWS, hidden_size] (the partials'
     dtype) and flags [2, WORLD, MAX_ROWS] (int32), as device addresses (int64 [WORLD]); state_ptr: this
-    rank's int32 [call count, arrivals]. One program a row; with PREFETCH, the next GEMV's weight is pulled
-    into L2 first, and programs past the rows only do that (kernels/l2_prefetch.py)."""
-    prefetch_share(prefetch_ptr, prefetch_bytes, tl.program_id(0), tl.num_programs(0), PREFETCH)
+    rank's int32 [call count, arrivals]. One program a row."""
     row = tl.program_id(0)
-    if row >= rows:
-        return
     pdl_wait(USE_PDL)
     calls = tl.load(state_ptr)
     parity = calls % 2
@@ -124,13 +119,12 @@ def _all_reduce_add_rms_norm_kernel(
 
 def all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
                             buffers: torch.Tensor, flags: torch.Tensor, state: torch.Tensor, rank: int,
-                            max_rows: int, prefetch: torch.Tensor | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            max_rows: int, pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(sum over ranks of partial + residual), that sum + residual) for partial, residual [rows,
     hidden] (rows <= max_rows): every rank of the group calls it with its own partial, at the same point of
     the same sequence of calls. buffers / flags: int64 [world] device addresses of each rank's exchange buffer
-    and flags (the module's docstring); state: this rank's int32 [2], zero before the first call. `prefetch`:
-    the next GEMV's weight, pulled into L2 meanwhile where that is on (kernels/l2_prefetch.py)."""
+    and flags (the module's docstring); state: this rank's int32 [2], zero before the first call. `pdl`: the
+    launch's trigger mode (kernels/pdl.py)."""
     rows, hidden_size = partial.shape
     if residual.shape != partial.shape or residual.dtype != partial.dtype:
         raise ValueError(f"residual must match partial ({list(partial.shape)}, {partial.dtype}), got "
@@ -145,12 +139,10 @@ def all_reduce_add_rms_norm(partial: torch.Tensor, residual: torch.Tensor, weigh
     out = torch.empty(partial.shape, dtype=torch.promote_types(partial.dtype, weight.dtype), device=partial.device)
     residual_out = torch.empty_like(partial, memory_format=torch.contiguous_format)
     block = triton.next_power_of_2(hidden_size)
-    prefetching = prefetch_args(prefetch, rows, partial)
-    _all_reduce_add_rms_norm_kernel[(max(rows, prefetch_programs(prefetching)),)](
+    _all_reduce_add_rms_norm_kernel[(rows,)](
         partial, residual, weight.contiguous(), out, residual_out, buffers, flags, state, rows, hidden_size, eps,
         partial.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
-        **prefetching,
         RANK=rank, WORLD=world, MAX_ROWS=max_rows, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
-        **pdl_options(partial),
+        **launch_options(pdl),
     )
     return out, residual_out

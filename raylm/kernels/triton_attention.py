@@ -20,8 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from raylm.kernels.l2_prefetch import prefetch_args, prefetch_programs, prefetch_share
-from raylm.kernels.pdl import pdl_options, pdl_wait
+from raylm.kernels.pdl import launch_options, pdl_wait
 from raylm.kernels.triton_kv_cache import check_cache, check_cache_write
 from raylm.kernels.triton_ops import cos_sin_row, rope_rows, rotated_rows
 
@@ -89,33 +88,27 @@ def _window(sliding_window: int | None) -> int:
 # Arguments that change from step to step (batch composition, the widest block table) are not specialized on
 # (Triton would otherwise compile a variant per value class: 1, a multiple of 16, other), so a new batch shape
 # never stops a running engine to compile.
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_table"])
+@triton.jit(do_not_specialize=["num_splits", "stride_table"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-    qk_scale, window, num_seqs, num_q_heads, num_splits, head_dim,
+    qk_scale, window, num_q_heads, num_splits, head_dim,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_block, stride_slot, stride_head, stride_table,
     k_ptr, v_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
-    stride_sin, prefetch_ptr, prefetch_bytes,
+    stride_sin,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ROPE: tl.constexpr = False, PREFETCH: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
+    ROPE: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
 ):
     """One (sequence, KV head, split): attends the group's query heads over the split's range of keys.
 
     With ROPE, q holds the step's unrotated queries, and the kernel does what rotary_write_kv_cache does
     before it: it rotates the group's queries and, in the program whose split holds the newest key, stores
     the rotated key and the value (k, v) at the sequence's slot (none for a negative slot), then reads them
-    back from the cache like every other key, after a barrier of the program's threads. With PREFETCH, the
-    programs first share out the L2 prefetch of the next GEMV's weight, and programs past the sequences only do
-    that (kernels/l2_prefetch.py)."""
+    back from the cache like every other key, after a barrier of the program's threads."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    prefetch_share(prefetch_ptr, prefetch_bytes, (seq * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split,
-                   tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2), PREFETCH)
-    if seq >= num_seqs:
-        return
     pdl_wait(USE_PDL)
     context_len = tl.load(context_lens_ptr + seq)
     first_key = tl.maximum(context_len - window, 0)
@@ -265,6 +258,7 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     num_splits: int | None = None,
+    pdl: int = 0,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; returns [B, H_q, D] in q's dtype.
 
@@ -272,9 +266,10 @@ def paged_decode_attention(
     caches: [num_blocks, block_size, H_kv, D] with H_q a multiple of H_kv; block_tables: [B, max_blocks]
     int32; context_lens: [B] int32 or int64, keys per sequence including the current one. A sliding window
     hides keys at positions < context_len - sliding_window. A sequence with context_len 0 gets zeros.
-    num_splits partitions each context for split-K (chosen from the shapes when None; 1 disables it).
+    num_splits partitions each context for split-K (chosen from the shapes when None; 1 disables it). `pdl`: the
+    launches' trigger mode (kernels/pdl.py).
     """
-    return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, None)
+    return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, None, pdl)
 
 
 def rotary_decode_attention(
@@ -291,13 +286,12 @@ def rotary_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     num_splits: int | None = None,
-    prefetch: torch.Tensor | None = None,
+    pdl: int = 0,
 ) -> torch.Tensor:
     """rotary_write_kv_cache then paged_decode_attention in one kernel launch (two with split-K): q, k [B, H, D]
     are the step's unrotated queries and keys, v its values, cos / sin one row per sequence; the rotated keys
     and the values are stored at slot_mapping's slots (not for negative slots), and the result is the
-    attention of the rotated queries over the contexts, the new keys included. `prefetch`: the next GEMV's
-    weight (the o projection's), pulled into L2 meanwhile where that is on (kernels/l2_prefetch.py)."""
+    attention of the rotated queries over the contexts, the new keys included."""
     batch, _, head_dim = q.shape
     num_kv_heads = k.shape[1]
     cos_rows, sin_rows = rope_rows(q, k, cos, sin)
@@ -307,14 +301,12 @@ def rotary_decode_attention(
     if k_cache.shape[2] != num_kv_heads:
         raise ValueError(f"k has {num_kv_heads} heads, the cache {k_cache.shape[2]}")
     rope = (k, v, cos_rows, sin_rows, slot_mapping)
-    return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope,
-                   prefetch)
+    return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope, pdl)
 
 
-def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope,
-            prefetch=None):
+def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope, pdl):
     """The decode attention launch of paged_decode_attention, and of rotary_decode_attention with rope =
-    (k, v, cos_rows, sin_rows, slot_mapping) and the weight to prefetch."""
+    (k, v, cos_rows, sin_rows, slot_mapping)."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     check_cache("k_cache", k_cache, num_kv_heads, head_dim)
@@ -351,24 +343,21 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
         k, v, cos, sin, slots = q, q, q, q, context_lens
     else:
         k, v, cos, sin, slots = rope
-    prefetching = prefetch_args(prefetch, batch, q)
-    per_seq = num_kv_heads * num_splits  # programs; added sequences of programs that only prefetch
-    _decode_split_kernel[(max(batch, -(-prefetch_programs(prefetching) // per_seq)), num_kv_heads, num_splits)](
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_max, part_sum,
-        scale * _LOG2_E, window, batch, num_q_heads, num_splits, head_dim,
+        scale * _LOG2_E, window, num_q_heads, num_splits, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k, v, cos, sin, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
-        **prefetching,
         GROUP=group, BLOCK_G=max(config.block_m, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=config.block_n, PAGE_SIZE=page_size, DIRECT_OUTPUT=direct, DOT_PRECISION=_dot_precision(q.dtype),
-        ROPE=rope is not None, num_warps=config.num_warps, num_stages=config.num_stages, **pdl_options(q),
+        ROPE=rope is not None, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
     )
     if not direct:  # one BLOCK_S for every split count up to _MAX_SPLITS: one compiled variant
         _decode_reduce_kernel[(batch, num_q_heads)](
             out, part_acc, part_max, part_sum, num_q_heads, num_splits, head_dim, out.stride(0), out.stride(1),
             BLOCK_S=triton.next_power_of_2(max(num_splits, _MAX_SPLITS)), BLOCK_D=block_d, num_warps=4,
-            **pdl_options(q),
+            **launch_options(pdl),
         )
     return out
 

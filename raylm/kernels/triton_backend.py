@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from raylm.kernels.attention import padded_block_table
+from raylm.kernels.policy import KernelPolicy
 
 
 @dataclass
@@ -28,10 +29,11 @@ class TritonAttentionMetadata:
 
     def attend(self, q, k, v, k_cache, v_cache, scale: float,
                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-               prefetch: torch.Tensor | None = None) -> torch.Tensor:
+               kernels: KernelPolicy = KernelPolicy()) -> torch.Tensor:
         """Attention of q over the cache after storing k and v at their slots; with rope = (cos, sin), q and k
-        are rotated first, in the kernel that stores them: for decode tokens, their attention kernel, which may
-        also pull `prefetch` (the next GEMV's weight) into L2 meanwhile (kernels/l2_prefetch.py)."""
+        are rotated first, in the kernel that stores them: for decode tokens, their attention kernel. The
+        kernels launch with the policy's PDL trigger mode (kernels/pdl.py)."""
+        pdl = kernels.pdl
         from raylm.kernels.triton_attention import (
             paged_decode_attention,
             paged_prefill_attention,
@@ -42,21 +44,20 @@ class TritonAttentionMetadata:
         decodes = self.num_decodes
         prefill_queries = q[decodes:]
         if rope is None:
-            write_kv_cache(k, v, k_cache, v_cache, self.slot_mapping)
+            write_kv_cache(k, v, k_cache, v_cache, self.slot_mapping, pdl)
         elif self.prefill_block_tables is not None:  # decode tokens are rotated and stored by their attention
             tail = slice(decodes, None)
             prefill_queries = rotary_write_kv_cache(q[tail], k[tail], v[tail], rope[0][tail], rope[1][tail], k_cache,
-                                                    v_cache, self.slot_mapping[tail])
+                                                    v_cache, self.slot_mapping[tail], pdl)
         if decodes:
             head = slice(0, decodes)
             if rope is None:
                 decoded = paged_decode_attention(q[head], k_cache, v_cache, self.decode_block_tables,
-                                                 self.decode_context_lens, scale, self.sliding_window)
+                                                 self.decode_context_lens, scale, self.sliding_window, pdl=pdl)
             else:
                 decoded = rotary_decode_attention(q[head], k[head], v[head], rope[0][head], rope[1][head], k_cache,
                                                   v_cache, self.slot_mapping[head], self.decode_block_tables,
-                                                  self.decode_context_lens, scale, self.sliding_window,
-                                                  prefetch=None if self.prefill_block_tables is not None else prefetch)
+                                                  self.decode_context_lens, scale, self.sliding_window, pdl=pdl)
             if self.prefill_block_tables is None:
                 return decoded
         prefilled = paged_prefill_attention(prefill_queries, k_cache, v_cache, self.prefill_block_tables,

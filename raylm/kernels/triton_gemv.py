@@ -14,16 +14,13 @@ arrival counter; the program that arrives last adds the partials in split order 
 the data, so the result is the same whichever program finishes first), writes y and resets the counter for the
 next call. Splits are among the tuned configurations, chosen only where they time faster.
 
-On by default for models whose decode steps stream weights, with programmatic dependent launch (kernels/dispatch.py:
-alone it is level with cuBLAS, `python benchmarks/gemv.py`; with PDL's `tail` it is faster end to end);
-RAYLM_TRITON_GEMV=0/1 overrides. Under PDL (kernels/pdl.py) a program loads its first weight tile before it waits
-for the kernel before it.
+On by default for models whose decode steps stream weights, with programmatic dependent launch (kernels/policy.py:
+alone it is level with cuBLAS; with PDL's `tail` it is faster end to end); kernel_config.decode_gemv overrides.
+Under PDL (kernels/pdl.py) a program loads its first weight tile before it waits for the kernel before it.
 
 The SiLU-mul after the gate / up projection runs in that GEMV's epilogue (gemv_silu_mul: each program owns
 matching gate and up rows, so the activation needs nothing from other programs). The add + RMSNorm before qkv
-and gate_up stay separate kernels: folded into the GEMV's input loads (as was SiLU-mul into down's) they were
-measured 3-4x slower per call on the H200 (Triton 3.6: 51.6 us against 17.5 for norm + GEMV at qkv, 129.5
-against 31.8 for SiLU-mul + down; docs/benchmarks.md).
+and gate_up stay separate kernels: folded into the GEMV's input loads they measured slower (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -34,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from raylm.kernels.dispatch import GEMV_MAX_ROWS
-from raylm.kernels.pdl import pdl_options, pdl_trigger_at_tail, pdl_wait
+from raylm.kernels.pdl import launch_options, pdl_trigger_at_tail, pdl_wait
+from raylm.kernels.policy import GEMV_MAX_ROWS
 
 _BLOCK_M = 16  # tl.dot's smallest tile; rows past M are masked
 _MIN_BLOCK_N = 16  # the narrowest output tile of any configuration: one arrival counter per such tile
@@ -207,9 +204,9 @@ def _input_rows(x: torch.Tensor, weight: torch.Tensor, name: str) -> torch.Tenso
 
 
 def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            N: int, config: dict | None = None, workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+            N: int, config: dict | None, pdl: int, workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Runs a GEMV kernel over N output features of out [M, N]: tuned per (N, K), or with `config` (the
-    interpreter's one configuration when none is given there); with PDL where it is on. A kernel that may split
+    interpreter's one configuration when none is given there); with PDL's trigger mode `pdl`. A kernel that may split
     K takes its (partials, arrivals) `workspace` after out."""
     M, K = rows.shape
     if not M:
@@ -219,7 +216,7 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
             weight.stride(0), out.stride(0))
     if _INTERPRETED and config is None:
         config = _INTERPRETED_CONFIG
-    options = pdl_options(rows)
+    options = launch_options(pdl)
     if config is not None:
         config = dict(config)
         split_k = config.get("SPLIT_K", 1)
@@ -234,28 +231,29 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-         config: dict | None = None) -> torch.Tensor:
+         config: dict | None = None, pdl: int = 0) -> torch.Tensor:
     """F.linear(x, weight, bias) for x of at most GEMV_MAX_ROWS rows (any leading shape) and a half-precision
     weight [N, K] with contiguous rows. `config` fixes the tiles ({"BLOCK_N", "BLOCK_K"[, "SPLIT_K"]}, and
-    Triton's num_warps / num_stages) instead of tuning them: for tests and benchmarks."""
+    Triton's num_warps / num_stages) instead of tuning them: for tests and benchmarks. `pdl`: the launch's
+    trigger mode (kernels/pdl.py)."""
     rows = _input_rows(x, weight, "gemv")
     N = weight.shape[0]
     out = torch.empty((rows.shape[0], N), dtype=x.dtype, device=x.device)
     # Layers too wide to split pass out twice in the workspace's place: the kernel never touches it unsplit.
     workspace = _split_workspace(rows.device, N) if N <= _MAX_SPLIT_N else (out, out)
-    _launch(_gemv_kernel, _gemv_tuned, rows, weight, bias, out, N, config, workspace)
+    _launch(_gemv_kernel, _gemv_tuned, rows, weight, bias, out, N, config, pdl, workspace)
     return out.reshape(*x.shape[:-1], N)
 
 
 def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  config: dict | None = None) -> torch.Tensor:
+                  config: dict | None = None, pdl: int = 0) -> torch.Tensor:
     """silu_and_mul(F.linear(x, weight, bias)) in one kernel, for x as gemv takes it and a merged gate / up
     weight [2I, K] (gate rows, then up rows; bias likewise): returns [..., I], rounded as the two steps round.
-    `config` as gemv takes it, without SPLIT_K (the gate / up layer is wide enough not to need it)."""
+    `config` and `pdl` as gemv takes them, without SPLIT_K (the gate / up layer is wide enough not to need it)."""
     rows = _input_rows(x, weight, "gemv_silu_mul")
     if weight.shape[0] % 2:
         raise ValueError(f"gemv_silu_mul needs gate and up rows of one size, got {weight.shape[0]} rows")
     N = weight.shape[0] // 2
     out = torch.empty((rows.shape[0], N), dtype=x.dtype, device=x.device)
-    _launch(_gemv_silu_mul_kernel, _gemv_silu_mul_tuned, rows, weight, bias, out, N, config)
+    _launch(_gemv_silu_mul_kernel, _gemv_silu_mul_tuned, rows, weight, bias, out, N, config, pdl)
     return out.reshape(*x.shape[:-1], N)

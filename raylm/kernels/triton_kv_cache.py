@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from raylm.kernels.pdl import pdl_options, pdl_wait
+from raylm.kernels.pdl import launch_options, pdl_wait
 from raylm.kernels.triton_ops import cos_sin_row, rope_rows, rotate_heads, rotated_rows
 
 
@@ -58,11 +58,12 @@ def check_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
+                   slot_mapping: torch.Tensor, pdl: int = 0) -> None:
     """Stores keys and values [T, H_kv, D] at their cache slots (slot = block_id * block_size + offset).
 
     Caches are [num_blocks, block_size, H_kv, D], written in place (cast to the cache dtype); tokens whose
-    slot is negative are padding and are not written. Both caches must share one layout.
+    slot is negative are padding and are not written. Both caches must share one layout. `pdl`: the launch's
+    trigger mode (kernels/pdl.py).
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     check_cache_write(k, v, k_cache, v_cache, slot_mapping)
@@ -74,7 +75,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         k, v, k_cache, v_cache, slot_mapping, num_kv_heads, head_dim,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         PAGE_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4, **pdl_options(k),
+        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4, **launch_options(pdl),
     )
 
 
@@ -110,7 +111,8 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_
 
 
 def rotary_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          pdl: int = 0) -> torch.Tensor:
     """triton_ops.rotary_embedding then write_kv_cache in one kernel: returns the rotated queries [T, H_q, D]
     and stores the rotated keys and the values [T, H_kv, D] at their cache slots (negative slots: not stored)."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -127,6 +129,6 @@ def rotary_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             PAGE_SIZE=k_cache.shape[1], BLOCK_HQ=triton.next_power_of_2(num_q_heads),
             BLOCK_HK=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
-            **pdl_options(q),
+            **launch_options(pdl),
         )
     return q_out

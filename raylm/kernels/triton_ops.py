@@ -11,21 +11,16 @@ import torch
 import triton
 import triton.language as tl
 
-from raylm.kernels.l2_prefetch import prefetch_args, prefetch_programs, prefetch_share
-from raylm.kernels.pdl import pdl_options, pdl_wait
+from raylm.kernels.pdl import launch_options, pdl_wait
 
 # ------------------------------------------------------------------------------------------ RMSNorm
 
 
 @triton.jit(do_not_specialize=["rows"])
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, rows, hidden_size, eps,
-                     stride_x, stride_residual, stride_out, stride_residual_out, prefetch_ptr, prefetch_bytes,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PREFETCH: tl.constexpr = False,
-                     USE_PDL: tl.constexpr = 0):
-    """One program a row; programs past the rows only prefetch (kernels/l2_prefetch.py)."""
-    prefetch_share(prefetch_ptr, prefetch_bytes, tl.program_id(0), tl.num_programs(0), PREFETCH)
-    if tl.program_id(0) >= rows:
-        return
+                     stride_x, stride_residual, stride_out, stride_residual_out, HAS_RESIDUAL: tl.constexpr,
+                     BLOCK: tl.constexpr, USE_PDL: tl.constexpr = 0):
+    """One program a row."""
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -50,7 +45,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                     prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     pdl: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     hidden_size = x.shape[-1]
     if weight.shape != (hidden_size,):
         raise ValueError(f"weight must be [{hidden_size}], got {list(weight.shape)}")
@@ -67,32 +62,31 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     rows = x_rows.shape[0]
     if rows:
         block = triton.next_power_of_2(hidden_size)
-        prefetching = prefetch_args(prefetch, rows, x)
-        _rms_norm_kernel[(max(rows, prefetch_programs(prefetching)),)](
+        _rms_norm_kernel[(rows,)](
             x_rows, residual_rows, weight.contiguous(), out_rows, residual_out_rows, rows, hidden_size, eps,
             x_rows.stride(0), residual_rows.stride(0), out_rows.stride(0), residual_out_rows.stride(0),
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
-            **prefetching, **pdl_options(x),
+            **launch_options(pdl),
         )
     return out, residual_out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: int = 0) -> torch.Tensor:
     """RMSNorm over the last dimension, as norm.rms_norm: the variance and the normalisation in float32,
-    the result cast to x's dtype and then scaled by weight (output dtype: x's and weight's promoted).
-    `prefetch`: the next GEMV's weight, pulled into L2 meanwhile where that is on (kernels/l2_prefetch.py)."""
-    out, _ = _launch_rms_norm(x, None, weight, eps, prefetch)
+    the result cast to x's dtype and then scaled by weight (output dtype: x's and weight's promoted). `pdl`: the
+    launch's trigger mode (kernels/pdl.py)."""
+    out, _ = _launch_rms_norm(x, None, weight, eps, pdl)
     return out
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                       prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual) in one pass; the sum is rounded to x's dtype before it
-    is normalised, as RMSNorm.forward does. Neither input is modified. `prefetch` as rms_norm takes it."""
+    is normalised, as RMSNorm.forward does. Neither input is modified. `pdl` as rms_norm takes it."""
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f"residual must match x ({list(x.shape)}, {x.dtype}), got "
                          f"{list(residual.shape)}, {residual.dtype}")
-    out, new_residual = _launch_rms_norm(x, residual, weight, eps, prefetch)
+    out, new_residual = _launch_rms_norm(x, residual, weight, eps, pdl)
     return out, new_residual
 
 
@@ -207,7 +201,7 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, size, stride_in, stride_out, BLOC
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, pdl: int = 0) -> torch.Tensor:
     """silu(gate) * up for gate_up [..., 2 * I] holding gate then up; returns [..., I] in gate_up's dtype,
     as activation.gated_activation("silu")."""
     if gate_up.shape[-1] % 2:
@@ -220,6 +214,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         block = min(triton.next_power_of_2(size), 1024)
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(size, block))](
             rows, out_rows, size, rows.stride(0), out_rows.stride(0), BLOCK=block, num_warps=4,
-            **pdl_options(gate_up),
+            **launch_options(pdl),
         )
     return out

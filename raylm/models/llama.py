@@ -15,8 +15,8 @@ from torch import nn
 
 from raylm.kernels.activation import gated_activation
 from raylm.kernels.attention import AttentionMetadata
-from raylm.kernels.dispatch import gemv_applies
 from raylm.kernels.norm import RMSNorm
+from raylm.kernels.policy import KernelPolicy
 from raylm.kernels.rotary import RotaryEmbedding, rope_inv_freq
 from raylm.models.arch import ArchConfig
 from raylm.models.moe import MoEBlock
@@ -36,6 +36,8 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
+    kernels = KernelPolicy()  # the model's kernel policy (kernels/policy.py: set_kernel_policy)
+
     def __init__(self, arch: ArchConfig, ctx: ParallelContext):
         super().__init__()
         self.head_dim = arch.head_dim
@@ -57,11 +59,13 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, rope=rope, prefetch=self.o_proj.weight)
+        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, rope=rope, kernels=self.kernels)
         return self.o_proj(out.view(-1, self.num_heads * self.head_dim), defer_reduce)
 
 
 class MLP(nn.Module):
+    kernels = KernelPolicy()  # the model's kernel policy (kernels/policy.py: set_kernel_policy)
+
     def __init__(self, arch: ArchConfig, ctx: ParallelContext):
         super().__init__()
         size = arch.intermediate_size
@@ -72,11 +76,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor | Unreduced:
         gate_up = self.gate_up_proj
-        if self.silu and gemv_applies(x, gate_up.weight):  # decode-sized: SiLU-mul in the GEMV's epilogue
+        if self.silu and self.kernels.gemv_applies(x, gate_up.weight):  # SiLU-mul in the GEMV's epilogue
             from raylm.kernels.triton_gemv import gemv_silu_mul
 
-            return self.down_proj(gemv_silu_mul(x, gate_up.weight, gate_up.bias), defer_reduce)
-        return self.down_proj(self.act(gate_up(x)), defer_reduce)
+            return self.down_proj(gemv_silu_mul(x, gate_up.weight, gate_up.bias, pdl=self.kernels.pdl), defer_reduce)
+        return self.down_proj(self.act(gate_up(x), self.kernels), defer_reduce)
 
 
 class DecoderLayer(nn.Module):
@@ -90,15 +94,14 @@ class DecoderLayer(nn.Module):
     def forward(self, rope, hidden, residual, kv_cache, meta, defer_reduce: bool = False):
         """With defer_reduce, the o and down projections return Unreduced partial sums, which the RMSNorm after
         each reduces (the layer's output too: the next layer's input norm, or the model's, takes it)."""
-        qkv_weight = self.self_attn.qkv_proj.weight  # each norm may pull the next GEMV's weight into L2
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden, prefetch=qkv_weight)
+            hidden = self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual, prefetch=qkv_weight)
+            hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(rope, hidden, kv_cache, meta, defer_reduce)
         if isinstance(self.mlp, MLP):
-            hidden, residual = self.post_attention_layernorm(hidden, residual, prefetch=self.mlp.gate_up_proj.weight)
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
             return self.mlp(hidden, defer_reduce), residual
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
@@ -167,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(hidden, Unreduced):
                 hidden = hidden.reduce()
             return hidden, residual if residual is not None else torch.zeros_like(hidden)
-        hidden, _ = self.norm(hidden, residual, prefetch=self.lm_head.weight)
+        hidden, _ = self.norm(hidden, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from raylm.kernels.dispatch import linear
+from raylm.kernels.linear import linear
+from raylm.kernels.policy import KernelPolicy
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,8 @@ class ParallelContext:
     fast_all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     # Whether the o / down projections leave their all-reduce to the RMSNorm after them (Unreduced), and the
     # kernel that then does all-reduce + residual add + RMSNorm in one (actors/symmetric_memory.py:
-    # SymmetricAllReduceNorm; None: the norm all-reduces first). Set at TP > 1 on GPUs (RAYLM_ALLREDUCE_NORM).
+    # SymmetricAllReduceNorm; None: the norm all-reduces first). Set at TP > 1 on GPUs
+    # (kernel_config.fused_allreduce_norm).
     defer_reduce: bool = False
     fused_norm: Callable | None = None
 
@@ -105,6 +107,8 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: o
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by output rows; the output stays sharded."""
 
+    kernels = KernelPolicy()  # the model's kernel policy (kernels/policy.py: set_kernel_policy)
+
     def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext = SINGLE):
         super().__init__()
         self.ctx = ctx
@@ -117,7 +121,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, start, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.kernels)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -185,6 +189,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by input columns; partial sums are all-reduced across ranks."""
 
+    kernels = KernelPolicy()  # the model's kernel policy (kernels/policy.py: set_kernel_policy)
+
     def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext = SINGLE):
         super().__init__()
         self.ctx = ctx
@@ -198,7 +204,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor | Unreduced:
         """With defer_reduce (and no bias), the partial sum as Unreduced: the next RMSNorm all-reduces it."""
-        out = linear(x, self.weight)
+        out = linear(x, self.weight, None, self.kernels)
         if defer_reduce and self.bias is None:
             return Unreduced(out, self.ctx)
         out = self.ctx.all_reduce(out)
@@ -236,8 +242,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection onto the vocabulary; each rank computes its vocabulary slice, then gathers."""
 
+    kernels = KernelPolicy()  # the model's kernel policy (kernels/policy.py: set_kernel_policy)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, None, self.kernels)
         if self.ctx.tp_size == 1:
             return logits
         return self.ctx.all_gather_last_dim(logits)[..., : self.vocab_size]

@@ -13,6 +13,7 @@ from raylm.actors.symmetric_memory import (
     symmetric_all_reduce_requested,
     symmetric_memory_requested,
 )
+from raylm.config import KernelConfig
 
 
 def test_cuda_index_is_ray_gpu_id_when_the_node_shows_every_gpu():
@@ -84,17 +85,13 @@ def test_worker_methods_bind_the_gpu_on_the_calling_thread(monkeypatch):
 
 @pytest.mark.parametrize(("symm", "norm", "cuda", "cpu"), [
     (None, None, (True, True, True), (False, False, False)),  # the default: on for GPUs
-    ("0", None, (False, True, True), (False, False, False)),
-    ("0", "0", (False, False, False), (False, False, False)),  # NCCL throughout: workers see their own GPU
-    (None, "1", (True, True, True), (False, True, False)),  # a CPU run may split the all-reduce, over gloo
+    (False, None, (False, True, True), (False, False, False)),
+    (False, False, (False, False, False), (False, False, False)),  # NCCL throughout: workers see their own GPU
+    (None, True, (True, True, True), (False, True, False)),  # a CPU run may split the all-reduce, over gloo
 ])
-def test_all_reduce_switches_default_on_for_gpus(monkeypatch, symm, norm, cuda, cpu):
-    """(symmetric all-reduce, fused norm, every GPU visible) for CUDA and CPU workers."""
-    for name, value in (("RAYLM_SYMM_MEM_ALLREDUCE", symm), ("RAYLM_ALLREDUCE_NORM", norm)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
+def test_all_reduce_settings_default_on_for_gpus(symm, norm, cuda, cpu):
+    """(symmetric all-reduce, fused norm, every GPU visible) for CUDA and CPU workers, from kernel_config."""
+    config = KernelConfig(symmetric_memory_allreduce=symm, fused_allreduce_norm=norm)
     for device, expected in (("cuda", cuda), ("cpu", cpu)):
-        assert (symmetric_all_reduce_requested(device), all_reduce_norm_requested(device),
-                symmetric_memory_requested(device)) == expected
+        assert (symmetric_all_reduce_requested(config, device), all_reduce_norm_requested(config, device),
+                symmetric_memory_requested(config, device)) == expected

@@ -65,11 +65,10 @@ class PipelineProbe:
         return self.engine.overlap and self.engine.scheduler.skip_in_flight
 
 
-def test_overlapped_pipeline_steps_give_the_same_tokens(ray_cluster, tiny_model_dirs, monkeypatch):
-    """RAYLM_PP_OVERLAP=1 over NCCL: the first stage runs step N+1 while the last finishes step N (their activations
-    and logits cross while the other stage computes); a budget of 16 tokens a step chunks the prompts, so steps
-    overlap from the first."""
-    monkeypatch.setenv("RAYLM_PP_OVERLAP", "1")
+def test_overlapped_pipeline_steps_give_the_same_tokens(ray_cluster, tiny_model_dirs):
+    """Overlapped pipeline steps over NCCL: the first stage runs step N+1 while the last finishes step N (their
+    activations and logits cross while the other stage computes); a budget of 16 tokens a step chunks the prompts,
+    so steps overlap from the first."""
     path = tiny_model_dirs["llama"]
     with LLM(str(path), device="cuda", dtype="float32", skip_tokenizer_init=True, kv_cache_config=KV,
              max_seq_len=1024, pipeline_parallel_size=2, max_num_tokens=16,
@@ -106,19 +105,18 @@ class AllReduceProbe:
         return self.ctx.fast_all_reduce is not None, self.ctx.defer_reduce, self.ctx.fused_norm is not None
 
 
-@pytest.mark.parametrize(("symm", "norm", "paths"), [("1", "0", (True, False, False)),
-                                                     ("0", "0", (False, False, False))],
+@pytest.mark.parametrize(("symm", "paths"), [(True, (True, False, False)), (False, (False, False, False))],
                          ids=["symmetric-memory-alone", "nccl-alone"])
-def test_each_all_reduce_path_gives_the_same_tokens(ray_cluster, tiny_model_dirs, monkeypatch, symm, norm, paths):
-    """RAYLM_SYMM_MEM_ALLREDUCE=1 with the fused norm off: small all-reduces go through symmetric memory (in the
-    decode graphs too); both 0: NCCL carries every all-reduce."""
-    monkeypatch.setenv("RAYLM_SYMM_MEM_ALLREDUCE", symm)
-    monkeypatch.setenv("RAYLM_ALLREDUCE_NORM", norm)
+def test_each_all_reduce_path_gives_the_same_tokens(ray_cluster, tiny_model_dirs, symm, paths):
+    """kernel_config.symmetric_memory_allreduce with the fused norm off: small all-reduces go through symmetric
+    memory (in the decode graphs too); both off: NCCL carries every all-reduce."""
     path = tiny_model_dirs["llama"]
+    kernels = {"symmetric_memory_allreduce": symm, "fused_allreduce_norm": False}
     with LLM(str(path), device="cuda", dtype="float32", skip_tokenizer_init=True, kv_cache_config=KV,
-             max_seq_len=1024, tensor_parallel_size=2, worker_extension_cls=AllReduceProbe) as llm:
+             max_seq_len=1024, tensor_parallel_size=2, kernel_config=kernels,
+             worker_extension_cls=AllReduceProbe) as llm:
         assert llm.collective_rpc("all_reduce_paths") == [paths, paths]
-        if symm == "1":  # every GPU of the node is visible to these workers; each still computes on its own
+        if symm:  # every GPU of the node is visible to these workers; each still computes on its own
             assert sorted(llm.collective_rpc("report_device_id")) == sorted(_gpu_uuids()[:2])
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS],
                                SamplingParams(max_tokens=NEW_TOKENS), use_tqdm=False)
@@ -132,31 +130,24 @@ class NormProbe:
         return self.ctx.defer_reduce and self.ctx.fused_norm is not None
 
 
-@pytest.mark.parametrize(("dtype", "prefetch"), [("float32", "0"), ("bfloat16", "0"), ("float32", "1")],
-                         ids=["float32", "bfloat16", "float32-l2-prefetch"])
-def test_fused_all_reduce_norm_gives_the_same_tokens(ray_cluster, tiny_model_dirs, monkeypatch, dtype, prefetch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_all_reduce_norm_gives_the_same_tokens(ray_cluster, tiny_model_dirs, dtype):
     """The default at TP > 1 on GPUs: the o / down projections' all-reduce runs in one kernel with the residual add
     and RMSNorm after it (kernels/triton_allreduce.py), eager and in the decode graphs, next to the symmetric
     all-reduce of the embedding. float32: the tokens of one GPU; bfloat16: the tokens of TP=2 with
-    RAYLM_ALLREDUCE_NORM=0 (the sum of two bf16 partials rounds once either way). With RAYLM_L2_PREFETCH=1 the
-    last layer's fused kernel also prefetches this rank's half of the LM head (6 MB: programs added past the row,
-    kernels/l2_prefetch.py)."""
+    kernel_config.fused_allreduce_norm off (the sum of two bf16 partials rounds once either way)."""
     path = tiny_model_dirs["llama"]
     prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
     params = SamplingParams(max_tokens=NEW_TOKENS)
     settings = dict(device="cuda", dtype=dtype, skip_tokenizer_init=True, kv_cache_config=KV, max_seq_len=1024,
                     tensor_parallel_size=2)
-    monkeypatch.delenv("RAYLM_SYMM_MEM_ALLREDUCE", raising=False)
-    monkeypatch.setenv("RAYLM_ALLREDUCE_NORM", "0")
     if dtype == "bfloat16":
-        with LLM(str(path), **settings) as llm:
+        with LLM(str(path), kernel_config={"fused_allreduce_norm": False}, **settings) as llm:
             expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     else:
         if "llama" not in _one_gpu:
             _one_gpu["llama"] = _greedy(path)
         expected = _one_gpu["llama"]
-    monkeypatch.delenv("RAYLM_ALLREDUCE_NORM")
-    monkeypatch.setenv("RAYLM_L2_PREFETCH", prefetch)
     with LLM(str(path), worker_extension_cls=NormProbe, **settings) as llm:
         assert llm.collective_rpc("fused_norm") == [True, True]
         outputs = llm.generate(prompts, params, use_tqdm=False)

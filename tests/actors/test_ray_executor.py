@@ -21,10 +21,9 @@ class OverlapProbe:
     def engine_overlaps(self) -> bool:
         return self.engine.overlap
 
-    def setting(self, name: str) -> str | None:
-        import os
-
-        return os.environ.get(name)
+    def kernel_choice(self) -> tuple[str, bool | None]:
+        config = self.spec.args.kernel_config
+        return config.pdl, config.fused_allreduce_norm
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -76,14 +75,13 @@ class ReduceProbe:
 
 
 @pytest.mark.parametrize(("arch", "tp", "pp"), [("llama", 2, 2), ("qwen3_moe", 2, 1)])
-def test_all_reduce_left_to_the_norms_keeps_greedy_tokens(ray_cluster, tiny_model_dirs, monkeypatch, arch, tp, pp):
-    """RAYLM_ALLREDUCE_NORM=1: the o / down projections return partial sums that the RMSNorm after them reduces
-    (on the CPU: all-reduce, then add + norm; the fused kernel is GPU-only); a pipeline stage reduces its last
-    layer's output before sending it on; mixture-of-experts blocks reduce their own."""
-    monkeypatch.setenv("RAYLM_ALLREDUCE_NORM", "1")
+def test_all_reduce_left_to_the_norms_keeps_greedy_tokens(ray_cluster, tiny_model_dirs, arch, tp, pp):
+    """kernel_config.fused_allreduce_norm: the o / down projections return partial sums that the RMSNorm after them
+    reduces (on the CPU: all-reduce, then add + norm; the fused kernel is GPU-only); a pipeline stage reduces its
+    last layer's output before sending it on; mixture-of-experts blocks reduce their own."""
     path = tiny_model_dirs[arch]
     with LLM(str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, kv_cache_config=KV,
-             worker_extension_cls=ReduceProbe) as llm:
+             kernel_config={"fused_allreduce_norm": True}, worker_extension_cls=ReduceProbe) as llm:
         assert llm.collective_rpc("defers_reduce") == [True] * (tp * pp)
         got = _generate(llm)
     assert got == _hf_tokens(path)
@@ -95,10 +93,10 @@ class PipelineProbe:
 
 
 @pytest.mark.parametrize(("arch", "tp", "pp"), [("llama", 1, 2), ("llama", 2, 2), ("qwen3_moe", 1, 2)])
-def test_overlapped_pipeline_steps_keep_greedy_tokens(ray_cluster, tiny_model_dirs, monkeypatch, arch, tp, pp):
-    """RAYLM_PP_OVERLAP=1: consecutive steps hold different sequences and the first stage runs step N+1 while
-    the last finishes step N; a budget of 16 tokens a step chunks the prompts, so steps overlap from the start."""
-    monkeypatch.setenv("RAYLM_PP_OVERLAP", "1")
+def test_overlapped_pipeline_steps_keep_greedy_tokens(ray_cluster, tiny_model_dirs, arch, tp, pp):
+    """Overlapped pipeline steps (the default): consecutive steps hold different sequences and the first stage runs
+    step N+1 while the last finishes step N; a budget of 16 tokens a step chunks the prompts, so steps overlap from
+    the start."""
     path = tiny_model_dirs[arch]
     with LLM(str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, kv_cache_config=KV, max_num_tokens=16,
              worker_extension_cls=PipelineProbe) as llm:
@@ -107,11 +105,10 @@ def test_overlapped_pipeline_steps_keep_greedy_tokens(ray_cluster, tiny_model_di
     assert got == _hf_tokens(path)
 
 
-def test_overlapped_pipeline_steps_survive_preemption(ray_cluster, tiny_model_dirs, monkeypatch):
+def test_overlapped_pipeline_steps_survive_preemption(ray_cluster, tiny_model_dirs):
     """A cache of 5 blocks for 3 sequences of up to 40 tokens: requests are preempted and recomputed while other
     steps are in flight; the greedy tokens stay HF's. (A request preempted with its draw in flight is re-admitted
     only once the draw arrived: tests/engine/test_scheduler.py.)"""
-    monkeypatch.setenv("RAYLM_PP_OVERLAP", "1")
     path = tiny_model_dirs["llama"]
     with LLM(str(path), pipeline_parallel_size=2, kv_cache_config=KvCacheConfig(max_tokens=80, tokens_per_block=16),
              max_num_tokens=16) as llm:
@@ -121,16 +118,17 @@ def test_overlapped_pipeline_steps_survive_preemption(ray_cluster, tiny_model_di
     assert got == _hf_tokens(path)
 
 
-@pytest.mark.parametrize("overlap", ["0", "1"], ids=["micro-batches", "overlapped-steps"])
-def test_pipeline_micro_batches_keep_prompt_logprobs_and_sampling_exact(ray_cluster, tiny_model_dirs, monkeypatch,
-                                                                        overlap):
-    monkeypatch.setenv("RAYLM_PP_OVERLAP", overlap)
+@pytest.mark.parametrize("disable_overlap", [True, False], ids=["micro-batches", "overlapped-steps"])
+def test_pipeline_micro_batches_keep_prompt_logprobs_and_sampling_exact(ray_cluster, tiny_model_dirs,
+                                                                        disable_overlap):
     path = tiny_model_dirs["llama"]
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=5, logprobs=2, prompt_logprobs=1)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
     with LLM(str(path), executor="local", kv_cache_config=KV) as single:
         expected = single.generate(prompts, params, use_tqdm=False)
-    with LLM(str(path), pipeline_parallel_size=2, kv_cache_config=KV) as staged:
+    with LLM(str(path), pipeline_parallel_size=2, kv_cache_config=KV, disable_pipeline_overlap=disable_overlap,
+             worker_extension_cls=PipelineProbe) as staged:
+        assert staged.collective_rpc("overlaps_pipeline", target_ranks=[0]) == [not disable_overlap]
         got = staged.generate(prompts, params, use_tqdm=False)
     for ours, reference in zip(got, expected):
         assert ours.outputs[0].token_ids == reference.outputs[0].token_ids
@@ -242,13 +240,11 @@ def test_tensor_parallel_steps_overlap_and_match_one_rank(ray_cluster, tiny_mode
             assert all(abs(mine[t].logprob - theirs[t].logprob) < 1e-4 for t in mine)
 
 
-def test_raylm_settings_reach_every_worker(ray_cluster, tiny_model_dirs, monkeypatch):
-    """RAYLM_* variables of the process that builds the engine are set in its Ray workers too (a cluster
-    started elsewhere does not inherit them)."""
-    monkeypatch.setenv("RAYLM_PROBE_SETTING", "on")
+def test_kernel_config_reaches_every_worker(ray_cluster, tiny_model_dirs):
+    """kernel_config travels to every Ray worker in its WorkerSpec (no environment variable is forwarded)."""
     with LLM(str(tiny_model_dirs["llama"]), tensor_parallel_size=2, kv_cache_config=KV,
-             worker_extension_cls=OverlapProbe) as llm:
-        assert llm.collective_rpc("setting", args=("RAYLM_PROBE_SETTING",)) == ["on", "on"]
+             kernel_config={"pdl": "exit", "fused_allreduce_norm": False}, worker_extension_cls=OverlapProbe) as llm:
+        assert llm.collective_rpc("kernel_choice") == [("exit", False), ("exit", False)]
 
 
 class GraphStandIn:
@@ -258,8 +254,8 @@ class GraphStandIn:
 
     def install_graph_stand_in(self) -> None:
         from raylm.engine.cuda_graphs import DecodeOutputs
-        from raylm.engine.model_runner import StepPlan
         from raylm.engine.sampler import greedy_draws
+        from raylm.engine.step_plan import StepPlan
 
         runner = self.runner
 
@@ -281,7 +277,7 @@ class GraphStandIn:
                 return DecodeOutputs(hidden, logits, greedy_draws(logits) if greedy else None)
 
         runner.graphs = EagerGraphs()
-        from raylm.actors.distributed import Communicator
+        from raylm.actors.transport import Communicator
 
         broadcast_feed, self.feed_broadcasts = Communicator.broadcast_feed, 0
 

@@ -10,22 +10,27 @@ import torch
 
 from raylm.engine.model_runner import resolve_attention_backend
 from raylm.kernels.flashinfer_backend import paged_kv_arrays
+from raylm.kernels.policy import KernelPolicy
+
+REFERENCE = KernelPolicy()
 
 
-def test_auto_is_the_torch_reference_on_the_cpu():
-    assert resolve_attention_backend("auto", torch.device("cpu")) == "torch"
-    assert resolve_attention_backend("torch", torch.device("cpu")) == "torch"
+def test_auto_is_the_torch_reference_without_triton_kernels():
+    """On the CPU (or with kernel_config.triton off) the kernel policy runs no Triton kernel."""
+    assert resolve_attention_backend("auto", REFERENCE) == "torch"
+    assert resolve_attention_backend("torch", REFERENCE) == "torch"
+    assert resolve_attention_backend("auto", KernelPolicy(triton=True)) == "triton"
 
 
 @pytest.mark.parametrize("backend", ["triton", "flashinfer"])
 def test_gpu_backends_are_refused_where_they_cannot_run(backend):
     with pytest.raises(ValueError, match=f"attention_backend='{backend}' needs a CUDA device"):
-        resolve_attention_backend(backend, torch.device("cpu"))
+        resolve_attention_backend(backend, REFERENCE)
 
 
 def test_an_unknown_backend_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="one of 'auto', 'torch', 'triton', 'flashinfer'"):
-        resolve_attention_backend("sdpa", torch.device("cpu"))
+        resolve_attention_backend("sdpa", REFERENCE)
 
 
 def test_llm_args_name_the_backends():
@@ -86,8 +91,8 @@ def fake_flashinfer(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(
         BatchDecodeWithPagedKVCacheWrapper=_FakeDecode, BatchPrefillWithPagedKVCacheWrapper=_FakePrefill))
     monkeypatch.setitem(sys.modules, "raylm.kernels.triton_kv_cache", types.SimpleNamespace(
-        write_kv_cache=lambda k, v, k_cache, v_cache, slots: writes.append(("write", slots.tolist())),
-        rotary_write_kv_cache=lambda q, k, v, cos, sin, k_cache, v_cache, slots: writes.append(
+        write_kv_cache=lambda k, v, k_cache, v_cache, slots, pdl=0: writes.append(("write", slots.tolist())),
+        rotary_write_kv_cache=lambda q, k, v, cos, sin, k_cache, v_cache, slots, pdl=0: writes.append(
             ("rotate", slots.tolist())) or q + 10))
     return writes
 

@@ -49,43 +49,18 @@ def test_fp32_greedy_tokens_equal_hf_on_gpu(tiny_model_dirs, arch, graphs):
 
 
 @pytest.mark.parametrize("gemv", [False, True], ids=["cublas", "triton-gemv"])
-def test_bf16_logprobs_within_the_stated_tolerance(tiny_model_dirs, gemv, monkeypatch):
-    """Also with RAYLM_TRITON_GEMV=1: decode linear layers through the Triton GEMV."""
-    from raylm.kernels import dispatch
-
-    monkeypatch.setenv("RAYLM_TRITON_GEMV", "1" if gemv else "0")
-    dispatch.gemv_switch.cache_clear()
+def test_bf16_logprobs_within_the_stated_tolerance(tiny_model_dirs, gemv):
+    """Also with kernel_config.decode_gemv: decode linear layers through the Triton GEMV."""
     path = tiny_model_dirs["llama"]
-    try:
-        with _llm(path, dtype="bfloat16") as llm:
-            outputs = _run(llm, SamplingParams(max_tokens=8, logprobs=0))
-    finally:
-        monkeypatch.undo()
-        dispatch.gemv_switch.cache_clear()
+    with _llm(path, dtype="bfloat16", kernel_config={"decode_gemv": gemv}) as llm:
+        assert llm._executor.worker.runner.kernels.decode_gemv == gemv
+        outputs = _run(llm, SamplingParams(max_tokens=8, logprobs=0))
     hf = _hf_cuda(path)
     for prompt, output in zip(PROMPTS, outputs):
         generated, _ = logprob_errors(hf, prompt, output)
         assert all(error < BF16_LOGPROB_TOLERANCE for error in generated)
 
 
-def _runs_off_then_on(monkeypatch, path, params, switch: str, settings_read, check=None) -> list:
-    """Two runs of PROMPTS on the tiny model in bf16 with decode graphs: the environment switch `switch` set to
-    0, then to 1 (settings_read: the cached readers of settings to read afresh; check(llm, on) before each run)."""
-    runs = []
-    try:
-        for value in ("0", "1"):
-            monkeypatch.setenv(switch, value)
-            for read in settings_read:
-                read.cache_clear()
-            with _llm(path, dtype="bfloat16") as llm:
-                if check is not None:
-                    check(llm, value == "1")
-                runs.append(_run(llm, params))
-    finally:
-        monkeypatch.undo()
-        for read in settings_read:
-            read.cache_clear()
-    return runs
 
 
 def _assert_same_tokens_and_logprob_bits(runs) -> None:
@@ -101,33 +76,16 @@ def _assert_same_tokens_and_logprob_bits(runs) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="programmatic dependent launch needs compute capability 9.0+")
-def test_pdl_changes_no_token_or_logprob(tiny_model_dirs, monkeypatch):
-    """RAYLM_PDL=1 (kernels start before the previous one ends, kernels/pdl.py) with the Triton GEMV, decode
+def test_pdl_changes_no_token_or_logprob(tiny_model_dirs):
+    """kernel_config.pdl (kernels start before the previous one ends, kernels/pdl.py) with the Triton GEMV, decode
     graphs on: the same tokens and the same logprob bits as without it, prompt logprobs included."""
-    from raylm.kernels import dispatch, pdl
-
-    def check(llm, on):
-        assert llm._executor.worker.runner.graphs is not None
-        assert pdl.pdl_enabled(torch.device("cuda")) == on
-
-    monkeypatch.setenv("RAYLM_TRITON_GEMV", "1")
-    dispatch.gemv_switch.cache_clear()
     params = SamplingParams(max_tokens=NEW_TOKENS, logprobs=0, prompt_logprobs=0)
-    runs = _runs_off_then_on(monkeypatch, tiny_model_dirs["llama"], params, "RAYLM_PDL",
-                             (dispatch.gemv_switch, pdl.pdl_switch), check)
-    _assert_same_tokens_and_logprob_bits(runs)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="bulk L2 prefetch needs compute capability 9.0+")
-def test_l2_prefetch_changes_no_token_or_logprob(tiny_model_dirs, monkeypatch):
-    """RAYLM_L2_PREFETCH=1 (kernels/l2_prefetch.py) with decode graphs: the same tokens and logprob bits (the tiny
-    model's LM head, 6 MB, is the weight its final RMSNorm prefetches)."""
-    from raylm.kernels import l2_prefetch
-
-    params = SamplingParams(max_tokens=NEW_TOKENS, logprobs=0)
-    runs = _runs_off_then_on(monkeypatch, tiny_model_dirs["llama"], params, "RAYLM_L2_PREFETCH",
-                             (l2_prefetch.l2_prefetch_requested,))
+    runs = []
+    for mode, trigger in (("off", 0), ("start", 1)):
+        with _llm(tiny_model_dirs["llama"], dtype="bfloat16", kernel_config={"decode_gemv": True, "pdl": mode}) as llm:
+            runner = llm._executor.worker.runner
+            assert runner.graphs is not None and runner.kernels.pdl == trigger
+            runs.append(_run(llm, params))
     _assert_same_tokens_and_logprob_bits(runs)
 
 
@@ -175,11 +133,11 @@ def test_greedy_steps_take_the_graphs_draws(tiny_model_dirs):
                    - (without.outputs[0].cumulative_logprob or 0.0)) < 1e-3
 
 
-def test_graph_logits_can_be_turned_off(tiny_model_dirs, monkeypatch):
-    """RAYLM_GRAPH_LOGITS=0: graphs of the forward alone, the logits and draws launched after them."""
-    monkeypatch.setenv("RAYLM_GRAPH_LOGITS", "0")
+def test_graph_logits_can_be_turned_off(tiny_model_dirs):
+    """cuda_graph_config.capture_logits=False: graphs of the forward alone, the logits and draws launched after
+    them."""
     path = tiny_model_dirs["llama"]
-    with _llm(path, dtype="float32") as llm:
+    with _llm(path, dtype="float32", cuda_graph_config={"capture_logits": False}) as llm:
         graphs = llm._executor.worker.runner.graphs
         assert graphs.graphs and not graphs.with_logits and not graphs.greedy_graphs
         outputs = _run(llm, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))

@@ -9,8 +9,8 @@ import torch
 
 from raylm import LLM, KvCacheConfig, SamplingParams, TokensPrompt
 from raylm.engine.cuda_graphs import DecodeOutputs
-from raylm.engine.model_runner import StepPlan
 from raylm.engine.sampler import Sampler, SamplingRow, greedy_draws
+from raylm.engine.step_plan import StepPlan
 from tests.engine.test_overlap import PROMPTS, _mixed_params, _summary
 
 
@@ -136,5 +136,5 @@ def test_kv_capacity_leaves_room_for_the_graphs_logits(tiny_model_dirs, monkeypa
     runner.attention_backend = "triton"
     assert runner.graph_logits_bytes(64, pp_size=1) == 64 * loaded.arch.vocab_size * (2 * 4 + 4)
     assert runner.graph_logits_bytes(64, pp_size=2) == 0  # pipeline stages run eagerly
-    monkeypatch.setenv("RAYLM_GRAPH_LOGITS", "0")
+    runner.capture_logits = False  # cuda_graph_config.capture_logits
     assert runner.graph_logits_bytes(64, pp_size=1) == 0

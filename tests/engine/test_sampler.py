@@ -616,25 +616,3 @@ def test_beam_rows_and_sampling_rows_share_a_batch():
     assert greedy.token_ids == [0]
     assert beams.beam_ids == [0, 1]
     assert len(sampled.token_ids) == 4
-
-
-# ------------------------------------------------------------------------------------------- rows
-
-
-def test_sampling_rows_are_made_once_for_sequences_whose_row_never_changes():
-    from raylm.engine.model_runner import _sampling_row
-    from raylm.engine.request import Request
-    from raylm.engine.scheduler import ScheduledSequence
-
-    def rows_of_two_steps(params: SamplingParams):
-        request = Request("r", [1, 2, 3], params)
-        item = ScheduledSequence(request, request.sequences[0], 0, 3, True)
-        return _sampling_row(item), _sampling_row(item)
-
-    first, second = rows_of_two_steps(SamplingParams(max_tokens=4, temperature=0.8, seed=1))
-    assert second is first and first.output_token_ids == () and first.generator is not None
-    # Rows that read the output so far (penalties, min_tokens) or draw several samples are made every step.
-    for params in (SamplingParams(presence_penalty=0.5), SamplingParams(min_tokens=2),
-                   SamplingParams(n=2, temperature=1.0)):
-        first, second = rows_of_two_steps(params)
-        assert second is not first

@@ -572,3 +572,32 @@ def test_a_pipeline_readmits_a_preempted_request_only_once_its_draw_arrived():
     assert scheduler.schedule().is_empty
     item.seq.token_ids[-1] = SAMPLED_TOKEN
     assert [(i.request.request_id, i.num_tokens) for i in scheduler.schedule().scheduled] == [("preempted", 6)]
+
+
+# ---------------------------------------------------------------------- capacity policy
+
+
+def test_guaranteed_no_evict_admits_only_what_can_run_to_the_end():
+    """Four requests of 8 prompt + 24 output tokens (8 blocks of 4 each at most) over 20 blocks: MAX_UTILIZATION
+    admits them all and preempts as their decodes grow; GUARANTEED_NO_EVICT admits two, then the others as the
+    first finish, and never preempts. Both finish every request."""
+    outcomes = {}
+    for guarantee in (False, True):
+        scheduler = make_scheduler(num_blocks=20)
+        scheduler.guarantee_no_evict = guarantee
+        for index in range(4):
+            scheduler.add_request(make_request(f"r{index}", prompt(8, 100 * index), max_tokens=24,
+                                               arrival_time=index))
+        first = run_step(scheduler)
+        outs = [first, *run_until_idle(scheduler, max_steps=200)]
+        outcomes[guarantee] = (len({item.request.request_id for item in first.scheduled}),
+                               sum(out.num_preempted for out in outs), scheduler.has_work)
+    assert outcomes[False][0] == 4 and outcomes[False][1] > 0 and not outcomes[False][2]
+    assert outcomes[True] == (2, 0, False)
+
+
+def test_guaranteed_no_evict_still_runs_a_request_larger_than_the_cache_alone():
+    scheduler = make_scheduler(num_blocks=4)
+    scheduler.guarantee_no_evict = True
+    scheduler.add_request(make_request("big", prompt(8), max_tokens=24))
+    assert scheduled(run_step(scheduler)) == [("big", 0, 0, 8)]

@@ -11,8 +11,9 @@ from tests.kernels import MODULE_MARKS, kernel_device, tiny_runner
 DEVICE = kernel_device()
 pytestmark = MODULE_MARKS
 
-from raylm.engine.model_runner import ModelRunner, StepPlan  # noqa: E402
-from raylm.kernels import dispatch  # noqa: E402
+from raylm.engine.model_runner import ModelRunner  # noqa: E402
+from raylm.engine.step_plan import StepPlan  # noqa: E402
+from raylm.kernels.policy import KernelPolicy  # noqa: E402
 
 
 def _decode_hidden(runner: ModelRunner, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -25,7 +26,8 @@ def _decode_hidden(runner: ModelRunner, cache: list[tuple[torch.Tensor, torch.Te
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: a bias on the qkv projection
 def test_decode_linear_layers_through_the_gemv_match_the_reference(tiny_model_dirs, arch, monkeypatch):
-    """RAYLM_TRITON_GEMV=1: a decode step's linear layers (qkv, o, gate_up, down, LM head) go to the Triton GEMV."""
+    """kernel_config.decode_gemv: a decode step's linear layers (qkv, o, gate_up, down, LM head) go to the Triton
+    GEMV (taken here for every layer, whatever the device)."""
     runner, loaded = tiny_runner(tiny_model_dirs[arch], torch.float16, DEVICE)
     generator = torch.Generator().manual_seed(0)
     cache = [(torch.randn(k.shape, generator=generator).to(DEVICE, k.dtype),
@@ -33,7 +35,7 @@ def test_decode_linear_layers_through_the_gemv_match_the_reference(tiny_model_di
 
     reference = _decode_hidden(runner, cache)
     calls = []
-    monkeypatch.setattr(dispatch, "gemv_applies", lambda x, weight: calls.append(x.shape) or True)
+    monkeypatch.setattr(KernelPolicy, "gemv_applies", lambda self, x, weight: calls.append(x.shape) or True)
     through_gemv = _decode_hidden(runner, cache)
 
     assert len(calls) >= 4 * loaded.arch.num_layers  # qkv, o, gate_up and down of every layer

@@ -93,27 +93,6 @@ def test_consecutive_calls_alternate_halves():
         assert group.states[rank].tolist() == [call + 1, 0]
 
 
-def test_programs_added_for_a_prefetch_only_prefetch(monkeypatch):
-    """Programs past the rows (launched to share out an L2 prefetch) neither sum nor count as arrivals: the
-    call counter advances once per call."""
-    from raylm.kernels import triton_allreduce
-    from tests.kernels.test_l2_prefetch import added_programs
-
-    hidden, world, rank = 64, 2, 0
-    group = Group(world, hidden, torch.float32)
-    weight = torch.ones(hidden, device=DEVICE)
-    generator = torch.Generator().manual_seed(4)
-    added_programs(monkeypatch, triton_allreduce)
-    for call in range(2):
-        mine, theirs, residual = (torch.randn(2, hidden, generator=generator).to(DEVICE) for _ in range(3))
-        group.arrive(rank, 1, call % 2, theirs)
-        out, new_residual = group.call(rank, mine, residual, weight)
-        expected_out, expected_residual = _reference([mine, theirs], residual, weight)
-        assert torch.equal(new_residual, expected_residual)
-        torch.testing.assert_close(out, expected_out, atol=1e-5, rtol=1e-5)
-        assert group.states[rank].tolist() == [call + 1, 0]
-
-
 def test_inputs_are_checked():
     group = Group(2, 32, torch.float32)
     weight = torch.ones(32, device=DEVICE)

@@ -7,6 +7,7 @@ from dataclasses import replace
 import torch
 
 from raylm.kernels.norm import RMSNorm
+from raylm.kernels.policy import KernelPolicy
 from raylm.models.parallel import SINGLE, RowParallelLinear, Unreduced
 
 
@@ -19,8 +20,8 @@ class RecordingFusedNorm:
     def fits(self, partial: torch.Tensor) -> bool:
         return partial.shape[-1] == 8
 
-    def __call__(self, partial, residual, weight, eps, prefetch=None):
-        self.calls.append(prefetch)
+    def __call__(self, partial, residual, weight, eps, pdl=0):
+        self.calls.append(pdl)
         return "fused", "residual"
 
 
@@ -39,15 +40,17 @@ def test_row_parallel_layers_defer_their_reduce_only_when_asked_and_without_bias
 def test_the_norm_takes_an_unreduced_sum_fused_where_it_fits_else_reduced_first():
     torch.manual_seed(1)
     norm = RMSNorm(8, 1e-6)
-    partial, residual, weight = torch.randn(2, 8), torch.randn(2, 8), torch.randn(16, 8)
+    partial, residual = torch.randn(2, 8), torch.randn(2, 8)
     fused = RecordingFusedNorm()
     ctx = replace(SINGLE, fused_norm=fused)
-    assert norm(Unreduced(partial, ctx), residual, prefetch=weight) == ("fused", "residual")
-    assert fused.calls == [weight]  # the next GEMV's weight travels with it
+    norm.kernels = KernelPolicy(triton=True, pdl=4)
+    assert norm(Unreduced(partial, ctx), residual) == ("fused", "residual")
+    assert fused.calls == [4]  # launched as the model's kernel policy says
+    norm.kernels = KernelPolicy()
     expected_out, expected_residual = norm(partial, residual)
     out, new_residual = norm(Unreduced(partial, SINGLE), residual)  # no fused kernel: reduced, then normalised
     torch.testing.assert_close(out, expected_out)
     torch.testing.assert_close(new_residual, expected_residual)
     wide = Unreduced(torch.randn(2, 16), ctx)  # does not fit the fused kernel: reduced, then normalised
     out, _ = RMSNorm(16, 1e-6)(wide, torch.randn(2, 16))
-    assert isinstance(out, torch.Tensor) and fused.calls == [weight]
+    assert isinstance(out, torch.Tensor) and fused.calls == [4]

@@ -1,5 +1,5 @@
-"""actors/distributed.py: pipeline micro-batches are contiguous slices of a step with about equal token counts;
-pipelines make their point-to-point links at start-up, in an order that cannot deadlock."""
+"""actors/transport.py: step plans reach every rank whole; pipelines make their point-to-point links at start-up,
+in an order that cannot deadlock."""
 
 from __future__ import annotations
 
@@ -8,47 +8,7 @@ import threading
 import pytest
 import torch
 
-from raylm.actors import distributed
-from raylm.actors.distributed import split_schedule
-from raylm.engine.scheduler import ScheduledSequence, SchedulerOutput
-
-
-def _items(tokens: list[int]) -> list[ScheduledSequence]:
-    return [ScheduledSequence(request=None, seq=None, start=0, num_tokens=n) for n in tokens]
-
-
-def _step(decodes: int, prefill_chunks: list[int]) -> SchedulerOutput:
-    return SchedulerOutput(decodes=_items([1] * decodes), prefills=_items(prefill_chunks),
-                           block_copies=[(3, 4)])
-
-
-def _tokens(pieces: list[SchedulerOutput]) -> list[int]:
-    return [piece.num_tokens for piece in pieces]
-
-
-def test_prefill_chunks_are_shared_out_by_tokens():
-    """200 decodes then 8 chunks of 1,000 tokens: not 101 decodes against 99 decodes and all 8,000 prefill
-    tokens, but ~4,100 tokens each."""
-    out = _step(200, [1000] * 8)
-    pieces = split_schedule(out, 2)
-    assert _tokens(pieces) == [4200, 4000]
-    assert [item for piece in pieces for item in piece.scheduled] == out.scheduled  # order kept
-    assert pieces[0].block_copies == [(3, 4)] and pieces[1].block_copies == []
-
-
-@pytest.mark.parametrize("parts", [2, 3, 4])
-def test_decodes_split_evenly_and_no_slice_is_empty(parts):
-    pieces = split_schedule(_step(10, []), parts)
-    assert len(pieces) == parts
-    assert max(_tokens(pieces)) - min(_tokens(pieces)) <= 1
-    pieces = split_schedule(_step(0, [5000, 1, 1]), 3)  # one large chunk: still three non-empty slices
-    assert _tokens(pieces) == [5000, 1, 1]
-
-
-def test_fewer_sequences_than_stages():
-    pieces = split_schedule(_step(1, [700]), 4)
-    assert _tokens(pieces) == [1, 700]
-    assert _tokens(split_schedule(_step(3, []), 1)) == [3]
+from raylm.actors import transport
 
 
 def _broadcast_plans_rank(rank: int, port: int, plans_to_send: list, out_dir: str, channel: bool) -> None:
@@ -57,7 +17,7 @@ def _broadcast_plans_rank(rank: int, port: int, plans_to_send: list, out_dir: st
     import torch
     import torch.distributed as dist
 
-    from raylm.actors.distributed import Communicator, PlanChannel, RankLayout
+    from raylm.actors.transport import Communicator, PlanChannel, RankLayout
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -78,8 +38,8 @@ def test_plans_reach_every_rank_whole(tmp_path, channel):
     import multiprocessing
     import pickle
 
-    from raylm.actors.distributed import _PLAN_MESSAGE_BYTES, free_address
-    from raylm.engine.model_runner import StepPlan
+    from raylm.actors.transport import _PLAN_MESSAGE_BYTES, free_address
+    from raylm.engine.step_plan import StepPlan
 
     small = [StepPlan(input_ids=[7], positions=[31], slot_mapping=[31], decode_contexts=[([1, 2], 32)],
                       sample_rows=[0])]
@@ -105,7 +65,7 @@ def test_pipeline_links_are_made_at_start_up_without_deadlock(monkeypatch, tp, p
     """Each rank makes its links as NCCL does a pair's first transfer: sender and receiver wait for each other.
     Every link a pipeline uses (activations to the next stage, the last stage's outputs to rank 0) is made once,
     and every rank gets through (a rank taking them in another order than its peers would wait forever)."""
-    layout = distributed.RankLayout(tp=tp, pp=pp)
+    layout = transport.RankLayout(tp=tp, pp=pp)
     meetings: dict[tuple[int, int], threading.Barrier] = {}
     made: list[tuple[int, int]] = []
     lock = threading.Lock()
@@ -118,14 +78,14 @@ def test_pipeline_links_are_made_at_start_up_without_deadlock(monkeypatch, tp, p
                 made.append((src, dst))
 
     this_rank = threading.local()
-    monkeypatch.setattr(distributed.dist, "send", lambda tensor, dst: meet(this_rank.value, dst))
-    monkeypatch.setattr(distributed.dist, "recv", lambda tensor, src: meet(src, this_rank.value))
+    monkeypatch.setattr(transport.dist, "send", lambda tensor, dst: meet(this_rank.value, dst))
+    monkeypatch.setattr(transport.dist, "recv", lambda tensor, src: meet(src, this_rank.value))
     errors = []
 
     def rank_main(rank: int) -> None:
         this_rank.value = rank
         try:
-            distributed._connect_pipeline(rank, layout, torch.device("cpu"))
+            transport._connect_pipeline(rank, layout, torch.device("cpu"))
         except Exception as exc:  # a broken barrier: this rank waited for a peer that never came
             errors.append(exc)
 

@@ -1,0 +1,93 @@
+"""Which kernels a model's layers run: the Triton ones or the torch reference, the decode GEMV or cuBLAS, and
+whether the Triton decode kernels launch with programmatic dependent launch (kernels/pdl.py).
+
+The model runner decides once, from `kernel_config`, the device and the model's size (`choose_kernel_policy`),
+and hands the result to the model (`set_kernel_policy`); layers read the policy they were given, never a
+process-wide switch, so two engines in one process can differ. The decode GEMV and PDL pay off where a decode step
+streams its weights and cost where it waits on the host (docs/benchmarks.md), hence the default by model size.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+# The most rows (tokens) the decode GEMV kernel takes; larger inputs are matmuls, left to cuBLAS.
+GEMV_MAX_ROWS = 8
+# kernel_config.pdl's values and the trigger mode each selects (the kernels' USE_PDL constexpr; 0 is off).
+PDL_TRIGGERS = {"off": 0, "start": 1, "after_wait": 2, "exit": 3, "tail": 4}
+# Weights per rank from which a decode step streams weights: ~1 ms of reading them at ~4 TB/s, about the host's own
+# work for a step, below which the step waits on the host (Llama-3.1-8B: 16 GB at TP=1, 8 GB at TP=2, both measured
+# faster with the GEMV and PDL; SmolLM2-135M: 0.27 GB, measured slower).
+WEIGHT_STREAMING_BYTES = 4 << 30
+# The trigger mode of weight-streaming models under pdl="auto" (measured best on the H200).
+STREAMING_PDL_MODE = "tail"
+_PDL_MIN_CAPABILITY = (9, 0)
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton imports in this process."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton runs its kernels in its CPU interpreter (Triton's own TRITON_INTERPRET)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    """The kernels of one model: `triton` for CUDA tensors (else the torch reference), `decode_gemv` for linear
+    layers of at most GEMV_MAX_ROWS half-precision rows, and `pdl`, the Triton kernels' trigger mode (0: plain
+    launches). The default is the torch reference throughout."""
+
+    triton: bool = False
+    decode_gemv: bool = False
+    pdl: int = 0
+
+    def on_triton(self, x: torch.Tensor) -> bool:
+        """Whether an operation on x runs its Triton kernel."""
+        return self.triton and x.is_cuda
+
+    def gemv_applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether x @ weight.T goes to the Triton GEMV: a few rows of half-precision input on CUDA."""
+        return (self.decode_gemv and x.is_cuda and weight.dtype in _HALF and x.dtype == weight.dtype
+                and x.numel() <= GEMV_MAX_ROWS * x.shape[-1])
+
+
+def set_kernel_policy(model: torch.nn.Module, policy: KernelPolicy) -> None:
+    """Hands `policy` to every layer of `model` that chooses kernels (those with a `kernels` attribute)."""
+    for module in model.modules():
+        if hasattr(module, "kernels"):
+            module.kernels = policy
+
+
+def streams_weights(weight_bytes: int) -> bool:
+    """Whether a model of weight_bytes per rank streams weights in its decode steps (WEIGHT_STREAMING_BYTES)."""
+    return weight_bytes >= WEIGHT_STREAMING_BYTES
+
+
+def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool = True,
+                         decode_gemv: bool | None = None, pdl: str = "auto") -> KernelPolicy:
+    """The policy for a model of `weight_bytes` per rank on `device`, from kernel_config's fields: Triton where
+    asked for, on CUDA, and importable; the GEMV (decode_gemv None) and PDL (pdl "auto") for models that stream
+    weights; PDL only on compute capability 9.0+ and never interpreted."""
+    if pdl != "auto" and pdl not in PDL_TRIGGERS:
+        raise ValueError(f"kernel_config.pdl must be 'auto' or one of {sorted(PDL_TRIGGERS)}, got {pdl!r}")
+    on_triton = triton and device.type == "cuda" and triton_available()
+    if not on_triton:
+        return KernelPolicy()
+    streaming = streams_weights(weight_bytes)
+    mode = PDL_TRIGGERS[(STREAMING_PDL_MODE if streaming else "off") if pdl == "auto" else pdl]
+    if mode and (triton_interpreted() or torch.cuda.get_device_capability(device) < _PDL_MIN_CAPABILITY):
+        mode = 0
+    return KernelPolicy(triton=True, decode_gemv=streaming if decode_gemv is None else decode_gemv, pdl=mode)

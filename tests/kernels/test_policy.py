@@ -1,0 +1,94 @@
+"""The kernel policy (kernels/policy.py): chosen from kernel_config, the device and the model's size, and handed
+to the model's layers. The Triton GEMV and programmatic dependent launch by default for models whose decode steps
+stream weights, cuBLAS and plain launches for the small ones; kernel_config overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from raylm.config import KernelConfig
+from raylm.engine.model_runner import weight_bytes
+from raylm.kernels import policy
+from raylm.kernels.policy import KernelPolicy, choose_kernel_policy, set_kernel_policy
+from raylm.models.parallel import SINGLE, ParallelContext
+from raylm.models.registry import resolve_architecture
+
+CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
+GPU = torch.device("cuda")
+LARGE, SMALL = 16 << 30, 270 << 20
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """A CUDA device of compute capability 9.0 with Triton, as the policy sees it (no GPU is touched)."""
+    monkeypatch.setattr(policy, "triton_available", lambda: True)
+    monkeypatch.setattr(policy, "triton_interpreted", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+
+def _meta_model(shape: str, tp: int):
+    entry, arch = resolve_architecture(AutoConfig.from_pretrained(CONFIGS / shape))
+    ctx = SINGLE if tp == 1 else ParallelContext(tp_rank=0, tp_size=tp)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            return entry.model_class(arch, 4096, ctx)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@pytest.mark.parametrize("shape, tp, streams", [("llama-3.1-8b", 1, True), ("llama-3.1-8b", 2, True),
+                                                ("smollm2-135m", 1, False)])
+def test_weight_streaming_follows_the_weights_per_rank(shape, tp, streams):
+    """Llama-3.1-8B (16 GB; 8 GB a rank at TP=2) streams weights, SmolLM2-135M (0.27 GB) does not; built on the
+    meta device, so no weights are allocated."""
+    assert policy.streams_weights(weight_bytes(_meta_model(shape, tp))) == streams
+
+
+def test_defaults_follow_the_model_size(hopper):
+    assert choose_kernel_policy(GPU, LARGE) == KernelPolicy(triton=True, decode_gemv=True, pdl=4)  # tail
+    assert choose_kernel_policy(GPU, SMALL) == KernelPolicy(triton=True, decode_gemv=False, pdl=0)
+
+
+def test_kernel_config_overrides_the_defaults(hopper):
+    assert choose_kernel_policy(GPU, LARGE, decode_gemv=False, pdl="off") == KernelPolicy(triton=True)
+    assert choose_kernel_policy(GPU, SMALL, decode_gemv=True, pdl="exit") == KernelPolicy(True, True, 3)
+    assert choose_kernel_policy(GPU, LARGE, triton=False) == KernelPolicy()  # the torch reference throughout
+
+
+def test_pdl_needs_hopper_and_compiled_triton(hopper, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert choose_kernel_policy(GPU, LARGE).pdl == 0
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(policy, "triton_interpreted", lambda: True)
+    assert choose_kernel_policy(GPU, LARGE, pdl="start").pdl == 0
+
+
+def test_no_triton_kernel_runs_off_cuda_or_without_triton(monkeypatch):
+    assert choose_kernel_policy(torch.device("cpu"), LARGE, decode_gemv=True, pdl="tail") == KernelPolicy()
+    monkeypatch.setattr(policy, "triton_available", lambda: False)
+    assert choose_kernel_policy(GPU, LARGE, decode_gemv=True) == KernelPolicy()
+
+
+def test_kernel_config_rejects_unknown_pdl_modes():
+    with pytest.raises(ValueError, match="pdl"):
+        KernelConfig(pdl="sometimes")
+    assert KernelConfig(pdl=False).pdl == "off"  # YAML's reading of a bare `off`
+
+
+def test_the_policy_reaches_every_layer_that_chooses_kernels():
+    model = _meta_model("smollm2-135m", 1)
+    chosen = KernelPolicy(triton=True, decode_gemv=True, pdl=4)
+    set_kernel_policy(model, chosen)
+    choosers = [module for module in model.modules() if hasattr(module, "kernels")]
+    assert {type(module).__name__ for module in choosers} >= {"RMSNorm", "QKVParallelLinear", "RowParallelLinear",
+                                                               "MergedColumnParallelLinear", "Attention", "MLP",
+                                                               "ParallelLMHead"}
+    assert all(module.kernels is chosen for module in choosers)
+    assert type(choosers[0]).kernels == KernelPolicy()  # other models keep the default
+
