@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from raylm.actors.executor import Executor, LocalExecutor
-from raylm.actors.worker import EngineInfo, WorkerSpec, resolve_device, resolve_dtype
 from raylm.config import LlmArgs
 from raylm.engine_client import EngineClient
+from raylm.engine_spec import EngineInfo, WorkerSpec, resolve_device, resolve_dtype
 from raylm.inputs import PromptInputs, is_single_prompt, to_prompt_list, tokenize_prompt
 from raylm.models.arch import config_dtype
 from raylm.models.loader import load_hf_config

@@ -33,6 +33,7 @@ from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from raylm.engine_spec import resolve_device
 from raylm.inputs import PromptInputs
 from raylm.sampling_params import SamplingParams
 from raylm.serving.app import build_app
@@ -161,19 +162,6 @@ class OpenAIIngress:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
-
-
-def resolve_device(device: str) -> str:
-    """'auto' is 'cuda' when the Ray cluster (or, without Ray, this machine) has GPUs, else 'cpu'."""
-    if device != "auto":
-        return device
-    import ray
-
-    if ray.is_initialized():
-        return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _replica_options(args: ServeArgs) -> dict[str, Any]:

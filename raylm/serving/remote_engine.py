@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator, Generator
 from dataclasses import dataclass
 from typing import Any
 
-from raylm.actors.worker import EngineInfo
 from raylm.config import LlmArgs
 from raylm.engine_client import EngineDeadError
+from raylm.engine_spec import EngineInfo
 from raylm.inputs import PromptInputs
 from raylm.outputs import RequestOutput
 from raylm.results import RequestError

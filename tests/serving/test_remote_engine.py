@@ -9,8 +9,8 @@ import pytest
 
 import raylm.serving.remote_engine as remote_engine
 from raylm import CompletionOutput, RequestOutput
-from raylm.actors.worker import EngineInfo
 from raylm.engine_client import EngineDeadError
+from raylm.engine_spec import EngineInfo
 from raylm.results import RequestError
 from raylm.serving.engine_stream import Admitted, ChunkEncoder, Failed, Rejected
 from raylm.serving.remote_engine import EngineDescription, RemoteEngine, RemoteGeneration
