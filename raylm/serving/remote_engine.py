@@ -18,10 +18,12 @@ from raylm.config import LlmArgs
 from raylm.engine_client import EngineDeadError
 from raylm.engine_spec import EngineInfo
 from raylm.inputs import PromptInputs
+from raylm.models.source import resolve_model
 from raylm.outputs import RequestOutput
 from raylm.results import RequestError
 from raylm.sampling_params import SamplingParams
 from raylm.serving.engine_stream import Admitted, ChunkDecoder, Failed, OutputChunk, Rejected
+from raylm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -147,12 +149,9 @@ class RemoteEngine:
     @classmethod
     async def connect(cls, handle: Any, args: LlmArgs) -> RemoteEngine:
         """Waits for the engine deployment, loads the tokenizer of `args` here, and starts watching health."""
-        from raylm.llm import _load_tokenizer
-        from raylm.models.source import resolve_model
-
         description = await handle.describe.remote()
         source = await asyncio.to_thread(resolve_model, args.model, args.revision)
-        tokenizer = await asyncio.to_thread(_load_tokenizer, args, source)
+        tokenizer = await asyncio.to_thread(load_tokenizer, args, source)
         engine = cls(handle, tokenizer, description)
         engine._loop = asyncio.get_running_loop()
         engine._health_watch = asyncio.create_task(engine._watch_health())
