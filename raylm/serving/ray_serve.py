@@ -81,8 +81,8 @@ class EngineDeployment:
     def describe(self) -> EngineDescription:
         return EngineDescription(self.llm.info, self.llm.get_kv_cache_capacity(), self.llm.startup_metrics)
 
-    async def generate(self, inputs: PromptInputs, params: SamplingParams | None, streaming: bool, priority: float,
-                       cache_salt: str | None) -> AsyncIterator[Any]:
+    async def stream(self, inputs: PromptInputs, params: SamplingParams, priority: float,
+                     cache_salt: str | None) -> AsyncIterator[Any]:
         """Streams one request's messages (engine_stream); cancelling the call aborts the request.
 
         Serve cancels a call with ray.cancel(recursive=True), which also cancels every Ray call made from the
@@ -94,7 +94,7 @@ class EngineDeployment:
 
         async def relay() -> None:
             try:
-                async for message in stream_request(self.llm, inputs, params, streaming, priority, cache_salt):
+                async for message in stream_request(self.llm, inputs, params, priority, cache_salt):
                     messages.put_nowait(message)
                 messages.put_nowait(_END)
             except Exception as exc:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import pickle
 import socket
 import threading
 import time
@@ -12,8 +14,9 @@ import openai
 import pytest
 import uvicorn
 
-from raylm import LLM, KvCacheConfig, SamplingParams
-from raylm.serving import ServingConfig, build_app
+from raylm import LLM, KvCacheConfig, RequestOutput, SamplingParams
+from raylm.serving import LocalEngine, ServingConfig, build_app
+from raylm.serving.engine_stream import ChunkEncoder, OutputChunk, outputs_only_grow
 
 MODEL = "smollm2-test"
 
@@ -53,6 +56,19 @@ def used_blocks(llm: LLM) -> int:
     return llm.get_stats(timeout=1)[-1]["kvCacheStats"]["usedNumBlocks"]
 
 
+def encoded(llm, prompt, params: SamplingParams) -> tuple[list[RequestOutput], list[OutputChunk]]:
+    """Every output of a streamed request, and its chunks as the engine deployment sends them (pickled)."""
+
+    async def run() -> tuple[list, list]:
+        encoder, outputs, chunks = ChunkEncoder(outputs_only_grow(params)), [], []
+        async for output in llm.generate_async(prompt, params, streaming=True):
+            outputs.append(output)
+            chunks.append(pickle.loads(pickle.dumps(encoder.encode(output))))
+        return outputs, chunks
+
+    return asyncio.run(run())
+
+
 @pytest.fixture(scope="module")
 def llm() -> Iterator[LLM]:
     with LLM(kv_cache_config=KvCacheConfig(max_tokens=4096), max_seq_len=1024) as engine:
@@ -61,7 +77,7 @@ def llm() -> Iterator[LLM]:
 
 @pytest.fixture(scope="module")
 def base_url(llm) -> Iterator[str]:
-    with serve(build_app(llm, ServingConfig(served_model_name=MODEL))) as url:
+    with serve(build_app(LocalEngine(llm), ServingConfig(served_model_name=MODEL))) as url:
         yield url
 
 
