@@ -56,6 +56,20 @@ def used_blocks(llm: LLM) -> int:
     return llm.get_stats(timeout=1)[-1]["kvCacheStats"]["usedNumBlocks"]
 
 
+def check_long_stream_sends_only_new_parts(client: openai.OpenAI, model: str, max_tokens: int = 256) -> None:
+    """A long greedy completion, streamed: its chunks' texts concatenate to the non-streamed text, and each chunk
+    carries only its new text and tokens. A server that sent whole texts again, or diffed what was already a
+    diff, would fail one or the other."""
+    kwargs = dict(model=model, prompt="Count to one thousand:", max_tokens=max_tokens, temperature=0, logprobs=1,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0]
+    choices = [chunk.choices[0] for chunk in client.completions.create(stream=True, **kwargs)]
+    assert "".join(choice.text for choice in choices) == whole.text and len(whole.text) > 200
+    tokens = [len(choice.logprobs.tokens) for choice in choices]
+    assert sum(tokens) == max_tokens and max(tokens) <= 4
+    assert [token for choice in choices for token in choice.logprobs.tokens] == whole.logprobs.tokens
+
+
 def encoded(llm, prompt, params: SamplingParams) -> tuple[list[RequestOutput], list[OutputChunk]]:
     """Every output of a streamed request, and its chunks as the engine deployment sends them (pickled)."""
 
