@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from raylm.actors.executor import Executor, LocalExecutor
-from raylm.actors.worker import EngineInfo, WorkerSpec, resolve_device, resolve_dtype
 from raylm.config import LlmArgs
 from raylm.engine_client import EngineClient
+from raylm.engine_spec import EngineInfo, WorkerSpec, resolve_device, resolve_dtype
 from raylm.inputs import PromptInputs, is_single_prompt, to_prompt_list, tokenize_prompt
 from raylm.models.arch import config_dtype
 from raylm.models.loader import load_hf_config
@@ -22,18 +22,9 @@ from raylm.models.source import ModelSource, resolve_model
 from raylm.outputs import RequestOutput
 from raylm.results import GenerationResult
 from raylm.sampling_params import SamplingParams
+from raylm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-def _load_tokenizer(args: LlmArgs, source: ModelSource) -> Any:
-    if args.skip_tokenizer_init:
-        return None
-    from transformers import AutoTokenizer
-
-    path = args.tokenizer or str(source.config_dir)
-    return AutoTokenizer.from_pretrained(path, revision=args.tokenizer_revision,
-                                         trust_remote_code=args.trust_remote_code)
 
 
 def _eos_token_ids(source: ModelSource, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
@@ -73,7 +64,7 @@ class LLM:
         self._client: EngineClient | None = None
         source = resolve_model(self.args.model, self.args.revision)
         hf_config = load_hf_config(source, self.args.trust_remote_code)
-        self._tokenizer = _load_tokenizer(self.args, source)
+        self._tokenizer = load_tokenizer(self.args, source)
         self._eos_ids = _eos_token_ids(source, hf_config, self._tokenizer)
         prepared = time.perf_counter()
         device = resolve_device(self.args.device)

@@ -8,8 +8,9 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from raylm.actors.engine_loop import EngineLoop
-from raylm.actors.worker import EngineInfo, Worker, WorkerSpec
+from raylm.actors.worker import Worker
 from raylm.engine.messages import EngineRequest, StepOutput
+from raylm.engine_spec import EngineInfo, WorkerSpec
 
 
 class Executor(ABC):

@@ -17,8 +17,8 @@ from raylm.actors.executor import Executor
 from raylm.actors.ray_worker import ALL_GPUS_VISIBLE, CONCURRENCY_GROUPS, RayWorker
 from raylm.actors.symmetric_memory import symmetric_memory_requested
 from raylm.actors.transport import RankLayout
-from raylm.actors.worker import WorkerSpec
 from raylm.engine.messages import EngineRequest, StepOutput
+from raylm.engine_spec import WorkerSpec
 from raylm.placement import resolve_placement
 
 logger = logging.getLogger(__name__)

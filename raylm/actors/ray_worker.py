@@ -22,8 +22,9 @@ from raylm.actors.distributed_runner import worker_loop as run_worker_loop
 from raylm.actors.engine_loop import EngineLoop
 from raylm.actors.symmetric_memory import all_reduce_norm_requested
 from raylm.actors.transport import Communicator, RankLayout, free_address, init_distributed
-from raylm.actors.worker import EngineInfo, Worker, WorkerSpec
+from raylm.actors.worker import Worker
 from raylm.engine.messages import EngineRequest, StepOutput
+from raylm.engine_spec import EngineInfo, WorkerSpec
 from raylm.models.loader import load_hf_config
 from raylm.models.registry import resolve_architecture
 

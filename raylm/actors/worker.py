@@ -6,62 +6,18 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import torch
 
-from raylm.config import LlmArgs
 from raylm.engine.engine_core import EngineCore, EngineLimits
 from raylm.engine.model_runner import ModelRunner
+from raylm.engine_spec import EngineInfo, WorkerSpec
 from raylm.models.loader import load_hf_config, load_model
 from raylm.models.parallel import SINGLE, ParallelContext
-from raylm.models.source import ModelSource
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Without a max_tokens setting, a CPU engine gives its KV cache this many bytes.
 DEFAULT_CPU_KV_BYTES = 2 * 1024**3
-
-
-@dataclass
-class WorkerSpec:
-    """What a worker needs to build its part of the engine; picklable."""
-
-    args: LlmArgs
-    source: ModelSource
-    device: str
-    dtype: str
-    max_seq_len: int
-    cpu_threads: int | None = None  # torch threads of a CPU worker (None: torch's default)
-
-
-@dataclass
-class EngineInfo:
-    """What the driver learns about the engine at start-up."""
-
-    num_blocks: int
-    block_size: int
-    max_seq_len: int
-    vocab_size: int
-    device: str
-    dtype: str
-    startup_metrics: dict = field(default_factory=dict)
-
-
-def resolve_device(requested: str) -> str:
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was requested but no CUDA device is available")
-    return requested
-
-
-def resolve_dtype(requested: str, device: str, config_dtype: torch.dtype | None) -> str:
-    """'auto' is float32 on the CPU (exact and fast there); on a GPU, the checkpoint's half type."""
-    if requested != "auto":
-        return requested
-    if device == "cpu":
-        return "float32"
-    return "float16" if config_dtype == torch.float16 else "bfloat16"
 
 
 class Worker:

@@ -1,17 +1,11 @@
-"""build_app: the OpenAI-compatible FastAPI application over one engine.
-
-The app needs only this of the engine: generate_async(prompt, sampling_params, streaming=, priority=,
-cache_salt=) returning a GenerationResult, tokenizer, get_stats(timeout=), startup_metrics,
-get_kv_cache_capacity(), info.max_seq_len and, optionally, dead_reason. raylm.LLM has them; so does
-RemoteEngine, the Ray Serve engine deployment seen from the ingress (ray_serve.py), whose results also have an
-admitted() coroutine: it raises the input errors a remote engine finds after generate_async has returned.
+"""build_app: the OpenAI-compatible FastAPI application over one engine, a ServingEngine (engine.py): an LLM
+in this process through LocalEngine, or the Ray Serve engine deployment through RemoteEngine (ray_serve.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,10 +14,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from raylm import __version__
-from raylm.serving.chat import message_dicts, render_chat
-from raylm.serving.chat_completions import create_chat_completion
-from raylm.serving.completions import create_completion
+from raylm.serving.chat import message_dicts
+from raylm.serving.chat_completions import ChatCompletionRoute
+from raylm.serving.completions import CompletionRoute
 from raylm.serving.config import ServingConfig
+from raylm.serving.engine import ServingEngine
 from raylm.serving.errors import OpenAIError, bad_request, from_validation_errors
 from raylm.serving.generation import ServingContext, unix_time
 from raylm.serving.metrics import ServingMetrics
@@ -40,23 +35,17 @@ from raylm.serving.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from raylm.serving.responses import create_response
+from raylm.serving.responses import ResponsesRoute
 
 logger = logging.getLogger(__name__)
 
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
-def engine_dead_reason(engine: Any) -> str | None:
-    """Why the engine cannot serve requests, or None while it is up (an engine object without a
-    dead_reason counts as up; its failures surface per request)."""
-    return getattr(engine, "dead_reason", None)
-
-
-def build_app(engine: Any, config: ServingConfig) -> FastAPI:
+def build_app(engine: ServingEngine, config: ServingConfig) -> FastAPI:
     """The FastAPI app serving `engine` under `config.served_model_name`; run it with any ASGI server."""
     metrics = ServingMetrics(config.served_model_name)
-    context = ServingContext(engine, config, metrics, dead_reason=lambda: engine_dead_reason(engine))
+    context = ServingContext(engine, config, metrics)
     profiler = TorchProfiler(config.profile_dir)
     created = unix_time()
 
@@ -83,15 +72,15 @@ def build_app(engine: Any, config: ServingConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await create_completion(context, body, request)
+        return await context.respond(request, CompletionRoute(context, body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await create_chat_completion(context, body, request)
+        return await context.respond(request, ChatCompletionRoute(context, body))
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
-        return await create_response(context, body, request)
+        return await context.respond(request, ResponsesRoute(context, body))
 
     # ------------------------------------------------------------------ server state
 
@@ -128,8 +117,7 @@ def build_app(engine: Any, config: ServingConfig) -> FastAPI:
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         context.check_model(body.model)
         if body.messages is not None:
-            _, tokens = render_chat(context.tokenizer, message_dicts(body.messages), config.chat_template,
-                                    body.add_generation_prompt)
+            tokens = context.chat_prompt(message_dicts(body.messages), body.add_generation_prompt)["prompt_token_ids"]
         else:
             tokens = context.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=context.max_seq_len)

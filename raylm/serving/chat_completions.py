@@ -2,29 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-
-from raylm.inputs import TokensPrompt
-from raylm.outputs import Logprob
-from raylm.results import GenerationResult
-from raylm.serving.chat import message_dicts, render_chat
-from raylm.serving.errors import OpenAIError, from_engine_error
-from raylm.serving.generation import (
-    SSE_DONE,
-    ServingContext,
-    UsageTally,
-    finish_reason,
-    random_id,
-    sse,
-    stream_deltas,
-    token_text,
-    top_ranked,
-    unix_time,
-    unless_disconnected,
-)
+from raylm.inputs import PromptInputs
+from raylm.outputs import CompletionOutput, RequestOutput
+from raylm.sampling_params import SamplingParams
+from raylm.serving.chat import message_dicts
+from raylm.serving.generation import GenerationRoute, chunk_events, finish_reason
+from raylm.serving.logprobs import token_text, top_ranked
 from raylm.serving.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -35,84 +20,65 @@ from raylm.serving.protocol import (
     ChatStreamChoice,
     ChatTokenLogprob,
     TopLogprob,
+    Usage,
 )
-
-_FIELDS = tuple(ChatCompletionRequest.model_fields)
-
-
-async def create_chat_completion(context: ServingContext, body: ChatCompletionRequest, request: Request) -> Response:
-    context.check_model(body.model)
-    prompt_text, prompt_ids = render_chat(context.tokenizer, message_dicts(body.messages),
-                                          context.config.chat_template, body.add_generation_prompt)
-    max_tokens = body.requested_max_tokens
-    if max_tokens is None:  # OpenAI's default: as many as the context leaves
-        max_tokens = max(1, context.max_seq_len - len(prompt_ids))
-    try:
-        params = body.sampling_params(max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-    except (ValueError, TypeError) as exc:
-        raise from_engine_error(exc, _FIELDS) from exc
-    prompt = TokensPrompt(prompt_token_ids=prompt_ids, prompt=prompt_text)
-    results = await context.submit([prompt], params, body.priority, body.cache_salt, _FIELDS)
-    response_id, created = random_id("chatcmpl-"), unix_time()
-    if body.stream:
-        return StreamingResponse(_stream(context, body, results, response_id, created),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    output = (await unless_disconnected(request, context.final_outputs(results)))[0]
-    tally = UsageTally()
-    tally.update(0, output)
-    choices = [
-        ChatChoice(index=completion.index, message=ChatResponseMessage(content=completion.text),
-                   logprobs=_logprobs(context, body, completion.token_ids, completion.logprobs),
-                   finish_reason=finish_reason(completion), stop_reason=completion.stop_reason)
-        for completion in output.outputs
-    ]
-    response = ChatCompletionResponse(id=response_id, created=created, model=context.model_name, choices=choices,
-                                      usage=tally.usage())
-    return JSONResponse(response.model_dump())
+from raylm.serving.response_stream import ChoiceDelta, ResponseStream
 
 
-async def _stream(context: ServingContext, body: ChatCompletionRequest, results: Sequence[GenerationResult],
-                  response_id: str, created: int) -> AsyncIterator[str]:
-    tally = UsageTally()
+class ChatCompletionRoute(GenerationRoute):
+    """One chat completion request's prompt and response."""
 
-    def chunk(choices: list[ChatStreamChoice], usage: object = None) -> str:
-        return sse(ChatCompletionChunk(id=response_id, created=created, model=context.model_name, choices=choices,
-                                       usage=usage))
+    id_prefix = "chatcmpl-"
+    body: ChatCompletionRequest
 
-    try:
-        async for delta in stream_deltas(context, results):
-            tally.update(delta.prompt_index, delta.output)
-            completion = delta.completion
-            content = {"role": "assistant", "content": delta.text} if delta.is_first else (
-                {"content": delta.text} if delta.text else {})
-            new_logprobs = completion.logprobs[delta.first_token:] if completion.logprobs is not None else None
-            choice = ChatStreamChoice(
-                index=completion.index, delta=content, finish_reason=delta.finish_reason,
-                stop_reason=completion.stop_reason,
-                logprobs=_logprobs(context, body, completion.token_ids[delta.first_token:], new_logprobs),
-            )
-            yield chunk([choice], tally.usage() if body.continuous_usage else None)
-        if body.include_usage:
-            yield chunk([], tally.usage())
-    except OpenAIError as exc:
-        yield sse(exc.body())
-    yield SSE_DONE
+    def prompts(self) -> list[PromptInputs]:
+        return [self.context.chat_prompt(message_dicts(self.body.messages), self.body.add_generation_prompt)]
 
+    def sampling_params(self, prompts: list[PromptInputs]) -> SamplingParams:
+        body = self.body
+        return body.sampling_params(self.context.max_tokens(body.requested_max_tokens, prompts[0]),
+                                    logprobs=(body.top_logprobs or 0) if body.logprobs else None)
 
-def _logprobs(context: ServingContext, body: ChatCompletionRequest, token_ids: list[int],
-              entries: list[dict[int, Logprob]] | None) -> ChatLogprobs | None:
-    if not body.logprobs or entries is None:
-        return None
-    tokenizer, num_top = context.tokenizer, body.top_logprobs or 0
-    content = []
-    for token, entry in zip(token_ids, entries):
-        chosen = entry[token]
-        text = token_text(tokenizer, token, chosen)
-        tops = [_top(token_text(tokenizer, top, logprob), logprob.logprob)
-                for top, logprob in top_ranked(entry, num_top)]
-        content.append(ChatTokenLogprob(token=text, logprob=chosen.logprob, bytes=list(text.encode("utf-8")),
-                                        top_logprobs=tops))
-    return ChatLogprobs(content=content)
+    def response(self, outputs: list[RequestOutput], usage: Usage) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(index=completion.index, message=ChatResponseMessage(content=completion.text),
+                       logprobs=self._logprobs(completion), finish_reason=finish_reason(completion),
+                       stop_reason=completion.stop_reason)
+            for completion in outputs[0].outputs
+        ]
+        return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.context.model_name,
+                                      choices=choices, usage=usage)
+
+    def events(self, stream: ResponseStream) -> AsyncIterator[str]:
+        return chunk_events(stream, self.body, self._chunk, self._delta_choice)
+
+    def _chunk(self, choices: list[ChatStreamChoice], usage: Usage | None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.response_id, created=self.created, model=self.context.model_name,
+                                   choices=choices, usage=usage)
+
+    def _delta_choice(self, delta: ChoiceDelta) -> ChatStreamChoice:
+        completion = delta.completion
+        if delta.is_first:
+            content = {"role": "assistant", "content": completion.text}
+        else:
+            content = {"content": completion.text} if completion.text else {}
+        return ChatStreamChoice(index=completion.index, delta=content, finish_reason=finish_reason(completion),
+                                stop_reason=completion.stop_reason, logprobs=self._logprobs(completion))
+
+    def _logprobs(self, completion: CompletionOutput) -> ChatLogprobs | None:
+        """The logprobs of `completion`'s tokens (whole, or a stream's new part), when asked for."""
+        if not self.body.logprobs or completion.logprobs is None:
+            return None
+        tokenizer, num_top = self.context.tokenizer, self.body.top_logprobs or 0
+        content = []
+        for token, entry in zip(completion.token_ids, completion.logprobs):
+            chosen = entry[token]
+            text = token_text(tokenizer, token, chosen)
+            tops = [_top(token_text(tokenizer, top, logprob), logprob.logprob)
+                    for top, logprob in top_ranked(entry, num_top)]
+            content.append(ChatTokenLogprob(token=text, logprob=chosen.logprob, bytes=list(text.encode("utf-8")),
+                                            top_logprobs=tops))
+        return ChatLogprobs(content=content)
 
 
 def _top(text: str, logprob: float) -> TopLogprob:

@@ -6,122 +6,74 @@ needs): the engine generates one token, which the response leaves out.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-
-from raylm.outputs import Logprob, RequestOutput, TokenLogprobs
-from raylm.results import GenerationResult
-from raylm.serving.errors import OpenAIError, from_engine_error
-from raylm.serving.generation import (
-    SSE_DONE,
-    ServingContext,
-    StreamDelta,
-    UsageTally,
-    finish_reason,
-    random_id,
-    sse,
-    stream_deltas,
-    token_text,
-    top_ranked,
-    unix_time,
-    unless_disconnected,
-)
-from raylm.serving.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-
-_FIELDS = tuple(CompletionRequest.model_fields)
+from raylm.inputs import PromptInputs
+from raylm.outputs import CompletionOutput, Logprob, RequestOutput
+from raylm.sampling_params import SamplingParams
+from raylm.serving.generation import GenerationRoute, ServingContext, chunk_events, finish_reason
+from raylm.serving.logprobs import token_text, top_ranked
+from raylm.serving.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
+from raylm.serving.response_stream import ChoiceDelta, RequestProgress, ResponseStream
 
 
-async def create_completion(context: ServingContext, body: CompletionRequest, request: Request) -> Response:
-    context.check_model(body.model)
-    max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
-    prompt_only = body.echo and max_tokens == 0
-    try:
-        params = body.sampling_params(1 if prompt_only else max_tokens, best_of=body.best_of, logprobs=body.logprobs,
-                                      prompt_logprobs=body.logprobs if body.echo else None,
-                                      add_special_tokens=body.add_special_tokens)
-    except (ValueError, TypeError) as exc:
-        raise from_engine_error(exc, _FIELDS) from exc
-    results = await context.submit(body.prompts(), params, body.priority, body.cache_salt, _FIELDS)
-    formatter = _Formatter(context, body, prompt_only)
-    if body.stream:
-        return StreamingResponse(_stream(context, body, results, formatter),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    finals = await unless_disconnected(request, context.final_outputs(results))
-    tally = UsageTally(count_generated=not prompt_only)
-    choices = []
-    for index, output in enumerate(finals):
-        tally.update(index, output)
-        for completion in output.outputs:
-            choices.append(formatter.choice(index, output, completion.index, completion.text, completion.token_ids,
-                                            completion.logprobs, finish_reason(completion), completion.stop_reason,
-                                            with_prompt=True))
-    response = CompletionResponse(id=formatter.response_id, created=formatter.created, model=context.model_name,
-                                  choices=choices, usage=tally.usage())
-    return JSONResponse(response.model_dump())
+class CompletionRoute(GenerationRoute):
+    """One completion request's prompts and response; keeps each choice's text offset across stream chunks."""
 
+    id_prefix = "cmpl-"
+    body: CompletionRequest
 
-async def _stream(context: ServingContext, body: CompletionRequest, results: Sequence[GenerationResult],
-                  formatter: _Formatter) -> AsyncIterator[str]:
-    tally = UsageTally(count_generated=not formatter.prompt_only)
-    try:
-        async for delta in stream_deltas(context, results):
-            tally.update(delta.prompt_index, delta.output)
-            choice = _delta_choice(formatter, delta)
-            usage = tally.usage() if body.continuous_usage else None
-            yield sse(formatter.response([choice], usage))
-        if body.include_usage:
-            yield sse(formatter.response([], tally.usage()))
-    except OpenAIError as exc:
-        yield sse(exc.body())
-    yield SSE_DONE
-
-
-def _delta_choice(formatter: _Formatter, delta: StreamDelta) -> CompletionChoice:
-    completion = delta.completion
-    logprobs = completion.logprobs[delta.first_token:] if completion.logprobs is not None else None
-    return formatter.choice(delta.prompt_index, delta.output, completion.index, delta.text,
-                            completion.token_ids[delta.first_token:], logprobs, delta.finish_reason,
-                            completion.stop_reason, with_prompt=delta.is_first)
-
-
-class _Formatter:
-    """Builds the choices of one response; keeps each choice's text offset across stream chunks."""
-
-    def __init__(self, context: ServingContext, body: CompletionRequest, prompt_only: bool):
-        self.context = context
-        self.body = body
-        self.prompt_only = prompt_only
-        self.response_id = random_id("cmpl-")
-        self.created = unix_time()
+    def __init__(self, context: ServingContext, body: CompletionRequest):
+        super().__init__(context, body)
+        self.max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
+        self.prompt_only = body.echo and self.max_tokens == 0
         self._text_offsets: dict[int, int] = {}
 
-    def response(self, choices: list[CompletionChoice], usage: Any) -> CompletionResponse:
+    def prompts(self) -> list[PromptInputs]:
+        return self.body.prompts()
+
+    def sampling_params(self, prompts: list[PromptInputs]) -> SamplingParams:
+        body = self.body
+        return body.sampling_params(1 if self.prompt_only else self.max_tokens, best_of=body.best_of,
+                                    logprobs=body.logprobs, prompt_logprobs=body.logprobs if body.echo else None,
+                                    add_special_tokens=body.add_special_tokens)
+
+    def response(self, outputs: list[RequestOutput], usage: Usage) -> CompletionResponse:
+        choices = [self._choice(index, output, completion, with_prompt=True)
+                   for index, output in enumerate(outputs) for completion in output.outputs]
+        return self._response(choices, usage)
+
+    def events(self, stream: ResponseStream) -> AsyncIterator[str]:
+        return chunk_events(stream, self.body, self._response, self._delta_choice)
+
+    def _response(self, choices: list[CompletionChoice], usage: Usage | None) -> CompletionResponse:
+        if usage is not None and self.prompt_only:  # the one generated token is not part of the response
+            usage = Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=0, total_tokens=usage.prompt_tokens,
+                          prompt_tokens_details=usage.prompt_tokens_details)
         return CompletionResponse(id=self.response_id, created=self.created, model=self.context.model_name,
                                   choices=choices, usage=usage)
 
-    def choice(self, prompt_index: int, output: RequestOutput, completion_index: int, text: str,
-               token_ids: list[int], logprobs: TokenLogprobs | None, reason: str | None,
-               stop_reason: int | str | None, with_prompt: bool) -> CompletionChoice:
-        """A choice holding the given generated part, preceded by the prompt when echoing and with_prompt."""
-        index = prompt_index * self.body.n + completion_index
-        if self.prompt_only:
-            text, token_ids, logprobs = "", [], []
-        parts = [(text, token_ids, logprobs)]
+    def _delta_choice(self, delta: ChoiceDelta) -> CompletionChoice:
+        return self._choice(delta.prompt_index, delta.request, delta.completion, with_prompt=delta.is_first)
+
+    def _choice(self, prompt_index: int, request: RequestOutput | RequestProgress, completion: CompletionOutput,
+                with_prompt: bool) -> CompletionChoice:
+        """A choice holding `completion` (whole, or a stream's new part), preceded by the request's prompt when
+        echoing and with_prompt."""
+        index = prompt_index * self.body.n + completion.index
+        parts = [("", [], [])] if self.prompt_only else [(completion.text, completion.token_ids, completion.logprobs)]
         if self.body.echo and with_prompt:
-            prompt_text = output.prompt
+            prompt_text = request.prompt
             if prompt_text is None:
-                prompt_text = self.context.tokenizer.decode(output.prompt_token_ids)
-            parts.insert(0, (prompt_text, output.prompt_token_ids, output.prompt_logprobs))
+                prompt_text = self.context.tokenizer.decode(request.prompt_token_ids)
+            parts.insert(0, (prompt_text, request.prompt_token_ids, request.prompt_logprobs))
         choice_logprobs = None
         if self.body.logprobs is not None:
             choice_logprobs = CompletionLogprobs()
             for _, part_ids, part_logprobs in parts:
                 self._add_logprobs(choice_logprobs, index, part_ids, part_logprobs or [])
         return CompletionChoice(index=index, text="".join(part[0] for part in parts), logprobs=choice_logprobs,
-                                finish_reason=reason, stop_reason=stop_reason)
+                                finish_reason=finish_reason(completion), stop_reason=completion.stop_reason)
 
     def _add_logprobs(self, into: CompletionLogprobs, index: int, token_ids: list[int],
                       entries: list[dict[int, Logprob] | None]) -> None:

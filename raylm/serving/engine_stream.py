@@ -1,15 +1,17 @@
-"""The stream between the engine deployment and the HTTP ingress, one per request.
+"""One request's outputs as a stream of chunks, the form in which the HTTP routes read them from any engine.
 
-The engine deployment answers a generate call with messages: first Admitted, or Rejected with the error its
-generate_async raised for the input; then one OutputChunk per RequestOutput, or Failed. A chunk carries what
-its output added since the previous one (new tokens, text and logprobs), so a long stream costs no more than
-its tokens; the ingress rebuilds whole RequestOutputs (ChunkDecoder) and the routes read what a local engine
-gives them. Beam search and best_of > n may re-rank their sequences, so their chunks carry whole outputs.
+A chunk carries only what its output added to the previous one: the new tokens, text and logprobs, as the
+driver's output processor diffed them. Nothing downstream joins or diffs them again, so a long stream costs no
+more than its tokens, in this process (LocalEngine) or sent from the engine deployment to the ingress over Ray
+Serve (RemoteEngine). Beam search and best_of > n may re-rank their sequences, so their chunks carry whole
+outputs.
+
+The engine deployment answers a request with messages: first Admitted, or Rejected with the error its
+generate_async raised for the input; then the chunks, or Failed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +19,7 @@ from typing import Any
 from raylm.engine_client import EngineDeadError
 from raylm.inputs import PromptInputs
 from raylm.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from raylm.results import RequestError
+from raylm.results import GenerationResult, RequestError
 from raylm.sampling_params import SamplingParams
 
 _ERROR_KINDS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError,
@@ -112,63 +114,26 @@ class ChunkEncoder:
         return chunk
 
 
-class ChunkDecoder:
-    """Rebuilds one request's whole RequestOutputs from its chunks (ingress side). Every output is a new
-    object: the routes may keep earlier ones."""
-
-    def __init__(self):
-        self._prompt: str | None = None
-        self._prompt_token_ids: list[int] = []
-        self._prompt_logprobs: TokenLogprobs | None = None
-        self._completions: dict[int, CompletionOutput] = {}
-
-    def decode(self, chunk: OutputChunk) -> RequestOutput:
-        if chunk.first:
-            self._prompt, self._prompt_token_ids = chunk.prompt, chunk.prompt_token_ids or []
-        if chunk.prompt_logprobs is not None:
-            kept = [] if chunk.whole or self._prompt_logprobs is None else self._prompt_logprobs
-            self._prompt_logprobs = kept + chunk.prompt_logprobs
-        if chunk.whole:
-            self._completions = {completion.index: completion for completion in chunk.completions}
-        else:
-            for increment in chunk.completions:
-                self._completions[increment.index] = _extend(self._completions.get(increment.index), increment)
-        return RequestOutput(
-            request_id=chunk.request_id, prompt=self._prompt, prompt_token_ids=self._prompt_token_ids,
-            outputs=[self._completions[index] for index in sorted(self._completions)], finished=chunk.finished,
-            prompt_logprobs=list(self._prompt_logprobs) if self._prompt_logprobs is not None else None,
-            num_cached_tokens=chunk.num_cached_tokens, metrics=chunk.metrics,
-        )
+async def output_chunks(result: GenerationResult, params: SamplingParams | None) -> AsyncIterator[OutputChunk]:
+    """The chunks of a request streaming from an LLM in this process; raises RequestError when the engine fails
+    it. Leaving early (or being cancelled) aborts the request, which frees its KV blocks."""
+    encoder = ChunkEncoder(outputs_only_grow(params))
+    async for output in result:
+        yield encoder.encode(output)
 
 
-def _extend(previous: CompletionOutput | None, increment: CompletionOutput) -> CompletionOutput:
-    previous = previous or CompletionOutput(index=increment.index,
-                                            logprobs=[] if increment.logprobs is not None else None)
-    logprobs = previous.logprobs
-    if increment.logprobs is not None:
-        logprobs = (logprobs or []) + increment.logprobs
-    return dataclasses.replace(
-        previous, text=previous.text + increment.text, token_ids=previous.token_ids + increment.token_ids,
-        cumulative_logprob=increment.cumulative_logprob, logprobs=logprobs, finish_reason=increment.finish_reason,
-        stop_reason=increment.stop_reason, text_diff=increment.text, token_ids_diff=increment.token_ids,
-        logprobs_diff=increment.logprobs or [],
-    )
-
-
-async def stream_request(llm: Any, inputs: PromptInputs, params: SamplingParams | None, streaming: bool,
-                         priority: float, cache_salt: str | None) -> AsyncIterator[Admitted | Rejected | OutputChunk
-                                                                                    | Failed]:
+async def stream_request(llm: Any, inputs: PromptInputs, params: SamplingParams | None, priority: float,
+                         cache_salt: str | None) -> AsyncIterator[Admitted | Rejected | OutputChunk | Failed]:
     """Runs one request on `llm` (an LLM or AsyncLLM) and yields its messages. Closing the iterator early (or
     cancelling the task that drives it) aborts the request, which frees its KV blocks."""
     try:
-        result = llm.generate_async(inputs, params, streaming=streaming, priority=priority, cache_salt=cache_salt)
+        result = llm.generate_async(inputs, params, streaming=True, priority=priority, cache_salt=cache_salt)
     except (ValueError, TypeError, RuntimeError) as exc:
         yield Rejected.from_error(exc)
         return
     yield Admitted(result.request_id)
-    encoder = ChunkEncoder(outputs_only_grow(params))
     try:
-        async for output in result:
-            yield encoder.encode(output)
+        async for chunk in output_chunks(result, params):
+            yield chunk
     except RequestError as exc:
         yield Failed(str(exc))

@@ -1,6 +1,11 @@
-"""What every generation route shares: checking the model and the engine, submitting prompts, following
-their outputs (merged across prompts, timed for the metrics, aborted when the client goes away), streaming
-text that never runs ahead of a stop string, and the pieces of the OpenAI format all routes use."""
+"""The path every generation route shares (ServingContext.respond): checking the model and the engine,
+submitting the prompts, then either streaming the route's events as the deltas arrive or collecting the whole
+outputs into one response (aborting the requests when the client goes away); and the pieces of the OpenAI
+format all routes use.
+
+A route (completions.py, chat_completions.py, responses.py) is a GenerationRoute: the prompts and sampling
+parameters of its request body, and how its answer is written.
+"""
 
 from __future__ import annotations
 
@@ -8,28 +13,35 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from raylm.engine_client import EngineDeadError
-from raylm.inputs import PromptInputs
-from raylm.outputs import CompletionOutput, Logprob, RequestOutput
-from raylm.results import GenerationResult, RequestError
+from raylm.inputs import PromptInputs, TokensPrompt
+from raylm.outputs import CompletionOutput, RequestOutput
 from raylm.sampling_params import SamplingParams
+from raylm.serving.chat import render_chat
 from raylm.serving.config import ServingConfig
+from raylm.serving.engine import GenerationStream, ServingEngine
 from raylm.serving.errors import OpenAIError, from_engine_error
 from raylm.serving.metrics import ServingMetrics
-from raylm.serving.protocol import PromptTokensDetails, Usage
+from raylm.serving.protocol import ResponsesRequest, SamplingRequest, Usage
+from raylm.serving.response_stream import ChoiceDelta, ResponseStream
 
 T = TypeVar("T")
 
 SSE_DONE = "data: [DONE]\n\n"
 # nginx's "client closed request": nobody reads it, but logs show why the request ended early.
 CLIENT_CLOSED = 499
+
+GenerationBody = SamplingRequest | ResponsesRequest
 
 
 def random_id(prefix: str) -> str:
@@ -51,28 +63,52 @@ def finish_reason(completion: CompletionOutput) -> str | None:
     return None if reason is None else str(getattr(reason, "value", reason))
 
 
-def token_text(tokenizer: Any, token: int, logprob: Logprob | None) -> str:
-    """A token's text, as its logprob entry decoded it (or decoded now)."""
-    if logprob is not None and logprob.decoded_token is not None:
-        return logprob.decoded_token
-    return tokenizer.decode([token])
+@contextmanager
+def _field_errors(body: BaseModel) -> Iterator[None]:
+    """Turns the ValueError or TypeError raylm raises for a bad value into a 400 whose param is the field of
+    `body` that the message names."""
+    try:
+        yield
+    except (ValueError, TypeError) as exc:
+        raise from_engine_error(exc, tuple(type(body).model_fields)) from exc
 
 
-def top_ranked(entry: dict[int, Logprob], num_top: int) -> list[tuple[int, Logprob]]:
-    """The entry's num_top most likely tokens, most likely first (the chosen token only if among them)."""
-    ranked = [(token, logprob) for token, logprob in entry.items()
-              if logprob.rank is not None and logprob.rank <= num_top]
-    return sorted(ranked, key=lambda item: item[1].rank)
+class GenerationRoute(ABC):
+    """One generation route's answer to one request body: what it submits, and how it writes the answer (one
+    whole response, or the events of a streamed one)."""
+
+    id_prefix: str  # of the response's id
+
+    def __init__(self, context: ServingContext, body: GenerationBody):
+        self.context = context
+        self.body = body
+        self.response_id = random_id(self.id_prefix)
+        self.created = unix_time()
+
+    @abstractmethod
+    def prompts(self) -> list[PromptInputs]:
+        """The prompts to submit; raises OpenAIError for a body that cannot make them."""
+
+    @abstractmethod
+    def sampling_params(self, prompts: list[PromptInputs]) -> SamplingParams:
+        """The sampling parameters of every prompt; raises ValueError or TypeError naming a bad field."""
+
+    @abstractmethod
+    def response(self, outputs: list[RequestOutput], usage: Usage) -> BaseModel:
+        """The whole response, from each prompt's whole output."""
+
+    @abstractmethod
+    def events(self, stream: ResponseStream) -> AsyncIterator[str]:
+        """The streamed response's Server-Sent Events, as `stream` yields its deltas."""
 
 
 @dataclass
 class ServingContext:
     """The engine and everything the routes share about it."""
 
-    engine: Any
+    engine: ServingEngine
     config: ServingConfig
     metrics: ServingMetrics
-    dead_reason: Callable[[], str | None]
 
     @property
     def model_name(self) -> str:
@@ -92,92 +128,87 @@ class ServingContext:
                               "model", "model_not_found")
 
     def check_engine(self) -> None:
-        reason = self.dead_reason()
+        reason = self.engine.dead_reason
         if reason is not None:
             raise OpenAIError(503, f"the engine is not running: {reason}", code="engine_unavailable")
 
-    async def submit(self, prompts: Sequence[PromptInputs], params: SamplingParams, priority: float,
-                     cache_salt: str | None, fields: Sequence[str]) -> list[GenerationResult]:
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> TokensPrompt:
+        """A conversation rendered by the chat template, as the prompt to submit."""
+        text, token_ids = render_chat(self.tokenizer, messages, self.config.chat_template, add_generation_prompt)
+        return TokensPrompt(prompt_token_ids=token_ids, prompt=text)
+
+    def max_tokens(self, requested: int | None, prompt: TokensPrompt) -> int:
+        """`requested`, or OpenAI's default for chat: as many tokens as the context leaves after the prompt."""
+        if requested is not None:
+            return requested
+        return max(1, self.max_seq_len - len(prompt["prompt_token_ids"]))
+
+    async def respond(self, request: Request, route: GenerationRoute) -> Response:
+        """Answers `route`'s request: submits its prompts, then streams its events (when the body asks for a
+        stream) or answers its whole response once every request has finished."""
+        body = route.body
+        self.check_model(body.model)
+        prompts = route.prompts()
+        with _field_errors(body):
+            params = route.sampling_params(prompts)
+        stream = ResponseStream(await self.submit(prompts, params, body), self.metrics, self._request_failed)
+        if body.stream:
+            return StreamingResponse(route.events(stream), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        await unless_disconnected(request, stream.run_to_end())
+        return JSONResponse(route.response(stream.outputs(), stream.usage()).model_dump())
+
+    async def submit(self, prompts: Sequence[PromptInputs], params: SamplingParams,
+                     body: GenerationBody) -> list[GenerationStream]:
         """Submits every prompt, or none: a rejected prompt aborts those already submitted.
 
-        Errors the engine raises for bad input become 400s whose param is the field they name, if in fields.
-        A remote engine checks its input after generate_async returns: its results' admitted() raises what
-        generate_async would have, and every submission is awaited before any response starts.
+        Errors the engine raises for bad input become 400s whose param is the body's field they name. A remote
+        engine checks its input after stream() returns, so every submission is admitted before any response
+        starts.
         """
         self.check_engine()
-        results: list[GenerationResult] = []
+        streams: list[GenerationStream] = []
         try:
-            for prompt in prompts:
-                results.append(self.engine.generate_async(prompt, params, streaming=True, priority=priority,
-                                                          cache_salt=cache_salt))
-            for result in results:  # all are on their way: awaiting them in turn costs the slowest
-                await _admitted(result)
-        except (ValueError, TypeError) as exc:
-            _abort(results)
-            raise from_engine_error(exc, fields) from exc
+            with _field_errors(body):
+                for prompt in prompts:
+                    streams.append(self.engine.stream(prompt, params, body.priority, body.cache_salt))
+                for stream in streams:  # all are on their way: awaiting them in turn costs the slowest
+                    await stream.admitted()
         except RuntimeError as exc:
-            _abort(results)
-            if isinstance(exc, EngineDeadError) or self.dead_reason() is not None:
+            _abort(streams)
+            if isinstance(exc, EngineDeadError) or self.engine.dead_reason is not None:
                 raise OpenAIError(503, str(exc), code="engine_unavailable") from exc
             raise
         except BaseException:
-            _abort(results)
+            _abort(streams)
             raise
-        return results
-
-    async def follow(self, results: Sequence[GenerationResult]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Yields (prompt index, output) from every result as outputs arrive; each output holds the whole
-        state so far. Leaving early (or being cancelled) aborts every request still running."""
-        queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
-
-        async def pump(index: int, result: GenerationResult) -> None:
-            timer = self.metrics.timer()
-            try:
-                async for output in result:
-                    timer.observe(output)
-                    queue.put_nowait((index, output))
-            except RequestError as exc:
-                queue.put_nowait((index, exc))
-            queue.put_nowait((index, None))
-
-        tasks = [asyncio.ensure_future(pump(index, result)) for index, result in enumerate(results)]
-        try:
-            running = len(tasks)
-            while running:
-                index, item = await queue.get()
-                if item is None:
-                    running -= 1
-                elif isinstance(item, Exception):
-                    raise self._request_failed(item)
-                else:
-                    yield index, item
-        finally:
-            for task in tasks:
-                task.cancel()
-            _abort(results)
+        return streams
 
     def _request_failed(self, exc: Exception) -> OpenAIError:
-        if self.dead_reason() is not None:
+        if self.engine.dead_reason is not None:
             return OpenAIError(503, f"the engine stopped: {exc}", code="engine_unavailable")
         return OpenAIError(500, f"generation failed: {exc}")
 
-    async def final_outputs(self, results: Sequence[GenerationResult]) -> list[RequestOutput]:
-        """The final output of every result, in prompt order."""
-        finals: dict[int, RequestOutput] = {}
-        async for index, output in self.follow(results):
-            finals[index] = output
-        return [finals[index] for index in range(len(results))]
+
+def _abort(streams: Sequence[GenerationStream]) -> None:
+    for stream in streams:
+        stream.abort()
 
 
-async def _admitted(result: GenerationResult) -> None:
-    admitted = getattr(result, "admitted", None)  # only a remote engine's results have it
-    if admitted is not None:
-        await admitted()
-
-
-def _abort(results: Sequence[GenerationResult]) -> None:
-    for result in results:
-        result.abort()
+async def chunk_events(stream: ResponseStream, body: SamplingRequest,
+                       chunk: Callable[[list[Any], Usage | None], BaseModel],
+                       choice: Callable[[ChoiceDelta], BaseModel]) -> AsyncIterator[str]:
+    """The events of a streamed completion or chat completion: one chunk holding each delta's choice (with the
+    usage so far when the body asks for continuous usage), a last chunk of usage alone when it asks for usage,
+    an error event if a request fails, then [DONE]."""
+    try:
+        async for delta in stream:
+            yield sse(chunk([choice(delta)], stream.usage() if body.continuous_usage else None))
+        if body.include_usage:
+            yield sse(chunk([], stream.usage()))
+    except OpenAIError as exc:
+        yield sse(exc.body())
+    yield SSE_DONE
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -201,75 +232,3 @@ async def _wait_for_disconnect(request: Request) -> None:
     # The body has been read, so the next message the server delivers is the disconnect.
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-class _TextCursor:
-    """What one streamed choice has sent so far. (The driver already holds back text that could be the
-    start of a stop string, so every character of completion.text is safe to send.)"""
-
-    def __init__(self):
-        self.sent_text = 0
-        self.sent_tokens = 0
-        self.finished = False
-
-    def advance(self, completion: CompletionOutput) -> tuple[str, int]:
-        """The text not yet sent that is safe to send, and the index of the first token not yet sent."""
-        text = completion.text
-        new_text, self.sent_text = text[self.sent_text:], max(self.sent_text, len(text))
-        first_token, self.sent_tokens = self.sent_tokens, len(completion.token_ids)
-        self.finished = completion.finished
-        return new_text, first_token
-
-
-@dataclass
-class StreamDelta:
-    """What one choice of one prompt gained since its previous delta."""
-
-    prompt_index: int
-    output: RequestOutput  # the whole request so far
-    completion: CompletionOutput  # the whole choice so far
-    text: str  # new text, safe to send
-    first_token: int  # completion.token_ids[first_token:] are new
-    is_first: bool  # the choice's first delta
-
-    @property
-    def finish_reason(self) -> str | None:
-        return finish_reason(self.completion)
-
-
-async def stream_deltas(context: ServingContext, results: Sequence[GenerationResult]) -> AsyncIterator[StreamDelta]:
-    """Each choice's progress as it happens; a finished choice reports once more, with its finish reason."""
-    cursors: dict[tuple[int, int], _TextCursor] = {}
-    async for index, output in context.follow(results):
-        for completion in output.outputs:
-            key = (index, completion.index)
-            is_first = key not in cursors
-            cursor = cursors.setdefault(key, _TextCursor())
-            if cursor.finished:
-                continue
-            text, first_token = cursor.advance(completion)
-            if text or first_token < len(completion.token_ids) or completion.finished or is_first:
-                yield StreamDelta(index, output, completion, text, first_token, is_first)
-
-
-class UsageTally:
-    """Token counts of a response: each prompt once, every choice's generated tokens."""
-
-    def __init__(self, count_generated: bool = True):
-        self.count_generated = count_generated
-        self._prompts: dict[int, tuple[int, int]] = {}
-        self._generated: dict[tuple[int, int], int] = {}
-
-    def update(self, prompt_index: int, output: RequestOutput) -> None:
-        self._prompts[prompt_index] = (len(output.prompt_token_ids), output.num_cached_tokens)
-        for completion in output.outputs:
-            generated = len(completion.token_ids) if self.count_generated else 0
-            self._generated[(prompt_index, completion.index)] = generated
-
-    def usage(self) -> Usage:
-        prompt_tokens = sum(tokens for tokens, _ in self._prompts.values())
-        completion_tokens = sum(self._generated.values())
-        cached_tokens = sum(cached for _, cached in self._prompts.values())
-        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))

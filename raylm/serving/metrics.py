@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from raylm.outputs import RequestOutput
+if TYPE_CHECKING:
+    from raylm.serving.response_stream import RequestProgress
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -57,12 +59,11 @@ class ServingMetrics:
     def timer(self) -> RequestTimer:
         return RequestTimer(self)
 
-    def record_request(self, output: RequestOutput, submitted: float, first_token: float, finished: float) -> None:
-        lengths = [len(completion.token_ids) for completion in output.outputs]
-        self.prompt_tokens.inc(len(output.prompt_token_ids))
+    def record_request(self, request: RequestProgress, submitted: float, first_token: float, finished: float) -> None:
+        lengths = request.generated_lengths
+        self.prompt_tokens.inc(len(request.prompt_token_ids))
         self.generation_tokens.inc(sum(lengths))
-        reason = output.outputs[0].finish_reason if output.outputs else None
-        self.requests_finished.labels(model_name=self.model_name, finished_reason=str(reason)).inc()
+        self.requests_finished.labels(model_name=self.model_name, finished_reason=str(request.finish_reason)).inc()
         self.time_to_first_token.observe(first_token - submitted)
         self.e2e_latency.observe(finished - submitted)
         longest = max(lengths, default=0)
@@ -102,9 +103,10 @@ class RequestTimer:
         self.submitted = time.perf_counter()
         self.first_token: float | None = None
 
-    def observe(self, output: RequestOutput) -> None:
+    def observe(self, request: RequestProgress) -> None:
+        """Takes note of the request's progress each time it has changed."""
         now = time.perf_counter()
-        if self.first_token is None and any(completion.token_ids for completion in output.outputs):
+        if self.first_token is None and any(request.generated_lengths):
             self.first_token = now
-        if output.finished:
-            self.metrics.record_request(output, self.submitted, self.first_token or now, now)
+        if request.finished:
+            self.metrics.record_request(request, self.submitted, self.first_token or now, now)

@@ -33,6 +33,7 @@ from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from raylm.engine_spec import resolve_device
 from raylm.inputs import PromptInputs
 from raylm.sampling_params import SamplingParams
 from raylm.serving.app import build_app
@@ -80,8 +81,8 @@ class EngineDeployment:
     def describe(self) -> EngineDescription:
         return EngineDescription(self.llm.info, self.llm.get_kv_cache_capacity(), self.llm.startup_metrics)
 
-    async def generate(self, inputs: PromptInputs, params: SamplingParams | None, streaming: bool, priority: float,
-                       cache_salt: str | None) -> AsyncIterator[Any]:
+    async def stream(self, inputs: PromptInputs, params: SamplingParams, priority: float,
+                     cache_salt: str | None) -> AsyncIterator[Any]:
         """Streams one request's messages (engine_stream); cancelling the call aborts the request.
 
         Serve cancels a call with ray.cancel(recursive=True), which also cancels every Ray call made from the
@@ -93,7 +94,7 @@ class EngineDeployment:
 
         async def relay() -> None:
             try:
-                async for message in stream_request(self.llm, inputs, params, streaming, priority, cache_salt):
+                async for message in stream_request(self.llm, inputs, params, priority, cache_salt):
                     messages.put_nowait(message)
                 messages.put_nowait(_END)
             except Exception as exc:
@@ -161,19 +162,6 @@ class OpenAIIngress:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
-
-
-def resolve_device(device: str) -> str:
-    """'auto' is 'cuda' when the Ray cluster (or, without Ray, this machine) has GPUs, else 'cpu'."""
-    if device != "auto":
-        return device
-    import ray
-
-    if ray.is_initialized():
-        return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _replica_options(args: ServeArgs) -> dict[str, Any]:

@@ -1,27 +1,28 @@
-"""RemoteEngine: the engine deployment seen from the HTTP ingress through its DeploymentHandle, with the
-interface build_app needs (what raylm.LLM offers an app in its own process).
+"""RemoteEngine: the engine deployment seen from the HTTP ingress through its DeploymentHandle, as the ServingEngine
+that build_app serves (engine.py).
 
-Each request is one streaming call to the engine deployment (engine_stream); aborting it cancels the call,
-which aborts the request in the engine and frees its blocks. The engine's health is polled in the background,
-so that dead_reason answers at once.
+Each request is one streaming call to the engine deployment, whose chunks (engine_stream.py) go to the routes
+as they come; aborting it cancels the call, which aborts the request in the engine and frees its blocks. The
+engine's health is polled in the background, so that dead_reason answers at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from raylm.actors.worker import EngineInfo
 from raylm.config import LlmArgs
 from raylm.engine_client import EngineDeadError
+from raylm.engine_spec import EngineInfo
 from raylm.inputs import PromptInputs
-from raylm.outputs import RequestOutput
+from raylm.models.source import resolve_model
 from raylm.results import RequestError
 from raylm.sampling_params import SamplingParams
-from raylm.serving.engine_stream import Admitted, ChunkDecoder, Failed, OutputChunk, Rejected
+from raylm.serving.engine_stream import Admitted, Failed, OutputChunk, Rejected
+from raylm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -45,20 +46,13 @@ def _first_line(exc: BaseException) -> str:
 
 
 class RemoteGeneration:
-    """A request running in the engine deployment, used as a GenerationResult is: `await` it for the final
-    output, `async for` over it for incremental ones, abort() to stop it."""
+    """A request running in the engine deployment, as a GenerationStream (engine.py)."""
 
-    def __init__(self, stream: Any, on_transport_error: Any):
+    def __init__(self, stream: Any, on_transport_error: Callable[[str], None]):
         self.request_id: str | None = None
         self._stream = stream
         self._on_transport_error = on_transport_error
-        self._decoder = ChunkDecoder()
-        self._latest: RequestOutput | None = None
         self._done = False
-
-    @property
-    def finished(self) -> bool:
-        return self._done
 
     async def admitted(self) -> None:
         """Returns once the engine accepted the request; raises what the engine's generate_async raised for it
@@ -99,7 +93,7 @@ class RemoteGeneration:
             self._done = True
             self._stream.cancel()
 
-    async def _outputs(self) -> AsyncIterator[RequestOutput]:
+    async def _chunks(self) -> AsyncIterator[OutputChunk]:
         try:
             await self.admitted()
             while True:
@@ -107,29 +101,19 @@ class RemoteGeneration:
                 if isinstance(message, Failed):
                     self._done = True
                     raise RequestError(message.message)
-                output = self._decoder.decode(message)
-                self._latest = output
-                self._done = output.finished
-                yield output
-                if output.finished:
+                self._done = message.finished
+                yield message
+                if message.finished:
                     return
         finally:
             self.abort()
 
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._outputs()
-
-    async def aresult(self) -> RequestOutput:
-        async for _ in self:
-            pass
-        return self._latest
-
-    def __await__(self) -> Generator[Any, None, RequestOutput]:
-        return self.aresult().__await__()
+    def __aiter__(self) -> AsyncIterator[OutputChunk]:
+        return self._chunks()
 
 
 class RemoteEngine:
-    """The engine interface build_app needs, over a DeploymentHandle to EngineDeployment."""
+    """A ServingEngine over a DeploymentHandle to EngineDeployment."""
 
     def __init__(self, handle: Any, tokenizer: Any, description: EngineDescription):
         self._handle = handle
@@ -147,12 +131,9 @@ class RemoteEngine:
     @classmethod
     async def connect(cls, handle: Any, args: LlmArgs) -> RemoteEngine:
         """Waits for the engine deployment, loads the tokenizer of `args` here, and starts watching health."""
-        from raylm.llm import _load_tokenizer
-        from raylm.models.source import resolve_model
-
         description = await handle.describe.remote()
         source = await asyncio.to_thread(resolve_model, args.model, args.revision)
-        tokenizer = await asyncio.to_thread(_load_tokenizer, args, source)
+        tokenizer = await asyncio.to_thread(load_tokenizer, args, source)
         engine = cls(handle, tokenizer, description)
         engine._loop = asyncio.get_running_loop()
         engine._health_watch = asyncio.create_task(engine._watch_health())
@@ -160,12 +141,11 @@ class RemoteEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def generate_async(self, inputs: PromptInputs, sampling_params: SamplingParams | None = None,
-                       streaming: bool = False, priority: float = 0.5,
-                       cache_salt: str | None = None) -> RemoteGeneration:
-        """Submits one prompt; errors the engine finds in it surface from the result's admitted()."""
-        stream = self._stream_handle.generate.remote(inputs, sampling_params, streaming, priority, cache_salt)
-        return RemoteGeneration(stream, self._mark_unreachable)
+    def stream(self, inputs: PromptInputs, sampling_params: SamplingParams, priority: float,
+               cache_salt: str | None) -> RemoteGeneration:
+        """Submits one prompt; errors the engine finds in it surface from the stream's admitted()."""
+        call = self._stream_handle.stream.remote(inputs, sampling_params, priority, cache_salt)
+        return RemoteGeneration(call, self._mark_unreachable)
 
     # ------------------------------------------------------------------ state
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import pickle
 import socket
 import threading
 import time
@@ -12,8 +14,9 @@ import openai
 import pytest
 import uvicorn
 
-from raylm import LLM, KvCacheConfig, SamplingParams
-from raylm.serving import ServingConfig, build_app
+from raylm import LLM, KvCacheConfig, RequestOutput, SamplingParams
+from raylm.serving import LocalEngine, ServingConfig, build_app
+from raylm.serving.engine_stream import ChunkEncoder, OutputChunk, outputs_only_grow
 
 MODEL = "smollm2-test"
 
@@ -53,6 +56,33 @@ def used_blocks(llm: LLM) -> int:
     return llm.get_stats(timeout=1)[-1]["kvCacheStats"]["usedNumBlocks"]
 
 
+def check_long_stream_sends_only_new_parts(client: openai.OpenAI, model: str, max_tokens: int = 256) -> None:
+    """A long greedy completion, streamed: its chunks' texts concatenate to the non-streamed text, and each chunk
+    carries only its new text and tokens. A server that sent whole texts again, or diffed what was already a
+    diff, would fail one or the other."""
+    kwargs = dict(model=model, prompt="Count to one thousand:", max_tokens=max_tokens, temperature=0, logprobs=1,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0]
+    choices = [chunk.choices[0] for chunk in client.completions.create(stream=True, **kwargs)]
+    assert "".join(choice.text for choice in choices) == whole.text and len(whole.text) > 200
+    tokens = [len(choice.logprobs.tokens) for choice in choices]
+    assert sum(tokens) == max_tokens and max(tokens) <= 4
+    assert [token for choice in choices for token in choice.logprobs.tokens] == whole.logprobs.tokens
+
+
+def encoded(llm, prompt, params: SamplingParams) -> tuple[list[RequestOutput], list[OutputChunk]]:
+    """Every output of a streamed request, and its chunks as the engine deployment sends them (pickled)."""
+
+    async def run() -> tuple[list, list]:
+        encoder, outputs, chunks = ChunkEncoder(outputs_only_grow(params)), [], []
+        async for output in llm.generate_async(prompt, params, streaming=True):
+            outputs.append(output)
+            chunks.append(pickle.loads(pickle.dumps(encoder.encode(output))))
+        return outputs, chunks
+
+    return asyncio.run(run())
+
+
 @pytest.fixture(scope="module")
 def llm() -> Iterator[LLM]:
     with LLM(kv_cache_config=KvCacheConfig(max_tokens=4096), max_seq_len=1024) as engine:
@@ -61,7 +91,7 @@ def llm() -> Iterator[LLM]:
 
 @pytest.fixture(scope="module")
 def base_url(llm) -> Iterator[str]:
-    with serve(build_app(llm, ServingConfig(served_model_name=MODEL))) as url:
+    with serve(build_app(LocalEngine(llm), ServingConfig(served_model_name=MODEL))) as url:
         yield url
 
 

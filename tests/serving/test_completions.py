@@ -8,7 +8,7 @@ import time
 import pytest
 
 from raylm import SamplingParams
-from tests.serving.conftest import MODEL
+from tests.serving.conftest import MODEL, check_long_stream_sends_only_new_parts
 
 PROMPT = "The capital of France is"
 
@@ -47,6 +47,10 @@ def test_streamed_text_equals_non_streamed_and_include_usage_sends_a_final_usage
     finished = [choice.finish_reason for chunk in chunks for choice in chunk.choices if choice.finish_reason]
     assert finished == ["length"]
     assert len({chunk.id for chunk in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
+
+
+def test_a_long_streamed_completion_sends_each_piece_of_text_once(client):
+    check_long_stream_sends_only_new_parts(client, MODEL)
 
 
 def test_continuous_usage_stats_count_tokens_so_far_in_every_chunk(client):

@@ -1,71 +1,54 @@
-"""The stream between the engine deployment and the ingress: chunks rebuild every output exactly (increments, or
-whole outputs for beam search), and stream_request admits, rejects and aborts as the engine does."""
+"""The stream of chunks a request's outputs become: a chunk carries only what its output added (whole outputs for
+beam search), and stream_request admits, rejects and aborts as the engine does."""
 
 from __future__ import annotations
 
 import asyncio
-import pickle
 
 from raylm import SamplingParams
 from raylm.serving.engine_stream import (
     Admitted,
-    ChunkDecoder,
-    ChunkEncoder,
     Failed,
     OutputChunk,
     Rejected,
+    output_chunks,
     outputs_only_grow,
     stream_request,
 )
-from tests.serving.conftest import used_blocks
+from tests.serving.conftest import encoded, used_blocks
 
 
-def _round_trip(llm, prompt, params: SamplingParams) -> tuple[list, list]:
-    """Every streamed output of a request, and what the decoder rebuilt from its pickled chunks."""
-
-    async def run():
-        encoder, decoder = ChunkEncoder(outputs_only_grow(params)), ChunkDecoder()
-        originals, rebuilt = [], []
-        async for output in llm.generate_async(prompt, params, streaming=True):
-            chunk = pickle.loads(pickle.dumps(encoder.encode(output)))  # as Ray sends it
-            originals.append(output)
-            rebuilt.append(decoder.decode(chunk))
-        return originals, rebuilt
-
-    return asyncio.run(run())
+def test_an_increment_carries_only_the_new_tokens_text_and_logprobs(llm):
+    outputs, sent = encoded(llm, "Hello", SamplingParams(max_tokens=5, ignore_eos=True, logprobs=1))
+    assert [len(chunk.completions[0].token_ids) for chunk in sent] == [1] * 5
+    assert [len(chunk.completions[0].logprobs) for chunk in sent] == [1] * 5
+    assert [chunk.completions[0].text for chunk in sent] == [output.outputs[0].text_diff for output in outputs]
+    assert sent[0].first and sent[0].prompt_token_ids and all(chunk.prompt_token_ids is None for chunk in sent[1:])
+    assert not any(chunk.whole for chunk in sent) and sent[-1].finished
 
 
-def test_increments_rebuild_every_output_with_logprobs_and_n(llm):
-    params = SamplingParams(max_tokens=12, n=2, temperature=0.8, seed=3, logprobs=2, prompt_logprobs=1,
-                            stop=["."])
-    originals, rebuilt = _round_trip(llm, "The capital of France is", params)
-    assert len(originals) > 3 and rebuilt == originals
-    assert rebuilt[-1].finished and rebuilt[-1].prompt == "The capital of France is"
-
-
-def test_beam_search_sends_whole_outputs_that_rebuild_exactly(llm):
+def test_beam_search_sends_whole_outputs(llm):
     params = SamplingParams(max_tokens=6, n=2, use_beam_search=True)
     assert not outputs_only_grow(params) and outputs_only_grow(SamplingParams(n=2))
-    originals, rebuilt = _round_trip(llm, "Once upon a time", params)
-    assert rebuilt == originals and len(rebuilt[-1].outputs) == 2
+    outputs, sent = encoded(llm, "Once upon a time", params)
+    assert all(chunk.whole for chunk in sent) and sent[-1].completions == outputs[-1].outputs
 
 
-def test_an_increment_carries_only_the_new_tokens(llm):
-    encoder = ChunkEncoder(incremental=True)
+def test_output_chunks_streams_a_local_request_as_the_encoder_does(llm):
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
 
-    async def chunks() -> list[OutputChunk]:
-        params = SamplingParams(max_tokens=5, ignore_eos=True)
-        return [encoder.encode(output) async for output in llm.generate_async("Hello", params, streaming=True)]
+    async def run() -> list[OutputChunk]:
+        return [chunk async for chunk in output_chunks(llm.generate_async("Hello", params, streaming=True), params)]
 
-    sent = asyncio.run(chunks())
-    assert [len(chunk.completions[0].token_ids) for chunk in sent] == [1] * 5
-    assert sent[0].prompt_token_ids and all(chunk.prompt_token_ids is None for chunk in sent[1:])
+    chunks = asyncio.run(run())
+    assert len(chunks) == 4 and chunks[0].first and chunks[-1].finished
+    assert "".join(chunk.completions[0].text for chunk in chunks) == llm.generate("Hello", params).outputs[0].text
 
 
 def _messages(llm, prompt, params: SamplingParams, keep: int | None = None) -> list:
     async def run() -> list:
         messages = []
-        stream = stream_request(llm, prompt, params, streaming=True, priority=0.5, cache_salt=None)
+        stream = stream_request(llm, prompt, params, priority=0.5, cache_salt=None)
         async for message in stream:
             messages.append(message)
             if keep is not None and len(messages) == keep:

@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import httpx2
 import openai
 
-from raylm import CompletionOutput, GenerationResult, RequestOutput
+from raylm import CompletionOutput, RequestError
 from raylm.serving import ServingConfig, build_app
+from raylm.serving.engine_stream import OutputChunk
 from tests.conftest import PROMPTS
 from tests.serving.conftest import MODEL, serve, used_blocks
 
@@ -76,18 +77,31 @@ def test_fifty_concurrent_streaming_clients_get_the_greedy_reference_outputs(cli
     assert all(reason in ("stop", "length") for _, reason in outputs)
 
 
+class FailingStream:
+    """A request that fails after its first chunk."""
+
+    async def admitted(self):
+        pass
+
+    async def __aiter__(self):
+        yield OutputChunk("0", finished=False, num_cached_tokens=0, metrics={}, prompt="Hi", prompt_token_ids=[1, 2],
+                          completions=[CompletionOutput(0, text="Hel", token_ids=[3])], first=True)
+        raise RequestError("engine step failed: boom")
+
+    def abort(self):
+        pass
+
+
 class FailingEngine:
-    """Just the engine interface build_app needs; every request fails after its first output."""
+    """Just the ServingEngine build_app needs; every request fails after its first output."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.info = SimpleNamespace(max_seq_len=1024)
+        self.dead_reason = None
 
-    def generate_async(self, prompt, sampling_params, streaming=False, priority=0.5, cache_salt=None):
-        result = GenerationResult("0", streaming, abort=lambda request_id: None)
-        result.push(RequestOutput("0", prompt, [1, 2], [CompletionOutput(0, text="Hel", token_ids=[3])]))
-        result.fail("engine step failed: boom")
-        return result
+    def stream(self, inputs, sampling_params, priority, cache_salt):
+        return FailingStream()
 
 
 def test_a_request_the_engine_fails_ends_in_an_openai_error_streamed_or_not(llm):

@@ -8,14 +8,14 @@ import httpx2
 import openai
 import pytest
 
-from raylm.serving import ServingConfig, build_app
+from raylm.serving import LocalEngine, ServingConfig, build_app
 from tests.serving.conftest import MODEL, openai_client, serve
 
 LONG = dict(model=MODEL, prompt="Count to one thousand:", max_tokens=600, extra_body={"ignore_eos": True})
 
 
 def test_requests_beyond_max_queue_get_429_until_a_slot_frees(llm):
-    with serve(build_app(llm, ServingConfig(served_model_name=MODEL, max_queue=1))) as url:
+    with serve(build_app(LocalEngine(llm), ServingConfig(served_model_name=MODEL, max_queue=1))) as url:
         client = openai_client(url)
         holder = client.completions.create(stream=True, **LONG)
         next(iter(holder))  # the one slot is taken while this stream is open
@@ -38,7 +38,7 @@ def test_requests_beyond_max_queue_get_429_until_a_slot_frees(llm):
 
 
 def test_api_key_is_required_on_every_route_but_health(llm):
-    with serve(build_app(llm, ServingConfig(served_model_name=MODEL, api_key="sesame"))) as url:
+    with serve(build_app(LocalEngine(llm), ServingConfig(served_model_name=MODEL, api_key="sesame"))) as url:
         with pytest.raises(openai.AuthenticationError) as info:
             openai_client(url, api_key="wrong").completions.create(model=MODEL, prompt="Hi", max_tokens=1)
         assert info.value.status_code == 401 and info.value.body["code"] == "invalid_api_key"

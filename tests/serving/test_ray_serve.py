@@ -18,7 +18,7 @@ from raylm import KvCacheConfig
 from raylm.serving.config import ServeArgs
 from raylm.serving.ray_serve import start_server
 from tests.conftest import PROMPTS
-from tests.serving.conftest import openai_client
+from tests.serving.conftest import check_long_stream_sends_only_new_parts, openai_client
 
 MODEL = "smollm2-serve"
 API_KEY = "serve-test-key"
@@ -107,6 +107,10 @@ def test_streamed_text_equals_non_streamed_with_a_final_usage_chunk(client):
     assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == chat.choices[0].message.content
     usage = pieces[-1].usage  # the second run of the prompt may find it in the prefix cache
     assert (usage.prompt_tokens, usage.completion_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+
+
+def test_a_long_streamed_completion_crosses_the_replicas_as_new_parts_only(client):
+    check_long_stream_sends_only_new_parts(client, MODEL)
 
 
 def test_n_two_gives_two_choices_with_their_usage(client):

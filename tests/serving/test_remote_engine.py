@@ -1,5 +1,5 @@
 """RemoteEngine and RemoteGeneration over stand-ins for Serve's handle and streaming call: admission errors,
-rebuilt outputs, aborts that cancel the call, and the health the ingress reports."""
+chunks passed on as they come, aborts that cancel the call, and the health the ingress reports."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 import raylm.serving.remote_engine as remote_engine
 from raylm import CompletionOutput, RequestOutput
-from raylm.actors.worker import EngineInfo
 from raylm.engine_client import EngineDeadError
+from raylm.engine_spec import EngineInfo
 from raylm.results import RequestError
 from raylm.serving.engine_stream import Admitted, ChunkEncoder, Failed, Rejected
 from raylm.serving.remote_engine import EngineDescription, RemoteEngine, RemoteGeneration
@@ -53,20 +53,21 @@ def _run(coroutine):
     return asyncio.run(coroutine)
 
 
-def test_a_generation_is_admitted_then_rebuilds_outputs_and_awaits_to_the_last():
+async def _consume(result: RemoteGeneration) -> list:
+    return [chunk async for chunk in result]
+
+
+def test_a_generation_is_admitted_then_passes_its_chunks_on_to_the_last():
+    chunks = _chunks("He", "llo", "!")
+
     async def run():
-        result = RemoteGeneration(FakeStream([Admitted("7"), *_chunks("He", "llo", "!")]), on_transport_error=None)
+        result = RemoteGeneration(FakeStream([Admitted("7"), *chunks]), on_transport_error=None)
         await result.admitted()
-        texts = [output.outputs[0].text async for output in result]
-        return result, texts
+        return result, [chunk async for chunk in result]
 
-    result, texts = _run(run())
-    assert result.request_id == "7" and texts == ["He", "Hello", "Hello!"] and result.finished
-    async def awaited(result: RemoteGeneration) -> RequestOutput:
-        return await result
-
-    final = _run(awaited(RemoteGeneration(FakeStream([Admitted("8"), *_chunks("a", "b")]), None)))
-    assert final.outputs[0].token_ids == [100, 101] and final.prompt_token_ids == [1, 2]
+    result, received = _run(run())
+    assert result.request_id == "7" and received == chunks
+    assert [chunk.completions[0].text for chunk in received] == ["He", "llo", "!"] and received[-1].finished
 
 
 @pytest.mark.parametrize(("rejected", "error"), [(Rejected("ValueError", "prompt is too long"), ValueError),
@@ -82,14 +83,11 @@ def test_a_failed_call_is_an_unavailable_engine_at_admission_and_a_request_error
     with pytest.raises(EngineDeadError, match="the engine deployment failed: ConnectionError: replica gone"):
         _run(RemoteGeneration(FakeStream([ConnectionError("replica gone")]), reported.append).admitted())
     assert reported == ["the engine deployment failed: ConnectionError: replica gone"]
-
-    async def consume(messages):
-        return [output async for output in RemoteGeneration(FakeStream(messages), reported.append)]
-
+    failing = [Admitted("1"), *_chunks("a", finished_last=False), Failed("engine step failed: boom")]
     with pytest.raises(RequestError, match="boom"):
-        _run(consume([Admitted("1"), *_chunks("a", finished_last=False), Failed("engine step failed: boom")]))
+        _run(_consume(RemoteGeneration(FakeStream(failing), reported.append)))
     with pytest.raises(RequestError, match="ended the request's stream"):
-        _run(consume([Admitted("1"), *_chunks("a", finished_last=False)]))
+        _run(_consume(RemoteGeneration(FakeStream(failing[:-1]), reported.append)))
 
 
 def test_abort_and_leaving_early_cancel_the_call_once():
@@ -102,7 +100,7 @@ def test_abort_and_leaving_early_cancel_the_call_once():
     _run(leave_after_one())
     assert stream.cancelled
     finished = FakeStream([Admitted("1"), *_chunks("a")])
-    _run(RemoteGeneration(finished, None).aresult())
+    _run(_consume(RemoteGeneration(finished, None)))
     assert not finished.cancelled  # nothing to abort once the last output arrived
 
 
@@ -112,7 +110,7 @@ def test_cancelling_a_waiting_consumer_aborts_without_reporting_the_engine_down(
 
     async def run():
         result = RemoteGeneration(stream, reported.append)
-        task = asyncio.ensure_future(result.aresult())
+        task = asyncio.ensure_future(_consume(result))
         await asyncio.sleep(0.05)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

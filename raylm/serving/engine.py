@@ -1,0 +1,110 @@
+"""The engine as the HTTP app sees it: ServingEngine, what build_app serves, and GenerationStream, one request's
+chunks (engine_stream.py). LocalEngine is a ServingEngine over an LLM in this process; RemoteEngine
+(remote_engine.py) is one over the Ray Serve engine deployment."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+from raylm.engine_spec import EngineInfo
+from raylm.inputs import PromptInputs
+from raylm.results import GenerationResult
+from raylm.sampling_params import SamplingParams
+from raylm.serving.engine_stream import OutputChunk, output_chunks
+
+if TYPE_CHECKING:
+    from raylm.llm import LLM
+
+
+class GenerationStream(Protocol):
+    """One request running in the engine."""
+
+    async def admitted(self) -> None:
+        """Returns once the engine accepted the request; raises what the engine found wrong with it (ValueError
+        or TypeError for bad input, EngineDeadError when it cannot serve)."""
+
+    def __aiter__(self) -> AsyncIterator[OutputChunk]:
+        """The request's chunks up to its last; raises RequestError when the engine fails the request. Leaving
+        early (or being cancelled) aborts the request."""
+
+    def abort(self) -> None:
+        """Stops the request in the engine, which frees its KV blocks."""
+
+
+class ServingEngine(Protocol):
+    """What build_app needs of an engine."""
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    @property
+    def startup_metrics(self) -> dict: ...
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine cannot serve requests, or None while it can."""
+
+    def stream(self, inputs: PromptInputs, sampling_params: SamplingParams, priority: float,
+               cache_salt: str | None) -> GenerationStream:
+        """Submits one prompt. Errors in it are raised here or by the stream's admitted()."""
+
+    def get_kv_cache_capacity(self) -> dict: ...
+
+    def get_stats(self, timeout: float | None = 2) -> list[dict]:
+        """The engine's iteration statistics since the last call; blocks up to timeout for the first."""
+
+
+class LocalGeneration:
+    """A request running in an LLM in this process, as a GenerationStream."""
+
+    def __init__(self, result: GenerationResult, params: SamplingParams):
+        self._result = result
+        self._params = params
+
+    async def admitted(self) -> None:
+        """Nothing to wait for: the LLM checked the request when it was submitted."""
+
+    def __aiter__(self) -> AsyncIterator[OutputChunk]:
+        return output_chunks(self._result, self._params)
+
+    def abort(self) -> None:
+        self._result.abort()
+
+
+class LocalEngine:
+    """A ServingEngine over an LLM (or AsyncLLM) in this process: build_app(LocalEngine(llm), config)."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.llm.tokenizer
+
+    @property
+    def info(self) -> EngineInfo:
+        return self.llm.info
+
+    @property
+    def startup_metrics(self) -> dict:
+        return self.llm.startup_metrics
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self.llm.dead_reason
+
+    def stream(self, inputs: PromptInputs, sampling_params: SamplingParams, priority: float,
+               cache_salt: str | None) -> LocalGeneration:
+        result = self.llm.generate_async(inputs, sampling_params, streaming=True, priority=priority,
+                                         cache_salt=cache_salt)
+        return LocalGeneration(result, sampling_params)
+
+    def get_kv_cache_capacity(self) -> dict:
+        return self.llm.get_kv_cache_capacity()
+
+    def get_stats(self, timeout: float | None = 2) -> list[dict]:
+        return self.llm.get_stats(timeout)
