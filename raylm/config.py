@@ -152,6 +152,13 @@ class LlmArgs(StrictModel):
         return value
 
     @model_validator(mode="after")
+    def _check_lengths(self) -> LlmArgs:
+        if (self.max_input_len is not None and self.max_seq_len is not None
+                and self.max_input_len >= self.max_seq_len):
+            raise ValueError(f"max_input_len must be < max_seq_len ({self.max_seq_len}), got {self.max_input_len}")
+        return self
+
+    @model_validator(mode="after")
     def _check_parallelism(self) -> LlmArgs:
         if self.moe_expert_parallel_size is not None and self.moe_expert_parallel_size > self.tensor_parallel_size:
             raise ValueError(

@@ -139,6 +139,9 @@ class LLM:
         return dataclasses.replace(params, _eos_token_ids=self._eos_ids)
 
     def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        max_input_len = self.args.max_input_len
+        if max_input_len is not None and prompt_len > max_input_len:
+            raise ValueError(f"prompt has {prompt_len} tokens, more than max_input_len ({max_input_len})")
         max_seq_len = self.info.max_seq_len
         if prompt_len >= max_seq_len:
             raise ValueError(f"prompt has {prompt_len} tokens; max_seq_len is {max_seq_len}, so it must be shorter")

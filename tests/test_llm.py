@@ -293,3 +293,15 @@ def test_shutdown_rejects_new_requests(tiny_model_dirs):
         engine.generate([1, 2, 3], SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="shut down"):
         engine.generate([1, 2, 3])
+
+
+def test_max_input_len_and_the_capacity_policy_take_effect():
+    """max_input_len bounds prompts (beside max_seq_len); scheduler_config's policy reaches the scheduler."""
+    with pytest.raises(ValueError, match=r"max_input_len must be < max_seq_len \(8\)"):
+        LLM(max_seq_len=8, max_input_len=8)
+    with LLM(max_seq_len=256, max_input_len=8, executor="local", kv_cache_config=KvCacheConfig(max_tokens=1024),
+             scheduler_config={"capacity_scheduler_policy": "GUARANTEED_NO_EVICT"}) as small:
+        with pytest.raises(ValueError, match=r"more than max_input_len \(8\)"):
+            small.generate([5] * 9)
+        assert len(small.generate([5] * 8, SamplingParams(max_tokens=2)).outputs[0].token_ids) == 2
+        assert small._executor.worker.engine.scheduler.guarantee_no_evict

@@ -93,9 +93,10 @@ class PipelinedStep:
 
 class DistributedRunner:
     """Rank 0's view of a multi-rank model: the engine calls it as it would a single runner. With one pipeline
-    stage, steps overlap as on one rank (launch / collect): the plan goes to the other ranks over gloo while
-    the device is busy, and the tokens of placeholder inputs follow on the device (a broadcast from rank 0's
-    draws), so no rank waits for its device between steps. Pipelines overlap steps (launch / collect of
+    stage, steps overlap as on one rank (launch / collect): the plan goes to the other ranks over the plan channel
+    while the device is busy, and the tokens of placeholder inputs come from each rank's own decode graph (greedy
+    draws) or follow on the device (a broadcast from rank 0's draws), so no rank waits for its device between
+    steps. Pipelines overlap steps (launch / collect of
     PipelinedStep): the scheduler keeps sequences whose draw is in flight out of the next step, so consecutive
     steps hold different sequences and the first stage computes step N+1 while the last finishes step N; without
     `pipeline_overlap` (disable_pipeline_overlap) they run each step to the end in micro-batches (execute)."""

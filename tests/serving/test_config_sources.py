@@ -77,3 +77,18 @@ def test_an_empty_file_sets_nothing_and_every_path_is_listed(tmp_path):
     assert {"max_batch_size", "kv_cache_config.max_tokens", "autoscaling_config.max_replicas",
             "scheduler_config.capacity_scheduler_policy"} <= set(paths)
     assert paths == sorted(paths)
+
+
+def test_engine_settings_come_from_the_config_file_and_set(tmp_path):
+    """The kernel and pipeline settings are configuration like any other (no environment variable), listed among
+    the paths --print_schema shows; a bare YAML `off` is the pdl mode 'off'."""
+    config = _file(tmp_path, "kernel_config:\n  decode_gemv: true\ncuda_graph_config:\n  capture_logits: false\n")
+    args = layer_serve_args(config, {}, ["kernel_config.pdl=off", "disable_pipeline_overlap=true",
+                                         "kernel_config.fused_allreduce_norm=false"])
+    kernels = args.kernel_config
+    assert (kernels.decode_gemv, kernels.pdl, kernels.fused_allreduce_norm) == (True, "off", False)
+    assert args.cuda_graph_config.capture_logits is False and args.disable_pipeline_overlap is True
+    assert {"kernel_config.triton", "kernel_config.symmetric_memory_allreduce", "cuda_graph_config.capture_logits",
+            "disable_pipeline_overlap", "scheduler_config.capacity_scheduler_policy"} <= set(config_paths())
+    with pytest.raises(ConfigError, match="kernel_config.pdl"):
+        layer_serve_args(None, {}, ["kernel_config.pdl=sometimes"])
