@@ -42,6 +42,20 @@ class EngineClient:
     def num_unfinished(self) -> int:
         return len(self._requests)
 
+    def unfinished_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._requests)
+
+    def wait_finished(self, request_ids: list[str], timeout: float) -> None:
+        """Returns once none of request_ids is pending (their last outputs delivered), or raises TimeoutError."""
+        deadline = time.monotonic() + timeout
+        with self._news:
+            while any(request_id in self._requests for request_id in request_ids):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"requests did not finish within {timeout} s")
+                self._news.wait(min(left, 0.05))
+
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
             priority: float, cache_salt: str | None, streaming: bool) -> GenerationResult:
         if self.dead_reason is not None or self._closed:
@@ -88,7 +102,7 @@ class EngineClient:
             if entry is None:
                 continue
             state, result = entry
-            stopped.extend(state.apply(delta))
+            stopped.extend(state.apply(delta, output.weight_version))
             if state.error is not None:
                 self._forget(delta.request_id)
                 result.fail(state.error)

@@ -43,6 +43,8 @@ class SequenceState:
     sent_tokens: int = 0
     sent_logprobs: int = 0
     stop_checked: int = 0  # characters of text already searched for stop strings
+    # (index of the first token, weight version) of each run of tokens produced by one version of the weights
+    weight_versions: list[tuple[int, int]] = field(default_factory=list)
 
 
 class RequestState:
@@ -78,8 +80,9 @@ class RequestState:
             self.sequences[index] = SequenceState(index, detokenizer, logprobs=logprobs)
         return self.sequences[index]
 
-    def apply(self, delta: RequestDelta) -> list[tuple[str, int]]:
-        """Folds an engine delta in; returns the (request id, index) of sequences that hit a stop string."""
+    def apply(self, delta: RequestDelta, weight_version: int = 0) -> list[tuple[str, int]]:
+        """Folds an engine delta in (its tokens produced by weights of `weight_version`); returns the (request id,
+        index) of sequences that hit a stop string."""
         self.num_cached_tokens = delta.num_cached_tokens or self.num_cached_tokens
         if delta.prompt_logprobs and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(self._logprob_dict(token, entry) for token, entry in zip(
@@ -92,6 +95,8 @@ class RequestState:
             seq = self._sequence(seq_delta.index)
             if seq.finish_reason is not None:
                 continue  # ended by a stop string; the engine's later tokens are dropped
+            if seq_delta.new_token_ids and (not seq.weight_versions or seq.weight_versions[-1][1] != weight_version):
+                seq.weight_versions.append((len(seq.token_ids), weight_version))
             if self._apply_sequence(seq, seq_delta):
                 stopped.append((self.request_id, seq.index))
             ended = ended or seq.finish_reason is not None
@@ -180,6 +185,7 @@ class RequestState:
                 text_diff=text[seq.sent_text:],
                 token_ids_diff=seq.token_ids[seq.sent_tokens:],
                 logprobs_diff=seq.logprobs[seq.sent_logprobs:] if seq.logprobs is not None else [],
+                weight_versions=list(seq.weight_versions),
             ))
             seq.sent_text, seq.sent_tokens = len(text), len(seq.token_ids)
             seq.sent_logprobs = len(seq.logprobs) if seq.logprobs is not None else 0

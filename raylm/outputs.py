@@ -32,10 +32,18 @@ class CompletionOutput:
     text_diff: str = ""
     token_ids_diff: list[int] = field(default_factory=list)
     logprobs_diff: TokenLogprobs = field(default_factory=list)
+    # (index of the first token, weight version) per run of tokens that one version of the weights produced: one
+    # run, unless generation was paused with mode="keep" across update_weights.
+    weight_versions: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def weight_version(self) -> int | None:
+        """The weight version of the newest token (None before the first)."""
+        return self.weight_versions[-1][1] if self.weight_versions else None
 
     @property
     def length(self) -> int:
@@ -58,3 +66,9 @@ class RequestOutput:
     @property
     def text(self) -> str:
         return self.outputs[0].text if self.outputs else ""
+
+    @property
+    def weight_version(self) -> int | None:
+        """The newest weight version that produced any of its tokens (None before the first token)."""
+        versions = [output.weight_version for output in self.outputs if output.weight_version is not None]
+        return max(versions) if versions else None

@@ -97,9 +97,17 @@ class EngineLoop:
             if drained is not None and (drained.deltas or drained.stats or drained.kv_events):
                 self.outbox(drained)
             try:
-                future.set_result(fn(self.engine))
+                result, error = fn(self.engine), None
             except Exception as exc:
-                future.set_exception(exc)
+                result, error = None, exc
+            controlled = self.engine.take_control_deltas()  # reach the driver before the caller hears back
+            if controlled:
+                self.outbox(StepOutput(deltas + controlled, weight_version=self.engine.weight_version))
+                deltas.clear()
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
         return True
 
     def _run(self) -> None:
@@ -116,7 +124,7 @@ class EngineLoop:
                     running = self._handle(command, deltas) and running
                     command = None
                 if deltas:
-                    self.outbox(StepOutput(deltas))
+                    self.outbox(StepOutput(deltas, weight_version=self.engine.weight_version))
                 if running and self.engine.has_work:
                     output = self.engine.step()
                     if output.deltas or output.stats or output.kv_events:

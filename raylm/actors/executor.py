@@ -12,6 +12,17 @@ from raylm.actors.worker import Worker
 from raylm.engine.messages import EngineRequest, StepOutput
 from raylm.engine_spec import EngineInfo, WorkerSpec
 
+# EngineCore methods the driver may run on the engine thread between iterations (Executor.engine_call).
+ENGINE_CONTROLS = frozenset({"pause", "resume_generation", "new_weight_version"})
+
+
+def control_engine(loop: EngineLoop, method: str, args: tuple) -> Any:
+    """Runs EngineCore.`method`(*args) on the loop's thread between iterations (the step in flight applied
+    first) and returns its result."""
+    if method not in ENGINE_CONTROLS:
+        raise ValueError(f"engine control must be one of {sorted(ENGINE_CONTROLS)}, got {method!r}")
+    return loop.call(lambda engine: getattr(engine, method)(*args)).result()
+
 
 class Executor(ABC):
     info: EngineInfo
@@ -33,6 +44,10 @@ class Executor(ABC):
     @abstractmethod
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
                        target_ranks: list[int] | None = None) -> list[Any]: ...
+
+    @abstractmethod
+    def engine_call(self, method: str, args: tuple = ()) -> Any:
+        """Runs an engine control (ENGINE_CONTROLS) on rank 0's engine thread between iterations."""
 
     @abstractmethod
     def shutdown(self) -> None: ...
@@ -75,6 +90,9 @@ class LocalExecutor(Executor):
             raise ValueError(f"worker has no method {method!r}")
         # On the engine thread, between iterations, so the call never races a step.
         return [self.loop.call(lambda _engine: fn(*args, **(kwargs or {}))).result()]
+
+    def engine_call(self, method: str, args: tuple = ()) -> Any:
+        return control_engine(self.loop, method, args)
 
     def is_healthy(self) -> bool:
         return self.loop.thread.is_alive()

@@ -165,6 +165,11 @@ class RayExecutor(Executor):
         return ray.get([self.actors[rank].execute_method.remote(method, tuple(args), dict(kwargs or {}))
                         for rank in ranks])
 
+    def engine_call(self, method: str, args: tuple = ()) -> Any:
+        import ray
+
+        return ray.get(self.rank0.engine_call.remote(method, tuple(args)))
+
     def shutdown(self) -> None:
         import ray
 

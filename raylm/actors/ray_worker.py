@@ -20,6 +20,7 @@ import torch
 from raylm.actors.distributed_runner import DistributedRunner
 from raylm.actors.distributed_runner import worker_loop as run_worker_loop
 from raylm.actors.engine_loop import EngineLoop
+from raylm.actors.executor import control_engine
 from raylm.actors.symmetric_memory import all_reduce_norm_requested
 from raylm.actors.transport import Communicator, RankLayout, free_address, init_distributed
 from raylm.actors.worker import Worker
@@ -172,6 +173,11 @@ class RayWorker:
                 return batch
 
     # ------------------------------------------------------------------ RPC and shutdown
+
+    def engine_call(self, method: str, args: tuple) -> Any:
+        """Rank 0: an engine control (actors/executor.py) on the engine thread, between iterations."""
+        self.bind_gpu()
+        return control_engine(self.loop, method, args)
 
     def execute_method(self, method: str, args: tuple, kwargs: dict) -> Any:
         fn = getattr(self.worker, method, None)

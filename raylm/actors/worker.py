@@ -33,6 +33,7 @@ class Worker:
         self.engine: EngineCore | None = None
         self.runner: ModelRunner | None = None
         self.arch = None
+        self._checkpoint_shapes: dict[str, tuple[int, ...]] | None = None  # read at the first weight update
         self._begin = time.perf_counter()
         if spec.cpu_threads:
             torch.set_num_threads(spec.cpu_threads)
@@ -42,6 +43,30 @@ class Worker:
         if self.device.type == "cuda":
             return str(torch.cuda.get_device_properties(self.device).uuid)
         return f"cpu-{uuid.getnode():012x}-{os.getpid()}"
+
+    def update_weights(self, weights: dict | None) -> int:
+        """This rank's part of AsyncLLM.update_weights: `weights` maps device ids (report_device_id) to tensor
+        handles (rl_api/weight_transfer.py); this rank takes its device's, checks them all, then copies them in.
+        Returns how many of this rank's parameters changed; None (finalize) changes nothing here."""
+        if weights is None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            return 0
+        from raylm.rl_api.weight_transfer import weights_for_device
+
+        index = self.device.index if self.device.type == "cuda" else None
+        return self.load_named_weights(weights_for_device(weights, self.report_device_id(), index))
+
+    def load_named_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        """New weights under checkpoint names (any subset), checked whole before any is copied
+        (models/weight_update.py)."""
+        from raylm.models.weight_update import apply_update, check_update, checkpoint_shapes
+
+        if self._checkpoint_shapes is None:
+            hf_config = load_hf_config(self.spec.source, self.spec.args.trust_remote_code)
+            self._checkpoint_shapes = checkpoint_shapes(hf_config)
+        check_update(named, self._checkpoint_shapes, self.dtype, self.arch.architecture)
+        return apply_update(self.runner.model, named)
 
     @property
     def kv_dtype(self) -> torch.dtype:

@@ -6,6 +6,10 @@ a placeholder token that N+1 reads from the device, so the host's work for N+1 a
 while the device computes. A sequence that stops at N has computed one token too many in N+1, which is
 dropped. Requests whose next step needs their drawn tokens on the host (penalties, forking into several
 sequences, beam search) make the step after theirs wait for their results first.
+
+For RL loops generation can be paused (running requests aborted, or parked and continued after resume) while
+the workers' weights change; each new set of weights is a new weight version, which outputs report and which
+salts the prefix cache, so KV computed with older weights is never reused for requests that come after.
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from raylm.engine.kv_cache import KVCacheManager
-from raylm.engine.messages import EngineRequest, RequestDelta, StepOutput
+from raylm.engine.kv_cache import KVCacheManager, weight_version_root
+from raylm.engine.messages import EngineRequest, RequestDelta, SequenceDelta, StepOutput
 from raylm.engine.progress import Progress
 from raylm.engine.request import FinishReason, Request
 from raylm.engine.scheduler import Scheduler, SchedulerOutput
@@ -66,10 +70,13 @@ class EngineCore:
         # A pipeline overlaps different sequences in consecutive steps (actors/distributed_runner.py).
         self.scheduler.skip_in_flight = self.overlap and runner.pipelined
         self.in_flight: InFlight | None = None
+        self.weight_version = 0
+        self.paused = False  # pause_generation: no steps run; requests wait (new ones too) until resume
+        self._control_deltas: list[RequestDelta] = []  # deltas of control calls, for the next output
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self.in_flight is not None
+        return not self.paused and (self.scheduler.has_work or self.in_flight is not None)
 
     def add_request(self, engine_request: EngineRequest) -> None:
         if engine_request.request_id in self.requests:
@@ -80,19 +87,62 @@ class EngineCore:
             sampling_params=engine_request.sampling_params,
             priority=engine_request.priority,
             cache_salt=engine_request.cache_salt,
+            hash_root=weight_version_root(self.weight_version),
         )
         self.requests[request.request_id] = request
         self.scheduler.add_request(request)
 
-    def abort_request(self, request_id: str, error: str | None = None) -> RequestDelta | None:
-        """Stops a request and frees its blocks; returns its final delta (None if it is unknown)."""
+    def abort_request(self, request_id: str, error: str | None = None,
+                      reason: str | None = None) -> RequestDelta | None:
+        """Stops a request and frees its blocks; returns its final delta (None if it is unknown). `reason` becomes
+        the stop_reason of the sequences it cut short (finish_reason "abort")."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        delta = RequestDelta(request_id, finished=True, error=error)
         for seq in request.sequences:
+            if seq.finish_reason is None and reason is not None:
+                delta.sequences.append(SequenceDelta(seq.index, [], cumulative_logprob=seq.cumulative_logprob,
+                                                     finish_reason=FinishReason.ABORT.value, stop_reason=reason))
             seq.finish_reason = seq.finish_reason or FinishReason.ABORT
         self.scheduler.finish_request(request)
-        return RequestDelta(request_id, finished=True, error=error)
+        return delta
+
+    # ------------------------------------------------------------------ RL control (between steps, drained)
+
+    def pause(self, abort: bool) -> int:
+        """Stops running steps until resume_generation. With `abort`, every request ends now (finish_reason
+        "abort", stop_reason "generation paused", its blocks freed); otherwise running requests are parked and go
+        on after resume. Requests that arrive meanwhile wait. Returns how many requests were aborted."""
+        if self.in_flight is not None:
+            raise RuntimeError("pause needs the step in flight applied first (drain)")
+        self.paused = True
+        if not abort:
+            return 0
+        aborted = [delta for request_id in list(self.requests)
+                   if (delta := self.abort_request(request_id, reason="generation paused")) is not None]
+        self._control_deltas.extend(aborted)
+        return len(aborted)
+
+    def resume_generation(self) -> None:
+        self.paused = False
+
+    def new_weight_version(self) -> int:
+        """The workers hold new weights: outputs from now on report the next version, and requests admitted from
+        now on (or still waiting with nothing computed) start their prefix-cache chains from its root, so they
+        never reuse KV computed with earlier weights but share prefixes among themselves."""
+        self.weight_version += 1
+        root = weight_version_root(self.weight_version)
+        for request in self.scheduler.waiting:
+            if all(seq.num_computed_tokens == 0 for seq in request.sequences):
+                request.hash_root = root
+                request.prompt_block_hashes = []
+        return self.weight_version
+
+    def take_control_deltas(self) -> list[RequestDelta]:
+        """Deltas that control calls produced (pause's aborts), for the driver."""
+        deltas, self._control_deltas = self._control_deltas, []
+        return deltas
 
     def stop_sequence(self, request_id: str, index: int) -> RequestDelta | None:
         """Ends one sequence of a request (the driver saw a stop string); the request ends with its last."""
@@ -136,8 +186,8 @@ class EngineCore:
             finished, stats = self._finish(previous)
             deltas.extend(finished)
         if not deltas and stats is None and out.is_empty:
-            return StepOutput()
-        return StepOutput(deltas, stats, self.kv_cache.take_events())
+            return StepOutput(weight_version=self.weight_version)
+        return StepOutput(deltas, stats, self.kv_cache.take_events(), weight_version=self.weight_version)
 
     def drain(self) -> StepOutput | None:
         """Applies the step in flight, if any (before weights or the cache change under it)."""
@@ -145,7 +195,7 @@ class EngineCore:
             return None
         previous, self.in_flight = self.in_flight, None
         deltas, stats = self._finish(previous)
-        return StepOutput(deltas, stats, self.kv_cache.take_events())
+        return StepOutput(deltas, stats, self.kv_cache.take_events(), weight_version=self.weight_version)
 
     def _finish(self, in_flight: InFlight) -> tuple[list[RequestDelta], dict | None]:
         out = in_flight.launched.out

@@ -23,6 +23,14 @@ from raylm.engine.request import Request, Sequence
 NULL_BLOCK = 0
 
 
+def weight_version_root(version: int) -> int | None:
+    """The key every block-hash chain of requests admitted under weight `version` starts from: KV computed with
+    other weights never matches (None, no root, for the weights the engine started with)."""
+    if not version:
+        return None
+    return int.from_bytes(hashlib.blake2b(f"weight-version:{version}".encode(), digest_size=8).digest(), "little")
+
+
 def hash_block(parent_hash: int | None, token_ids: list[int], salt: str | None) -> int:
     """A stable 64-bit key of a full block, chained on the key of the block before it."""
     digest = hashlib.blake2b(digest_size=8)
@@ -125,7 +133,7 @@ class KVCacheManager:
 
     def prompt_block_hashes(self, request: Request) -> list[int]:
         hashes: list[int] = []
-        parent = None
+        parent = request.hash_root
         size = self.block_size
         for start in range(0, request.num_prompt_tokens - size + 1, size):
             parent = hash_block(parent, request.prompt_token_ids[start : start + size], request.cache_salt)
@@ -164,7 +172,8 @@ class KVCacheManager:
             tokens = seq.token_ids[index * size : (index + 1) * size]
             block_hash = block.block_hash
             if block_hash is None:
-                block_hash = hash_block(seq.last_block_hash, tokens, request.cache_salt)
+                parent = seq.last_block_hash if index else request.hash_root
+                block_hash = hash_block(parent, tokens, request.cache_salt)
             if block.block_hash is None and block_hash not in self.cached:
                 if not stored:
                     parent_hash = seq.last_block_hash

@@ -50,3 +50,4 @@ class StepOutput:
     stats: dict | None = None
     kv_events: list[dict] = field(default_factory=list)
     fatal_error: str | None = None  # set when the engine has died; every pending request fails
+    weight_version: int = 0  # the weights that produced this output's tokens (update_weights bumps it)

@@ -118,6 +118,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     sequences: list[Sequence] = field(default_factory=list)
     prompt_block_hashes: list[int] = field(default_factory=list)
+    # Where its block-hash chains start: the weight version's root (kv_cache.weight_version_root) when it came in.
+    hash_root: int | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     forked: bool = False

@@ -6,7 +6,10 @@
     ids = await llm.collective_rpc("report_device_id")
 
 Construction only records the arguments; `await llm`, `async with llm` or `await llm.setup_async()`
-starts the engine without blocking the event loop. Workers always run as Ray actors.
+starts the engine without blocking the event loop. Workers run as Ray actors unless executor="local".
+
+An RL step: `await llm.pause_generation()`, `await llm.update_weights({device_id: handles})` (any number of
+calls), `await llm.update_weights(None)` (finalize: a new weight version), `await llm.resume_generation()`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ import asyncio
 from typing import Any
 
 from raylm.llm import LLM
+
+PAUSE_MODES = ("abort", "keep")
+# How long pause_generation(mode="abort") waits for the aborted requests' last outputs to reach their callers.
+_ABORT_DELIVERY_S = 60.0
 
 
 class AsyncLLM(LLM):
@@ -33,6 +40,8 @@ class AsyncLLM(LLM):
                                  per_worker_gpu_share=per_worker_gpu_share)
         self._client = None
         self._ready = False
+        self._paused = False
+        self.weight_version = 0
         self._setup_lock: asyncio.Lock | None = None
 
     async def setup_async(self) -> AsyncLLM:
@@ -73,6 +82,52 @@ class AsyncLLM(LLM):
         self._require_ready()
         return await asyncio.to_thread(super().collective_rpc, method, args, kwargs, unique_reply_rank,
                                        target_ranks)
+
+    # ------------------------------------------------------------------ RL control
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """Stops generating until resume_generation(); requests that arrive meanwhile wait. mode="abort" ends every
+        request now (finish_reason "abort", stop_reason "generation paused", its KV blocks freed) and returns once
+        their outputs are delivered; mode="keep" parks running requests, which go on after resume with the
+        weights then in place (their outputs' weight_versions say which tokens each version produced)."""
+        self._require_ready()
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        pending = self._client.unfinished_ids()
+        await asyncio.to_thread(self._executor.engine_call, "pause", (mode == "abort",))
+        self._paused = True
+        if mode == "abort":
+            await asyncio.to_thread(self._client.wait_finished, pending, _ABORT_DELIVERY_S)
+
+    async def resume_generation(self) -> None:
+        """Lets the engine run requests again after pause_generation()."""
+        self._require_ready()
+        await asyncio.to_thread(self._executor.engine_call, "resume_generation", ())
+        self._paused = False
+
+    async def update_weights(self, weights: dict | None) -> None:
+        """New weights: `weights` maps each worker's device id (collective_rpc("report_device_id")) to its tensors
+        under checkpoint (HF) names, as rl_api/weight_transfer.py hands them over (IPC handles, buckets, or a
+        base64 string of either). Any subset of the weights; every tensor is checked (name, full shape, dtype)
+        before any is copied, so a bad update raises and leaves the old weights serving. None finalizes: outputs
+        from then on carry the next weight_version, and no request admitted after it reuses KV cached before.
+        Needs generation paused while requests run (pause_generation); otherwise the engine is paused around it."""
+        self._require_ready()
+        if self._paused:
+            await self._apply_weights(weights)
+            return
+        if self._client.num_unfinished:
+            raise ValueError("update_weights while requests run: call pause_generation() first")
+        await asyncio.to_thread(self._executor.engine_call, "pause", (False,))
+        try:
+            await self._apply_weights(weights)
+        finally:
+            await asyncio.to_thread(self._executor.engine_call, "resume_generation", ())
+
+    async def _apply_weights(self, weights: dict | None) -> None:
+        await asyncio.to_thread(self._executor.collective_rpc, "update_weights", (weights,))
+        if weights is None:
+            self.weight_version = await asyncio.to_thread(self._executor.engine_call, "new_weight_version", ())
 
     def shutdown(self) -> None:
         if getattr(self, "_ready", False):

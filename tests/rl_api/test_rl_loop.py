@@ -1,0 +1,222 @@
+"""The RL loop on AsyncLLM: pause_generation (abort / keep), update_weights from tensor handles (full, partial,
+bucketed, base64) finalized into a new weight version, and the prefix cache across an update. The engine runs in
+this process (executor="local"); the tensor-parallel case over Ray is at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+import torch
+
+from raylm import AsyncLLM, KvCacheConfig, SamplingParams, TokensPrompt
+from raylm.rl_api.weight_transfer import encode_payload, pack_bucket, tensor_handle
+from tests.conftest import hf_greedy, hf_model, logprob_errors
+
+KV = KvCacheConfig(max_tokens=2048, tokens_per_block=16)
+PROMPTS = [[5, 17, 99, 3, 250, 7, 42, 8], [300, 12, 9, 77, 101, 64, 2048, 11, 5, 6]]
+NEW_TOKENS = 12
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, logprobs=0, ignore_eos=True)
+
+
+def _engine(path, **kwargs) -> AsyncLLM:
+    return AsyncLLM(model=str(path), executor="local", skip_tokenizer_init=True, kv_cache_config=KV,
+                    max_seq_len=512, **kwargs)
+
+
+def _perturbed(path, names: set[str] | None = None, seed: int = 7):
+    """HF's model with noise added to its weights (those named, or all), and its weights by checkpoint name."""
+    model = hf_model(path)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if names is None or name in names:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    return model, [(name, param.detach().clone()) for name, param in model.named_parameters(remove_duplicate=False)
+                   if names is None or name in names]
+
+
+async def _generate(llm: AsyncLLM, params: SamplingParams = GREEDY):
+    return await asyncio.gather(*(llm.generate_async(TokensPrompt(prompt_token_ids=p), params) for p in PROMPTS))
+
+
+def _assert_matches_hf(hf, outputs) -> None:
+    for prompt, output in zip(PROMPTS, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(hf, prompt, NEW_TOKENS)
+        generated, _ = logprob_errors(hf, prompt, output)
+        assert max(generated) < 1e-4
+
+
+async def _device_id(llm: AsyncLLM) -> str:
+    return (await llm.collective_rpc("report_device_id"))[0]
+
+
+@pytest.mark.parametrize("form", ["handles", "bucket", "base64-bucket", "partial"])
+def test_updated_weights_give_hf_tokens_and_logprobs_of_the_same_weights(tiny_model_dirs, form):
+    path = tiny_model_dirs["llama"]
+    names = {"model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight"} \
+        if form == "partial" else None
+    hf, weights = _perturbed(path, names)
+
+    async def run():
+        async with _engine(path) as llm:
+            before = await _generate(llm)
+            device = await _device_id(llm)
+            if form == "handles" or form == "partial":
+                value = [(name, tensor_handle(tensor)) for name, tensor in weights]
+            elif form == "bucket":
+                value = pack_bucket(weights).payload()
+            else:
+                value = encode_payload(pack_bucket(weights).payload())
+            await llm.pause_generation()
+            await llm.update_weights({device: value})
+            await llm.update_weights(None)
+            await llm.resume_generation()
+            return before, await _generate(llm), llm.weight_version
+
+    before, after, version = asyncio.run(run())
+    _assert_matches_hf(hf_model(path), before)
+    _assert_matches_hf(hf, after)
+    assert version == 1
+    assert all(output.weight_version == 0 for output in before)
+    assert all(output.weight_version == 1 and output.outputs[0].weight_versions == [(0, 1)] for output in after)
+
+
+def test_bad_updates_raise_and_leave_the_old_weights_serving(tiny_model_dirs):
+    """An unknown name, a wrong shape or a wrong dtype among good tensors: nothing is copied."""
+    path = tiny_model_dirs["llama"]
+    _, weights = _perturbed(path)
+    good = weights[:3]
+    bad_updates = {
+        "is not a weight": good + [("model.layers.9.mlp.up_proj.weight", torch.zeros(4))],
+        "has shape": good + [(weights[4][0], torch.zeros(3, 3))],
+        "the engine's weights are": good + [(weights[4][0], weights[4][1].to(torch.bfloat16))],
+    }
+
+    async def run():
+        async with _engine(path) as llm:
+            device = await _device_id(llm)
+            for message, update in bad_updates.items():
+                with pytest.raises(ValueError, match=message):
+                    await llm.update_weights({device: [(name, tensor_handle(t)) for name, t in update]})
+            with pytest.raises(ValueError, match="device"):
+                await llm.update_weights({"another-device": []})
+            return await _generate(llm)
+
+    _assert_matches_hf(hf_model(path), asyncio.run(run()))
+
+
+def test_kv_cached_before_an_update_is_not_reused_after_it_but_shared_again(tiny_model_dirs):
+    path = tiny_model_dirs["llama"]
+    prompt = TokensPrompt(prompt_token_ids=list(range(100, 164)))  # 4 full blocks
+    params = SamplingParams(max_tokens=2)
+
+    async def run():
+        async with _engine(path) as llm:
+            cached = [(await llm.generate_async(prompt, params)).num_cached_tokens for _ in range(2)]
+            _, weights = _perturbed(path)
+            await llm.update_weights({await _device_id(llm): [(n, tensor_handle(t)) for n, t in weights]})
+            await llm.update_weights(None)  # not paused, nothing running: paused around the update
+            cached += [(await llm.generate_async(prompt, params)).num_cached_tokens for _ in range(2)]
+            return cached
+
+    assert asyncio.run(run()) == [0, 48, 0, 48]  # all but the last block, whose last token is computed
+
+
+def test_pause_abort_ends_running_requests_and_holds_new_ones_until_resume(tiny_model_dirs):
+    path = tiny_model_dirs["llama"]
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+
+    async def run():
+        async with _engine(path) as llm:
+            running = [llm.generate_async(TokensPrompt(prompt_token_ids=p), long) for p in PROMPTS]
+            await asyncio.sleep(0.2)
+            await llm.pause_generation()
+            aborted = [await result for result in running]
+            held = llm.generate_async(TokensPrompt(prompt_token_ids=PROMPTS[0]), SamplingParams(max_tokens=3))
+            await asyncio.sleep(0.5)
+            waiting = not held.finished
+            await llm.resume_generation()
+            return aborted, waiting, await held
+
+    aborted, waiting, held = asyncio.run(run())
+    for output in aborted:
+        assert output.finished and len(output.outputs[0].token_ids) < 400
+        assert (output.outputs[0].finish_reason, output.outputs[0].stop_reason) == ("abort", "generation paused")
+    assert waiting and len(held.outputs[0].token_ids) == 3
+
+
+def test_pause_keep_parks_requests_that_go_on_with_the_new_weights(tiny_model_dirs):
+    path = tiny_model_dirs["llama"]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    _, weights = _perturbed(path)
+
+    async def run():
+        async with _engine(path) as llm:
+            device = await _device_id(llm)
+            stream = llm.generate_async(TokensPrompt(prompt_token_ids=PROMPTS[0]), params, streaming=True)
+            outputs = stream.__aiter__()  # held, not closed: closing a stream aborts its request
+            while len((await outputs.__anext__()).outputs[0].token_ids) < 3:
+                pass
+            await llm.pause_generation(mode="keep")
+            await llm.update_weights({device: [(n, tensor_handle(t)) for n, t in weights]})
+            await llm.update_weights(None)
+            await llm.resume_generation()
+            return await stream
+
+    final = asyncio.run(run())
+    completion = final.outputs[0]
+    assert len(completion.token_ids) == 40 and completion.finish_reason == "length"
+    first_new = completion.weight_versions[1][0]
+    assert completion.weight_versions == [(0, 0), (first_new, 1)] and 3 <= first_new < 40
+    assert final.weight_version == 1
+
+
+def test_pause_modes_are_checked(tiny_model_dirs):
+    async def run():
+        async with _engine(tiny_model_dirs["llama"]) as llm:
+            with pytest.raises(ValueError, match="mode must be one of"):
+                await llm.pause_generation(mode="later")
+            running = llm.generate_async(TokensPrompt(prompt_token_ids=PROMPTS[0]),
+                                         SamplingParams(max_tokens=300, ignore_eos=True))
+            await asyncio.sleep(0.1)
+            with pytest.raises(ValueError, match="pause_generation"):
+                await llm.update_weights(None)
+            running.abort()
+
+    asyncio.run(run())
+
+
+# ---------------------------------------------------------------------- tensor parallelism over Ray (gloo)
+
+
+@pytest.fixture(scope="module")
+def _shared_by_file(ray_cluster):
+    """CPU tensors reach unrelated processes (Ray actors) through files (weight_transfer's docstring)."""
+    import ray.cloudpickle
+
+    previous = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    torch.multiprocessing.set_sharing_strategy(previous)
+
+
+def test_tensor_parallel_ranks_cut_their_shards_from_full_updated_weights(tiny_model_dirs, _shared_by_file):
+    path = tiny_model_dirs["llama"]
+    hf, weights = _perturbed(path)
+
+    async def run():
+        async with AsyncLLM(model=str(path), tensor_parallel_size=2, skip_tokenizer_init=True, kv_cache_config=KV,
+                            max_seq_len=512) as llm:
+            devices = await llm.collective_rpc("report_device_id")
+            bucket = pack_bucket(weights)
+            await llm.pause_generation()
+            await llm.update_weights({device: bucket.payload() for device in devices})
+            await llm.update_weights(None)
+            await llm.resume_generation()
+            return await _generate(llm)
+
+    _assert_matches_hf(hf, asyncio.run(run()))
