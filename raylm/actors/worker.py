@@ -34,6 +34,7 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.arch = None
         self._checkpoint_shapes: dict[str, tuple[int, ...]] | None = None  # read at the first weight update
+        self._weight_group = None  # a trainer's weight-update group (actors/weight_group.py)
         self._begin = time.perf_counter()
         if spec.cpu_threads:
             torch.set_num_threads(spec.cpu_threads)
@@ -60,13 +61,49 @@ class Worker:
     def load_named_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
         """New weights under checkpoint names (any subset), checked whole before any is copied
         (models/weight_update.py)."""
-        from raylm.models.weight_update import apply_update, check_update, checkpoint_shapes
+        from raylm.models.weight_update import apply_update, check_update
+
+        check_update(named, self._shapes(), self.dtype, self.arch.architecture)
+        return apply_update(self.runner.model, named)
+
+    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                 backend: str = "nccl", timeout_s: float = 60.0) -> None:
+        """Joins a trainer's weight-update group (actors/weight_group.py) as rank rank_offset + this rank."""
+        from raylm.actors.weight_group import WeightUpdateGroup
+
+        self.destroy_weight_update_group()
+        rank = rank_offset + self.ctx.pp_rank * self.ctx.tp_size + self.ctx.tp_rank
+        self._weight_group = WeightUpdateGroup(master_address, master_port, rank, world_size, backend, self.device,
+                                               timeout_s)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list) -> int:
+        """Receives the tensors the trainer broadcasts in its weight-update group, in the order of `names`, after
+        checking every name, shape and dtype (nothing is received for a bad list); copies each in as it comes."""
+        from raylm.models.weight_update import apply_update, check_entries, parse_dtype
+
+        if self._weight_group is None:
+            raise RuntimeError("no weight-update group: call init_weight_update_group first")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(f"names, dtypes and shapes must be as long as each other, got {len(names)}, "
+                             f"{len(dtypes)}, {len(shapes)}")
+        entries = [(name, tuple(shape), parse_dtype(dtype)) for name, dtype, shape in zip(names, dtypes, shapes)]
+        check_entries(entries, self._shapes(), self.dtype, self.arch.architecture)
+        return sum(apply_update(self.runner.model, [(name, self._weight_group.receive(shape, dtype))])
+                   for name, shape, dtype in entries)
+
+    def destroy_weight_update_group(self) -> None:
+        if self._weight_group is not None:
+            self._weight_group.destroy()
+            self._weight_group = None
+
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        """The checkpoint's names and full shapes (models/weight_update.py), read at the first weight update."""
+        from raylm.models.weight_update import checkpoint_shapes
 
         if self._checkpoint_shapes is None:
             hf_config = load_hf_config(self.spec.source, self.spec.args.trust_remote_code)
             self._checkpoint_shapes = checkpoint_shapes(hf_config)
-        check_update(named, self._checkpoint_shapes, self.dtype, self.arch.architecture)
-        return apply_update(self.runner.model, named)
+        return self._checkpoint_shapes
 
     @property
     def kv_dtype(self) -> torch.dtype:

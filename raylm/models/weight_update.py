@@ -20,21 +20,38 @@ def checkpoint_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
     return {name: tuple(param.shape) for name, param in reference.named_parameters(remove_duplicate=False)}
 
 
+def check_entries(entries: list[tuple[str, tuple[int, ...], torch.dtype]], shapes: dict[str, tuple[int, ...]],
+                  dtype: torch.dtype, architecture: str) -> None:
+    """Raises a ValueError naming the first (name, shape, dtype) that is not a checkpoint name of its full shape
+    and the engine's dtype."""
+    for name, shape, entry_dtype in entries:
+        expected = shapes.get(name)
+        if expected is None:
+            raise ValueError(f"update_weights: {name!r} is not a weight of {architecture}")
+        if tuple(shape) != expected:
+            raise ValueError(f"update_weights: {name!r} has shape {list(shape)}, expected {list(expected)}")
+        if entry_dtype != dtype:
+            raise ValueError(f"update_weights: {name!r} is {entry_dtype}, the engine's weights are {dtype}")
+
+
 def check_update(named: list[tuple[str, Any]], shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
                  architecture: str) -> None:
-    """Raises (TypeError / ValueError naming the tensor) unless every entry is a tensor of a checkpoint name, of
-    its full shape and of the engine's dtype."""
+    """check_entries for (name, tensor) pairs, which must be just that (TypeError otherwise)."""
     for name, tensor in named:
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise TypeError(f"update_weights takes (name, tensor) pairs, got ({type(name).__name__}, "
                             f"{type(tensor).__name__})")
-        expected = shapes.get(name)
-        if expected is None:
-            raise ValueError(f"update_weights: {name!r} is not a weight of {architecture}")
-        if tuple(tensor.shape) != expected:
-            raise ValueError(f"update_weights: {name!r} has shape {list(tensor.shape)}, expected {list(expected)}")
-        if tensor.dtype != dtype:
-            raise ValueError(f"update_weights: {name!r} is {tensor.dtype}, the engine's weights are {dtype}")
+    check_entries([(name, tuple(tensor.shape), tensor.dtype) for name, tensor in named], shapes, dtype, architecture)
+
+
+def parse_dtype(value: torch.dtype | str) -> torch.dtype:
+    """A torch dtype from itself or its name ("bfloat16", "torch.bfloat16")."""
+    if isinstance(value, torch.dtype):
+        return value
+    dtype = getattr(torch, str(value).removeprefix("torch."), None) if isinstance(value, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {value!r}")
+    return dtype
 
 
 @torch.inference_mode()

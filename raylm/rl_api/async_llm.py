@@ -112,22 +112,43 @@ class AsyncLLM(LLM):
         before any is copied, so a bad update raises and leaves the old weights serving. None finalizes: outputs
         from then on carry the next weight_version, and no request admitted after it reuses KV cached before.
         Needs generation paused while requests run (pause_generation); otherwise the engine is paused around it."""
-        self._require_ready()
-        if self._paused:
-            await self._apply_weights(weights)
-            return
-        if self._client.num_unfinished:
-            raise ValueError("update_weights while requests run: call pause_generation() first")
-        await asyncio.to_thread(self._executor.engine_call, "pause", (False,))
-        try:
-            await self._apply_weights(weights)
-        finally:
-            await asyncio.to_thread(self._executor.engine_call, "resume_generation", ())
-
-    async def _apply_weights(self, weights: dict | None) -> None:
-        await asyncio.to_thread(self._executor.collective_rpc, "update_weights", (weights,))
+        await self._while_paused("update_weights", (weights,))
         if weights is None:
             self.weight_version = await asyncio.to_thread(self._executor.engine_call, "new_weight_version", ())
+
+    async def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                       world_size: int, backend: str = "nccl", timeout_s: float = 60.0) -> None:
+        """Joins a trainer's process group for weight broadcasts (actors/weight_group.py): the trainer is rank 0
+        and hosts its TCPStore at master_address:master_port; engine rank r is rank_offset + r of world_size.
+        The trainer creates its side at the same time; raises TimeoutError when it has not come by timeout_s."""
+        self._require_ready()
+        await asyncio.to_thread(self._executor.collective_rpc, "init_weight_update_group",
+                                (master_address, master_port, rank_offset, world_size, backend, timeout_s))
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list) -> None:
+        """Receives the tensors the trainer broadcasts from rank 0 of the weight-update group, one per name in
+        this order (dtypes: torch dtypes or their names; shapes: full, unsharded). Checked as update_weights
+        checks them before any is received; update_weights(None) finalizes as after update_weights."""
+        await self._while_paused("update_weights_from_distributed", (list(names), list(dtypes), list(shapes)))
+
+    async def destroy_weight_update_group(self) -> None:
+        self._require_ready()
+        await asyncio.to_thread(self._executor.collective_rpc, "destroy_weight_update_group")
+
+    async def _while_paused(self, method: str, args: tuple) -> None:
+        """A worker method on every rank while no step runs: generation paused by the caller, or (nothing
+        running) paused around the call."""
+        self._require_ready()
+        if self._paused:
+            await asyncio.to_thread(self._executor.collective_rpc, method, args)
+            return
+        if self._client.num_unfinished:
+            raise ValueError(f"{method} while requests run: call pause_generation() first")
+        await asyncio.to_thread(self._executor.engine_call, "pause", (False,))
+        try:
+            await asyncio.to_thread(self._executor.collective_rpc, method, args)
+        finally:
+            await asyncio.to_thread(self._executor.engine_call, "resume_generation", ())
 
     def shutdown(self) -> None:
         if getattr(self, "_ready", False):

@@ -188,6 +188,68 @@ def test_pause_modes_are_checked(tiny_model_dirs):
     asyncio.run(run())
 
 
+# ---------------------------------------------------------------------- a trainer's weight-update group
+
+
+def _broadcasting_trainer(port: int, weights_file: str) -> None:
+    """Rank 0 of a weight-update group of two (the engine's one rank is rank 1): broadcasts each saved tensor."""
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timeout)
+    group = dist.ProcessGroupGloo(store, 0, 2, timeout)
+    for _, tensor in torch.load(weights_file):
+        group.broadcast(tensor, 0).wait()
+
+
+def test_weights_broadcast_by_a_trainer_in_its_own_group(tiny_model_dirs, tmp_path):
+    from raylm.actors.transport import free_address
+
+    path = tiny_model_dirs["llama"]
+    hf, weights = _perturbed(path)
+    torch.save(weights, tmp_path / "weights.pt")
+    port = free_address()[1]
+    trainer = torch.multiprocessing.get_context("spawn").Process(
+        target=_broadcasting_trainer, args=(port, str(tmp_path / "weights.pt")))
+    trainer.start()
+
+    async def run():
+        async with _engine(path) as llm:
+            await llm.init_weight_update_group("127.0.0.1", port, rank_offset=1, world_size=2, backend="gloo")
+            await llm.pause_generation()
+            await llm.update_weights_from_distributed([name for name, _ in weights],
+                                                      [str(tensor.dtype) for _, tensor in weights],
+                                                      [list(tensor.shape) for _, tensor in weights])
+            await llm.update_weights(None)
+            await llm.resume_generation()
+            await llm.destroy_weight_update_group()
+            return await _generate(llm)
+
+    outputs = asyncio.run(run())
+    trainer.join(timeout=30)
+    assert trainer.exitcode == 0
+    _assert_matches_hf(hf, outputs)
+
+
+def test_a_weight_update_group_that_never_forms_times_out_and_the_engine_serves_on(tiny_model_dirs):
+    from raylm.actors.transport import free_address
+
+    path = tiny_model_dirs["llama"]
+
+    async def run():
+        async with _engine(path) as llm:
+            with pytest.raises(TimeoutError, match="weight-update group"):
+                await llm.init_weight_update_group("127.0.0.1", free_address()[1], 1, 2, backend="gloo",
+                                                   timeout_s=2.0)
+            with pytest.raises(RuntimeError, match="init_weight_update_group"):
+                await llm.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[64]])
+            return await _generate(llm)
+
+    _assert_matches_hf(hf_model(path), asyncio.run(run()))
+
+
 # ---------------------------------------------------------------------- tensor parallelism over Ray (gloo)
 
 
