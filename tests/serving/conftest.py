@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import os
 import pickle
 import socket
 import threading
@@ -98,3 +100,16 @@ def base_url(llm) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def client(base_url) -> openai.OpenAI:
     return openai_client(base_url)
+
+
+class _RunsCommand:
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return os.system, (self.command,)
+
+
+def code_running_payload(command: str) -> str:
+    """A base64 weight payload whose unpickling would run the shell command: the workers must refuse it."""
+    return base64.b64encode(pickle.dumps(_RunsCommand(command))).decode("ascii")

@@ -1,6 +1,7 @@
 """The OpenAI server as a Ray Serve app (ingress + engine deployment) over the embedded SmolLM2, deployed once
 for the module on a local Ray cluster: the official openai client end to end, errors, the API key, the queue
-bound, disconnects that free KV blocks, concurrent streams, and /health when the engine deployment goes down."""
+bound, disconnects that free KV blocks, concurrent streams, the RL routes, and /health when the engine deployment
+goes down."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from raylm import KvCacheConfig
 from raylm.serving.config import ServeArgs
 from raylm.serving.ray_serve import start_server
 from tests.conftest import PROMPTS
-from tests.serving.conftest import check_long_stream_sends_only_new_parts, openai_client
+from tests.serving.conftest import check_long_stream_sends_only_new_parts, code_running_payload, openai_client
 
 MODEL = "smollm2-serve"
 API_KEY = "serve-test-key"
@@ -42,7 +43,8 @@ def base_url():
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         config = ServeArgs(served_model_name=MODEL, api_key=API_KEY, max_queue=MAX_QUEUE, host="127.0.0.1",
-                           port=_free_port(), max_seq_len=1024, kv_cache_config=KvCacheConfig(max_tokens=8192))
+                           port=_free_port(), max_seq_len=1024, kv_cache_config=KvCacheConfig(max_tokens=8192),
+                           enable_rl_endpoints=True)
         yield start_server(config).url
     finally:
         serve.shutdown()
@@ -243,6 +245,25 @@ def test_a_full_queue_answers_429_and_closing_streams_frees_it(client, base_url)
         assert info.value.status_code == 429 and info.value.body["code"] == "queue_full"
         assert httpx2.get(f"{base_url}/health", timeout=60).status_code == 200
     _wait_for_free_blocks(base_url)
+
+
+def test_rl_routes_reach_the_engine_replica_and_its_errors_answer_400(client, base_url, tmp_path):
+    assert httpx2.post(f"{base_url}/pause", timeout=60).status_code == 401
+    devices = _get(base_url, "/device_ids").json()["device_ids"]
+    assert len(devices) == 1 and _get(base_url, "/weight_version").json() == {"weight_version": 0}
+    marker = tmp_path / "ran"
+    malicious = code_running_payload(f"touch {marker}")
+    response = _post(base_url, "/update_weights", {"weights": {devices[0]: malicious}})
+    assert response.status_code == 400 and response.json()["error"]["message"].startswith(
+        "a weight payload may only hold tensor handles")  # the worker's error, not Ray's traceback
+    assert not marker.exists()
+    response = _post(base_url, "/update_weights", {"weights": {"another-device": "AAAA"}})
+    assert response.status_code == 400 and "hold no entry for device" in response.json()["error"]["message"]
+    assert _post(base_url, "/pause", {"mode": "later"}).status_code == 400
+    assert _post(base_url, "/pause", {"mode": "keep"}).json() == {"paused": True, "mode": "keep"}
+    assert _post(base_url, "/resume_generation", {}).json() == {"paused": False}
+    assert _post(base_url, "/update_weights", {"weights": None}).json() == {"weight_version": 1}
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens == 2
 
 
 def test_health_is_503_once_the_engine_deployment_is_down(base_url):

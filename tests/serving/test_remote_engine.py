@@ -1,9 +1,11 @@
 """RemoteEngine and RemoteGeneration over stand-ins for Serve's handle and streaming call: admission errors,
-chunks passed on as they come, aborts that cancel the call, and the health the ingress reports."""
+chunks passed on as they come, aborts that cancel the call, the health the ingress reports, and the RL control
+broadcast to every replica."""
 
 from __future__ import annotations
 
 import asyncio
+import pickle
 
 import pytest
 
@@ -166,3 +168,60 @@ def test_health_is_what_the_engine_deployment_reports_or_why_it_cannot(monkeypat
     assert "did not answer within 0.1 s" in _run(_engine("hang").check_health())
     engine = _engine(None)
     assert engine.info.max_seq_len == 128 and engine.get_kv_cache_capacity() == {"maxNumBlocks": 4}
+
+
+class FakeBroadcast:
+    def __init__(self, answer):
+        self.answer = answer
+
+    async def results_async(self):
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer
+
+
+class FakeReplicas:
+    """A handle over engine replicas: broadcast answers each method with one result per replica (or raises)."""
+
+    def __init__(self, answers: dict):
+        self.answers = answers
+        self.calls = []
+
+    def options(self, **kwargs):
+        return self
+
+    def broadcast(self, method, *args):
+        self.calls.append((method, args))
+        return FakeBroadcast(self.answers.get(method, [None, None]))
+
+
+def _replicas_engine(answers: dict) -> tuple[RemoteEngine, FakeReplicas]:
+    handle = FakeReplicas(answers)
+    engine = _engine(None)
+    engine._handle = handle
+    return engine, handle
+
+
+def test_rl_control_goes_to_every_replica_whose_answers_are_combined():
+    engine, handle = _replicas_engine({"get_weight_version": [3, 2], "get_device_ids": [["a", "b"], ["c"]]})
+    _run(engine.pause_generation("keep"))
+    _run(engine.update_weights({"a": "x", "c": "y"}))
+    _run(engine.resume_generation())
+    assert handle.calls == [("pause_generation", ("keep",)), ("update_weights", ({"a": "x", "c": "y"},)),
+                            ("resume_generation", ())]
+    assert _run(engine.get_weight_version()) == 2  # the lowest: a replica that missed an update
+    assert _run(engine.get_device_ids()) == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("error", [ValueError("weights hold no entry for device 'c'"),
+                                   pickle.UnpicklingError("a weight payload may only hold tensor handles")])
+def test_a_replicas_error_is_raised_as_its_engine_raised_it(error):
+    from ray.exceptions import RayTaskError
+
+    from_rank = RayTaskError("execute_method", "Traceback (most recent call last): ...", error).as_instanceof_cause()
+    from_replica = RayTaskError("update_weights", "Traceback (most recent call last): ...",
+                                from_rank).as_instanceof_cause()
+    engine, _ = _replicas_engine({"update_weights": from_replica})
+    with pytest.raises(type(error)) as info:
+        _run(engine.update_weights({"c": "x"}))
+    assert info.value is error and str(info.value) == str(error)

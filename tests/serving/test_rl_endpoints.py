@@ -1,0 +1,196 @@
+"""The RL routes (raylm/serving/rl_routes.py) over an AsyncLLM in this process on the tiny llama: absent unless
+enabled, behind the API key, pause(abort) ending a running request, weights sent as base64 payloads changing the
+greedy output and a finalize bumping the weight version, and bad input (a payload that would run code among it)
+answering 400 with the weights unchanged."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import Iterator
+
+import httpx2
+import pytest
+
+from raylm import LLM, AsyncLLM, KvCacheConfig
+from raylm.rl_api.weight_transfer import encode_payload, pack_bucket
+from raylm.serving import LocalEngine, ServingConfig, build_app
+from tests.conftest import hf_model
+from tests.rl_api.test_rl_loop import _perturbed
+from tests.serving.conftest import code_running_payload, serve
+
+MODEL = "tiny-rl"
+API_KEY = "trainer-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ROUTES = [("POST", "/pause"), ("POST", "/resume_generation"), ("POST", "/update_weights"),
+          ("GET", "/weight_version"), ("GET", "/device_ids")]
+PROMPT = [5, 17, 99, 3, 250, 7, 42, 8]
+GREEDY = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+KV = KvCacheConfig(max_tokens=2048, tokens_per_block=16)
+
+
+@pytest.fixture(scope="module")
+def async_llm(tiny_model_dirs) -> Iterator[AsyncLLM]:
+    llm = AsyncLLM(model=str(tiny_model_dirs["llama"]), executor="local", kv_cache_config=KV, max_seq_len=1024)
+    asyncio.run(llm.setup_async())
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def url(async_llm) -> Iterator[str]:
+    config = ServingConfig(served_model_name=MODEL, api_key=API_KEY, enable_rl_endpoints=True)
+    with serve(build_app(LocalEngine(async_llm), config)) as base_url:
+        yield base_url
+
+
+def _call(base_url: str, method: str, route: str, body: dict | None = None,
+          headers: dict | None = None) -> httpx2.Response:
+    return httpx2.request(method, f"{base_url}{route}", json=body, headers=AUTH if headers is None else headers,
+                          timeout=60)
+
+
+def _post(base_url: str, route: str, body: dict | None = None) -> httpx2.Response:
+    response = _call(base_url, "POST", route, body)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def _error(response: httpx2.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def _greedy_text(base_url: str) -> str:
+    return _post(base_url, "/v1/completions", GREEDY).json()["choices"][0]["text"]
+
+
+def _weight_version(base_url: str) -> int:
+    return _call(base_url, "GET", "/weight_version").json()["weight_version"]
+
+
+def _device(base_url: str) -> str:
+    devices = _call(base_url, "GET", "/device_ids").json()["device_ids"]
+    assert len(devices) == 1
+    return devices[0]
+
+
+def _payload(named_tensors) -> tuple[object, str]:
+    """A bucket of the tensors and its base64 payload; keep the bucket alive until the update returns."""
+    bucket = pack_bucket(named_tensors)
+    return bucket, encode_payload(bucket.payload())
+
+
+def test_rl_routes_are_404_unless_enabled(async_llm):
+    with serve(build_app(LocalEngine(async_llm), ServingConfig(served_model_name=MODEL))) as base_url:
+        for method, route in ROUTES:
+            assert _error(_call(base_url, method, route, {"weights": None}), 404)["message"] == "Not Found"
+
+
+def test_rl_routes_need_the_api_key(url):
+    for method, route in ROUTES:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            error = _error(_call(url, method, route, {"weights": None}, headers=headers), 401)
+            assert error["code"] == "invalid_api_key"
+    assert _weight_version(url) >= 0  # with the key
+
+
+def test_device_ids_are_the_engine_ranks_ids(url, async_llm):
+    assert [_device(url)] == asyncio.run(async_llm.collective_rpc("report_device_id"))
+
+
+def test_pause_abort_ends_a_running_request_and_resume_lets_requests_run(url):
+    long = {**GREEDY, "max_tokens": 900, "stream": True}
+    try:
+        with httpx2.Client(timeout=60, headers=AUTH) as http, \
+                http.stream("POST", f"{url}/v1/completions", json=long) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # the request runs
+            assert _post(url, "/pause", {"mode": "abort"}).json() == {"paused": True, "mode": "abort"}
+            chunks = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
+    finally:
+        assert _post(url, "/resume_generation").json() == {"paused": False}
+    last = chunks[-1]["choices"][0]
+    assert (last["finish_reason"], last["stop_reason"]) == ("abort", "generation paused")
+    assert len(chunks) < 900
+    assert _greedy_text(url)  # generating again
+
+
+def test_pause_without_a_body_aborts_and_keep_parks_until_resume(url):
+    try:
+        assert _post(url, "/pause").json() == {"paused": True, "mode": "abort"}
+        assert _post(url, "/pause", {"mode": "keep"}).json() == {"paused": True, "mode": "keep"}
+    finally:
+        _post(url, "/resume_generation")
+    assert _greedy_text(url)
+
+
+def test_updated_weights_change_the_greedy_output_and_the_finalize_bumps_the_version(url, tiny_model_dirs):
+    path = tiny_model_dirs["llama"]
+    _, perturbed = _perturbed(path)
+    original = [(name, param.detach().clone()) for name, param in
+                hf_model(path).named_parameters(remove_duplicate=False)]
+    device, version, before = _device(url), _weight_version(url), _greedy_text(url)
+
+    bucket, payload = _payload(perturbed)
+    try:
+        _post(url, "/pause")
+        assert _post(url, "/update_weights", {"weights": {device: payload}}).json() == {"weight_version": version}
+        assert _weight_version(url) == version  # new weights, not yet a new version
+        assert _post(url, "/update_weights", {"weights": None}).json() == {"weight_version": version + 1}
+    finally:
+        _post(url, "/resume_generation")
+    del bucket
+    assert _weight_version(url) == version + 1
+    assert _greedy_text(url) != before
+
+    bucket, payload = _payload(original)  # not paused and nothing running: the engine pauses around it
+    _post(url, "/update_weights", {"weights": {device: payload}})
+    _post(url, "/update_weights", {"weights": None})
+    assert _weight_version(url) == version + 2 and _greedy_text(url) == before
+
+
+def test_a_payload_that_would_run_code_is_400_and_leaves_the_weights(url, tmp_path):
+    marker = tmp_path / "ran"
+    device, version, before = _device(url), _weight_version(url), _greedy_text(url)
+    malicious = code_running_payload(f"touch {marker}")
+    error = _error(_call(url, "POST", "/update_weights", {"weights": {device: malicious}}), 400)
+    assert "may only hold tensor handles" in error["message"] and "system" in error["message"]
+    assert error["param"] == "weights"
+    assert not marker.exists()
+    assert _weight_version(url) == version and _greedy_text(url) == before
+
+
+@pytest.mark.parametrize(("payload", "message"), [
+    ("not base64!", "must be base64 text"),
+    ("", "could not be unpickled"),
+    (base64.b64encode(b"\x80\x05garbage").decode("ascii"), "could not be unpickled"),
+])
+def test_a_payload_that_is_no_pickle_of_handles_is_400(url, payload, message):
+    error = _error(_call(url, "POST", "/update_weights", {"weights": {_device(url): payload}}), 400)
+    assert message in error["message"] and error["param"] == "weights"
+
+
+@pytest.mark.parametrize(("route", "body", "param", "message"), [
+    ("/pause", {"mode": "later"}, "mode", "Input should be 'abort' or 'keep'"),
+    ("/pause", {"mode": "abort", "when": "now"}, "when", "Unrecognized request argument"),
+    ("/update_weights", {}, "weights", "weights is required"),
+    ("/update_weights", {"weights": {"gpu-0": 5}}, "weights", "got int for device 'gpu-0'"),
+    ("/update_weights", {"weights": {"gpu-0": {"bucket": []}}}, "weights", "got dict for device 'gpu-0'"),
+    ("/update_weights", {"weights": ["gpu-0"]}, "weights", "must map device ids to base64 payloads"),
+    ("/update_weights", {"weights": {"another-device": "AAAA"}}, "weights", "hold no entry for device"),
+])
+def test_bad_input_is_400_naming_the_problem(url, route, body, param, message):
+    error = _error(_call(url, "POST", route, body), 400)
+    assert message in error["message"] and error["param"] == param
+
+
+def test_an_engine_without_rl_control_answers_501(tiny_model_dirs):
+    config = ServingConfig(served_model_name=MODEL, enable_rl_endpoints=True)
+    with LLM(model=str(tiny_model_dirs["llama"]), kv_cache_config=KV, max_seq_len=256) as llm, \
+            serve(build_app(LocalEngine(llm), config)) as base_url:
+        error = _error(_call(base_url, "GET", "/device_ids"), 501)
+        assert "need an AsyncLLM" in error["message"]
