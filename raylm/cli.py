@@ -149,6 +149,9 @@ _SERVE_FLAGS: list[tuple[tuple[str, ...], str, dict, str]] = [
                                                           "parallelism; default 1)"),
     (("--api_key",), "api_key", {}, "require 'Authorization: Bearer KEY' on every route but /health "
                                     "(default: $RAYLM_API_KEY)"),
+    (("--enable_rl_endpoints",), "enable_rl_endpoints", {"action": "store_true", "default": None},
+     "serve /pause, /resume_generation, /update_weights, /weight_version and /device_ids for an RL trainer "
+     "(behind --api_key when set)"),
     (("--log_level",), "log_level", {"choices": _LOG_LEVELS}, "log level (default warning)"),
 ]
 

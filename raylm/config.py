@@ -65,6 +65,15 @@ class CudaGraphConfig(StrictModel):
         return value
 
 
+class SleepConfig(StrictModel):
+    """What AsyncLLM.release keeps of each memory tag (engine/device_memory.py). The KV cache is always discarded,
+    the decode graphs captured again, the model's other device tensors copied to the host."""
+
+    model_weights: Literal["host_copy", "discard"] = Field(
+        default="host_copy", description="host_copy: a host copy (pinned on GPUs) restores the weights on resume; "
+                                         "discard: nothing is kept, and update_weights refills them after resume.")
+
+
 class KernelConfig(StrictModel):
     """Which kernels the model runs on a GPU. The defaults are the fastest measured on the H200
     (docs/benchmarks.md); each choice changes speed, never results beyond floating-point rounding."""
@@ -128,6 +137,7 @@ class LlmArgs(StrictModel):
         default=False, description="Pipelines run each step through the stages in micro-batches instead of having "
                                    "the first stage work on step N+1 while the last finishes step N.")
     kernel_config: KernelConfig = Field(default_factory=KernelConfig)
+    sleep_config: SleepConfig = Field(default_factory=SleepConfig)
 
     worker_extension_cls: Any = Field(
         default=None, description="A class (or 'module.Class') whose methods are mixed into every worker, "

@@ -116,6 +116,18 @@ def logprob_errors(model, prompt_ids: list[int], output) -> tuple[list[float], l
     return generated, prompt
 
 
+def perturbed_hf_model(path, names: set[str] | None = None, seed: int = 7):
+    """HF's model with noise added to its weights (those named, or all), and its weights by checkpoint name."""
+    model = hf_model(path)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if names is None or name in names:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    return model, [(name, param.detach().clone()) for name, param in model.named_parameters(remove_duplicate=False)
+                   if names is None or name in names]
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A local Ray cluster for one test module, shut down after it so later modules run without Ray."""

@@ -35,6 +35,7 @@ class Worker:
         self.arch = None
         self._checkpoint_shapes: dict[str, tuple[int, ...]] | None = None  # read at the first weight update
         self._weight_group = None  # a trainer's weight-update group (actors/weight_group.py)
+        self._memory = None  # device memory by tag (engine/device_memory.py), made with the KV cache
         self._begin = time.perf_counter()
         if spec.cpu_threads:
             torch.set_num_threads(spec.cpu_threads)
@@ -63,6 +64,7 @@ class Worker:
         (models/weight_update.py)."""
         from raylm.models.weight_update import apply_update, check_update
 
+        self._require_resident("model_weights", "update_weights")
         check_update(named, self._shapes(), self.dtype, self.arch.architecture)
         return apply_update(self.runner.model, named)
 
@@ -86,6 +88,7 @@ class Worker:
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(f"names, dtypes and shapes must be as long as each other, got {len(names)}, "
                              f"{len(dtypes)}, {len(shapes)}")
+        self._require_resident("model_weights", "update_weights_from_distributed")
         entries = [(name, tuple(shape), parse_dtype(dtype)) for name, dtype, shape in zip(names, dtypes, shapes)]
         check_entries(entries, self._shapes(), self.dtype, self.arch.architecture)
         return sum(apply_update(self.runner.model, [(name, self._weight_group.receive(shape, dtype))])
@@ -95,6 +98,40 @@ class Worker:
         if self._weight_group is not None:
             self._weight_group.destroy()
             self._weight_group = None
+
+    # ------------------------------------------------------------------ device memory by tag
+
+    def release_memory(self, tags: list[str]) -> None:
+        """Frees this rank's device memory of `tags` (engine/device_memory.py)."""
+        self._tagged_memory().release(tags)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        self._tagged_memory().resume(tags)
+
+    def memory_status(self) -> dict:
+        """Per tag: bytes held when resident and whether it is; and the device's free and total bytes."""
+        status = {"tags": self._tagged_memory().status()}
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            status.update(device_free_bytes=free, device_total_bytes=total,
+                          process_allocated_bytes=torch.cuda.memory_allocated(self.device))
+        return status
+
+    def _tagged_memory(self):
+        from raylm.engine.device_memory import TaggedMemory
+
+        if self._memory is None:
+            self._memory = TaggedMemory(self.runner, self._capture_graphs, self.spec.args.sleep_config.model_weights)
+        return self._memory
+
+    def _capture_graphs(self) -> None:
+        sizes = self._graph_batch_sizes()
+        if sizes:
+            self.runner.capture_graphs(sizes, self.spec.max_seq_len, self.ctx.pp_size)
+
+    def _require_resident(self, tag: str, what: str) -> None:
+        if self._memory is not None and tag in self._memory.released:
+            raise ValueError(f"{what} needs {tag} on the device: resume([{tag!r}]) first")
 
     def _shapes(self) -> dict[str, tuple[int, ...]]:
         """The checkpoint's names and full shapes (models/weight_update.py), read at the first weight update."""
@@ -137,7 +174,7 @@ class Worker:
         sizes = self._graph_batch_sizes()
         if sizes:
             begin = time.perf_counter()
-            self.runner.capture_graphs(sizes, self.spec.max_seq_len, self.ctx.pp_size)
+            self._tagged_memory().capture()
             self.timings.setdefault("final_model_engine", {})["gen_cuda_graph_capture_seconds"] = (
                 time.perf_counter() - begin)
         return EngineInfo(num_blocks, self.spec.args.kv_cache_config.tokens_per_block, self.spec.max_seq_len,

@@ -139,6 +139,17 @@ class EngineCore:
                 request.prompt_block_hashes = []
         return self.weight_version
 
+    def forget_kv(self) -> int:
+        """The KV cache's contents are going away (release of kv_cache): parked requests are preempted, to be
+        computed again after resume, and no cached prefix can be matched. Returns how many were preempted."""
+        if self.in_flight is not None:
+            raise RuntimeError("forget_kv needs the step in flight applied first (drain)")
+        parked = list(self.scheduler.running)
+        for request in parked:
+            self.scheduler.preempt(request)
+        self.kv_cache.forget_cached_prefixes()
+        return len(parked)
+
     def take_control_deltas(self) -> list[RequestDelta]:
         """Deltas that control calls produced (pause's aborts), for the driver."""
         deltas, self._control_deltas = self._control_deltas, []

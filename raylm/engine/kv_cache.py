@@ -257,6 +257,15 @@ class KVCacheManager:
                 self.free_queue[block_id] = block
         seq.block_ids = []
 
+    def forget_cached_prefixes(self) -> None:
+        """Every cached block's key goes (its KV was released): no later request can match it."""
+        removed = [block.block_hash for block in self.cached.values()]
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+        if removed:
+            self._emit({"type": "removed", "block_hashes": removed})
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies

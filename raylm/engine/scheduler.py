@@ -91,7 +91,8 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
 
-    def _preempt(self, request: Request) -> None:
+    def preempt(self, request: Request) -> None:
+        """Frees a running request's blocks and queues it to be computed again (recompute)."""
         for seq in request.sequences:
             self.kv_cache.free(seq)
             seq.reset_for_recompute()
@@ -205,7 +206,7 @@ class Scheduler:
                 break
             while not self._allocate(request, plan):
                 victim = self.running[-1]
-                self._preempt(victim)
+                self.preempt(victim)
                 out.num_preempted += 1
                 if victim is request:
                     plan = None

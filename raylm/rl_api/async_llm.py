@@ -17,9 +17,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from raylm.engine.device_memory import check_tags
 from raylm.llm import LLM
 
 PAUSE_MODES = ("abort", "keep")
+# Memory tags a step needs on the device (without cuda_graph, decode steps run eagerly).
+_NEEDED_TO_GENERATE = ("model_weights", "kv_cache", "model")
 # How long pause_generation(mode="abort") waits for the aborted requests' last outputs to reach their callers.
 _ABORT_DELIVERY_S = 60.0
 
@@ -41,6 +44,7 @@ class AsyncLLM(LLM):
         self._client = None
         self._ready = False
         self._paused = False
+        self._released: set[str] = set()
         self.weight_version = 0
         self._setup_lock: asyncio.Lock | None = None
 
@@ -67,12 +71,18 @@ class AsyncLLM(LLM):
         if not self._ready:
             raise RuntimeError("AsyncLLM is not set up: await it, use 'async with', or await setup_async()")
 
-    def generate_async(self, *args: Any, **kwargs: Any):
+    def _require_generating(self) -> None:
         self._require_ready()
+        missing = [tag for tag in _NEEDED_TO_GENERATE if tag in self._released]
+        if missing:
+            raise ValueError(f"generation needs {missing} on the device: await resume({missing}) first")
+
+    def generate_async(self, *args: Any, **kwargs: Any):
+        self._require_generating()
         return super().generate_async(*args, **kwargs)
 
     def generate(self, *args: Any, **kwargs: Any):
-        self._require_ready()
+        self._require_generating()
         return super().generate(*args, **kwargs)
 
     async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
@@ -101,7 +111,7 @@ class AsyncLLM(LLM):
 
     async def resume_generation(self) -> None:
         """Lets the engine run requests again after pause_generation()."""
-        self._require_ready()
+        self._require_generating()
         await asyncio.to_thread(self._executor.engine_call, "resume_generation", ())
         self._paused = False
 
@@ -134,6 +144,33 @@ class AsyncLLM(LLM):
     async def destroy_weight_update_group(self) -> None:
         self._require_ready()
         await asyncio.to_thread(self._executor.collective_rpc, "destroy_weight_update_group")
+
+    async def release(self, tags: list[str]) -> None:
+        """Frees the device memory of `tags` on every rank (engine/device_memory.py: model_weights, kv_cache,
+        cuda_graph, model), after the step in flight. Needs generation paused while requests run; releasing the
+        KV cache sends parked requests back to be computed again after resume. Releasing a released tag does
+        nothing."""
+        tags = check_tags(tags)
+        self._require_ready()
+        if not self._paused and self._client.num_unfinished:
+            raise ValueError("release while requests run: call pause_generation() first")
+        if "kv_cache" in tags and "kv_cache" not in self._released:
+            await asyncio.to_thread(self._executor.engine_call, "forget_kv", ())
+        await self._while_paused("release_memory", (tags,))
+        self._released.update(tags)
+
+    async def resume(self, tags: list[str]) -> None:
+        """Brings the memory of `tags` back on every rank (weights from their host copy unless sleep_config
+        discards them; the KV cache empty; the decode graphs captured again once weights and cache are back)."""
+        tags = check_tags(tags)
+        self._require_ready()
+        await self._while_paused("resume_memory", (tags,))
+        self._released.difference_update(tags)
+
+    async def get_memory_status(self) -> list[dict]:
+        """Per rank: bytes per tag and whether each is resident; on GPUs the device's free and total bytes."""
+        self._require_ready()
+        return await asyncio.to_thread(self._executor.collective_rpc, "memory_status")
 
     async def _while_paused(self, method: str, args: tuple) -> None:
         """A worker method on every rank while no step runs: generation paused by the caller, or (nothing

@@ -36,6 +36,7 @@ from raylm.serving.protocol import (
     TokenizeResponse,
 )
 from raylm.serving.responses import ResponsesRoute
+from raylm.serving.rl_routes import add_rl_routes
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,8 @@ GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 def build_app(engine: ServingEngine, config: ServingConfig) -> FastAPI:
-    """The FastAPI app serving `engine` under `config.served_model_name`; run it with any ASGI server."""
+    """The FastAPI app serving `engine` under `config.served_model_name`, with the RL routes (rl_routes.py) when
+    config.enable_rl_endpoints is set; run it with any ASGI server."""
     metrics = ServingMetrics(config.served_model_name)
     context = ServingContext(engine, config, metrics)
     profiler = TorchProfiler(config.profile_dir)
@@ -149,6 +151,8 @@ def build_app(engine: ServingEngine, config: ServingConfig) -> FastAPI:
             return JSONResponse({"success": False, "message": str(exc)}, status_code=409)
         return JSONResponse({"message": "Profiling stopped", "trace_path": path})
 
+    if config.enable_rl_endpoints:
+        add_rl_routes(app, context)
     return app
 
 

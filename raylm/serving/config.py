@@ -47,6 +47,12 @@ class ServerOptions(StrictModel):
         default_factory=_default_profile_dir,
         description="Where /start_profile writes chrome traces when the request names no output_dir.",
     )
+    enable_rl_endpoints: bool = Field(
+        default=False,
+        description="Serve the routes an RL trainer drives the engine with: /pause, /resume_generation, "
+                    "/update_weights, /weight_version and /device_ids (rl_routes.py). Whoever may call them can "
+                    "replace the served weights: set api_key too unless only the trainer reaches the server.",
+    )
 
 
 class ServingConfig(ServerOptions):

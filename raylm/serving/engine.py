@@ -15,6 +15,7 @@ from raylm.serving.engine_stream import OutputChunk, output_chunks
 
 if TYPE_CHECKING:
     from raylm.llm import LLM
+    from raylm.rl_api import AsyncLLM
 
 
 class GenerationStream(Protocol):
@@ -57,6 +58,21 @@ class ServingEngine(Protocol):
     def get_stats(self, timeout: float | None = 2) -> list[dict]:
         """The engine's iteration statistics since the last call; blocks up to timeout for the first."""
 
+    # The RL control of rl_routes.py, AsyncLLM's: each raises ValueError or TypeError for bad input (and
+    # pickle.UnpicklingError for a weight payload that holds more than tensor handles), NotImplementedError when
+    # the engine has no RL control.
+
+    async def pause_generation(self, mode: str) -> None: ...
+
+    async def resume_generation(self) -> None: ...
+
+    async def update_weights(self, weights: dict[str, str] | None) -> None: ...
+
+    async def get_weight_version(self) -> int: ...
+
+    async def get_device_ids(self) -> list[str]:
+        """The device id of every engine rank, which update_weights keys its payloads by."""
+
 
 class LocalGeneration:
     """A request running in an LLM in this process, as a GenerationStream."""
@@ -76,7 +92,8 @@ class LocalGeneration:
 
 
 class LocalEngine:
-    """A ServingEngine over an LLM (or AsyncLLM) in this process: build_app(LocalEngine(llm), config)."""
+    """A ServingEngine over an LLM (or AsyncLLM) in this process: build_app(LocalEngine(llm), config). The RL
+    control (rl_routes.py) needs an AsyncLLM."""
 
     def __init__(self, llm: LLM):
         self.llm = llm
@@ -108,3 +125,28 @@ class LocalEngine:
 
     def get_stats(self, timeout: float | None = 2) -> list[dict]:
         return self.llm.get_stats(timeout)
+
+    # ------------------------------------------------------------------ RL control
+
+    def _async_llm(self) -> AsyncLLM:
+        from raylm.rl_api import AsyncLLM
+
+        if not isinstance(self.llm, AsyncLLM):
+            raise NotImplementedError(f"the RL endpoints need an AsyncLLM engine; this server runs an "
+                                      f"{type(self.llm).__name__}")
+        return self.llm
+
+    async def pause_generation(self, mode: str) -> None:
+        await self._async_llm().pause_generation(mode)
+
+    async def resume_generation(self) -> None:
+        await self._async_llm().resume_generation()
+
+    async def update_weights(self, weights: dict[str, str] | None) -> None:
+        await self._async_llm().update_weights(weights)
+
+    async def get_weight_version(self) -> int:
+        return self._async_llm().weight_version
+
+    async def get_device_ids(self) -> list[str]:
+        return await self._async_llm().collective_rpc("report_device_id")

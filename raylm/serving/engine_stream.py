@@ -96,6 +96,7 @@ class ChunkEncoder:
                 cumulative_logprob=completion.cumulative_logprob,
                 logprobs=completion.logprobs_diff if completion.logprobs is not None else None,
                 finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                weight_versions=completion.weight_versions,  # sent whole: an entry per weight version, a few at most
             ) for completion in output.outputs]
         else:
             completions = output.outputs

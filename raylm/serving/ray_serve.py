@@ -115,6 +115,23 @@ class EngineDeployment:
     def engine_dead_reason(self) -> str | None:
         return self.llm.dead_reason
 
+    # RL control (rl_routes.py), which the ingress broadcasts to every replica (RemoteEngine).
+
+    async def pause_generation(self, mode: str) -> None:
+        await self.llm.pause_generation(mode)
+
+    async def resume_generation(self) -> None:
+        await self.llm.resume_generation()
+
+    async def update_weights(self, weights: dict[str, str] | None) -> None:
+        await self.llm.update_weights(weights)
+
+    def get_weight_version(self) -> int:
+        return self.llm.weight_version
+
+    async def get_device_ids(self) -> list[str]:
+        return await self.llm.collective_rpc("report_device_id")
+
     def check_health(self) -> None:
         """Serve's health check: a replica whose engine died is replaced."""
         self.llm.check_health()

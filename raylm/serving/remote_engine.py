@@ -3,7 +3,8 @@ that build_app serves (engine.py).
 
 Each request is one streaming call to the engine deployment, whose chunks (engine_stream.py) go to the routes
 as they come; aborting it cancels the call, which aborts the request in the engine and frees its blocks. The
-engine's health is polled in the background, so that dead_reason answers at once.
+engine's health is polled in the background, so that dead_reason answers at once. The RL control (rl_routes.py)
+goes to every engine replica (DeploymentHandle.broadcast).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
+
+from ray.exceptions import RayTaskError
 
 from raylm.config import LlmArgs
 from raylm.engine_client import EngineDeadError
@@ -43,6 +46,13 @@ class EngineDescription:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _engine_error(exc: BaseException) -> BaseException:
+    """The error a Ray call's failure wraps, however deep (the ingress calls the replica, which calls its ranks)."""
+    while isinstance(exc, RayTaskError) and exc.cause is not None:
+        exc = exc.cause
+    return exc
 
 
 class RemoteGeneration:
@@ -172,6 +182,35 @@ class RemoteEngine:
         except Exception as exc:
             self.dead_reason = f"the engine deployment is unavailable: {_first_line(exc)}"
         return self.dead_reason
+
+    # ------------------------------------------------------------------ RL control, on every replica
+
+    async def pause_generation(self, mode: str) -> None:
+        await self._on_every_replica("pause_generation", mode)
+
+    async def resume_generation(self) -> None:
+        await self._on_every_replica("resume_generation")
+
+    async def update_weights(self, weights: dict[str, str] | None) -> None:
+        """Hands every replica the same map: each worker takes its own device's payload."""
+        await self._on_every_replica("update_weights", weights)
+
+    async def get_weight_version(self) -> int:
+        """The lowest replica's: a replica started after an update runs the checkpoint's weights, version 0 (as
+        will the first to start when none runs, the deployment scaled to zero)."""
+        return min(await self._on_every_replica("get_weight_version"), default=0)
+
+    async def get_device_ids(self) -> list[str]:
+        """The device ids of every replica's ranks."""
+        return [device for replica in await self._on_every_replica("get_device_ids") for device in replica]
+
+    async def _on_every_replica(self, method: str, *args: Any) -> list[Any]:
+        """Calls `method` on every engine replica running now, in parallel; one result per replica. A replica's
+        error is raised as its engine raised it, not wrapped in Ray's RayTaskError (whose text is a traceback)."""
+        try:
+            return await self._handle.broadcast(method, *args).results_async()
+        except RayTaskError as exc:
+            raise _engine_error(exc) from None
 
     def _mark_unreachable(self, reason: str) -> None:
         # Until the next poll says otherwise: requests failing now answer 503, not 500.

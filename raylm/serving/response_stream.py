@@ -45,6 +45,7 @@ class _Choice:
             self.completion.logprobs.extend(increment.logprobs)
         self.completion.cumulative_logprob = increment.cumulative_logprob
         self.completion.finish_reason, self.completion.stop_reason = increment.finish_reason, increment.stop_reason
+        self.completion.weight_versions = increment.weight_versions
 
     def whole(self) -> CompletionOutput:
         """The choice so far, in lists of its own: later chunks do not change it."""
@@ -52,7 +53,8 @@ class _Choice:
         logprobs = list(completion.logprobs) if completion.logprobs is not None else None
         return CompletionOutput(index=completion.index, text="".join(self.texts), token_ids=list(completion.token_ids),
                                 cumulative_logprob=completion.cumulative_logprob, logprobs=logprobs,
-                                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+                                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                                weight_versions=list(completion.weight_versions))
 
 
 class RequestProgress:

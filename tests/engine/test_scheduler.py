@@ -568,7 +568,7 @@ def test_a_pipeline_readmits_a_preempted_request_only_once_its_draw_arrived():
     item = scheduler.schedule().scheduled[0]
     item.seq.num_computed_tokens += item.num_tokens
     item.seq.token_ids.append(PLACEHOLDER)
-    scheduler._preempt(request)
+    scheduler.preempt(request)
     assert scheduler.schedule().is_empty
     item.seq.token_ids[-1] = SAMPLED_TOKEN
     assert [(i.request.request_id, i.num_tokens) for i in scheduler.schedule().scheduled] == [("preempted", 6)]

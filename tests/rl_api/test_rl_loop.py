@@ -12,7 +12,7 @@ import torch
 
 from raylm import AsyncLLM, KvCacheConfig, SamplingParams, TokensPrompt
 from raylm.rl_api.weight_transfer import encode_payload, pack_bucket, tensor_handle
-from tests.conftest import hf_greedy, hf_model, logprob_errors
+from tests.conftest import hf_greedy, hf_model, logprob_errors, perturbed_hf_model
 
 KV = KvCacheConfig(max_tokens=2048, tokens_per_block=16)
 PROMPTS = [[5, 17, 99, 3, 250, 7, 42, 8], [300, 12, 9, 77, 101, 64, 2048, 11, 5, 6]]
@@ -23,18 +23,6 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, logprobs=0, ignore_eos=True)
 def _engine(path, **kwargs) -> AsyncLLM:
     return AsyncLLM(model=str(path), executor="local", skip_tokenizer_init=True, kv_cache_config=KV,
                     max_seq_len=512, **kwargs)
-
-
-def _perturbed(path, names: set[str] | None = None, seed: int = 7):
-    """HF's model with noise added to its weights (those named, or all), and its weights by checkpoint name."""
-    model = hf_model(path)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if names is None or name in names:
-                param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-    return model, [(name, param.detach().clone()) for name, param in model.named_parameters(remove_duplicate=False)
-                   if names is None or name in names]
 
 
 async def _generate(llm: AsyncLLM, params: SamplingParams = GREEDY):
@@ -57,7 +45,7 @@ def test_updated_weights_give_hf_tokens_and_logprobs_of_the_same_weights(tiny_mo
     path = tiny_model_dirs["llama"]
     names = {"model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.q_proj.weight"} \
         if form == "partial" else None
-    hf, weights = _perturbed(path, names)
+    hf, weights = perturbed_hf_model(path, names)
 
     async def run():
         async with _engine(path) as llm:
@@ -86,7 +74,7 @@ def test_updated_weights_give_hf_tokens_and_logprobs_of_the_same_weights(tiny_mo
 def test_bad_updates_raise_and_leave_the_old_weights_serving(tiny_model_dirs):
     """An unknown name, a wrong shape or a wrong dtype among good tensors: nothing is copied."""
     path = tiny_model_dirs["llama"]
-    _, weights = _perturbed(path)
+    _, weights = perturbed_hf_model(path)
     good = weights[:3]
     bad_updates = {
         "is not a weight": good + [("model.layers.9.mlp.up_proj.weight", torch.zeros(4))],
@@ -115,7 +103,7 @@ def test_kv_cached_before_an_update_is_not_reused_after_it_but_shared_again(tiny
     async def run():
         async with _engine(path) as llm:
             cached = [(await llm.generate_async(prompt, params)).num_cached_tokens for _ in range(2)]
-            _, weights = _perturbed(path)
+            _, weights = perturbed_hf_model(path)
             await llm.update_weights({await _device_id(llm): [(n, tensor_handle(t)) for n, t in weights]})
             await llm.update_weights(None)  # not paused, nothing running: paused around the update
             cached += [(await llm.generate_async(prompt, params)).num_cached_tokens for _ in range(2)]
@@ -150,7 +138,7 @@ def test_pause_abort_ends_running_requests_and_holds_new_ones_until_resume(tiny_
 def test_pause_keep_parks_requests_that_go_on_with_the_new_weights(tiny_model_dirs):
     path = tiny_model_dirs["llama"]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    _, weights = _perturbed(path)
+    _, weights = perturbed_hf_model(path)
 
     async def run():
         async with _engine(path) as llm:
@@ -188,6 +176,83 @@ def test_pause_modes_are_checked(tiny_model_dirs):
     asyncio.run(run())
 
 
+# ---------------------------------------------------------------------- device memory by tag
+
+
+ALL_TAGS = ["model_weights", "kv_cache", "cuda_graph", "model"]
+
+
+def test_released_memory_refuses_generation_and_comes_back_exact(tiny_model_dirs):
+    path = tiny_model_dirs["llama"]
+
+    async def run():
+        async with _engine(path) as llm:
+            await llm.pause_generation()
+            await llm.release(ALL_TAGS)
+            await llm.release(["kv_cache"])  # again: nothing more to do
+            status = (await llm.get_memory_status())[0]["tags"]
+            with pytest.raises(ValueError, match="resume"):
+                llm.generate_async(TokensPrompt(prompt_token_ids=PROMPTS[0]), GREEDY)
+            with pytest.raises(ValueError, match="resume"):
+                await llm.resume_generation()
+            await llm.resume(["model_weights", "model"])
+            await llm.resume(["kv_cache", "cuda_graph"])
+            await llm.resume_generation()
+            return status, (await llm.get_memory_status())[0]["tags"], await _generate(llm)
+
+    released, resumed, outputs = asyncio.run(run())
+    assert not any(entry["resident"] for entry in released.values()) and released["model_weights"]["bytes"] > 0
+    assert all(entry["resident"] for entry in resumed.values())
+    _assert_matches_hf(hf_model(path), outputs)
+
+
+def test_discarded_weights_are_refilled_by_update_weights(tiny_model_dirs):
+    path = tiny_model_dirs["llama"]
+    hf, weights = perturbed_hf_model(path)
+
+    async def run():
+        async with _engine(path, sleep_config={"model_weights": "discard"}) as llm:
+            device = await _device_id(llm)
+            await llm.pause_generation()
+            await llm.release(["model_weights", "kv_cache"])
+            with pytest.raises(ValueError, match=r"resume\(\['model_weights'\]\)"):
+                await llm.update_weights({device: [(n, tensor_handle(t)) for n, t in weights]})
+            await llm.resume(["model_weights"])
+            await llm.update_weights({device: [(n, tensor_handle(t)) for n, t in weights]})
+            await llm.update_weights(None)
+            await llm.resume(["kv_cache"])
+            await llm.resume_generation()
+            return await _generate(llm)
+
+    _assert_matches_hf(hf, asyncio.run(run()))
+
+
+def test_releasing_the_cache_sends_parked_requests_back_to_be_computed_again(tiny_model_dirs):
+    path = tiny_model_dirs["llama"]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+
+    async def run():
+        async with _engine(path) as llm:
+            with pytest.raises(ValueError, match="pause_generation"):
+                running = llm.generate_async(TokensPrompt(prompt_token_ids=PROMPTS[1]),
+                                             SamplingParams(max_tokens=300, ignore_eos=True))
+                await asyncio.sleep(0.1)
+                await llm.release(["kv_cache"])
+            running.abort()
+            stream = llm.generate_async(TokensPrompt(prompt_token_ids=PROMPTS[0]), params, streaming=True)
+            outputs = stream.__aiter__()  # held, not closed: closing a stream aborts its request
+            while len((await outputs.__anext__()).outputs[0].token_ids) < 3:
+                pass
+            await llm.pause_generation(mode="keep")
+            await llm.release(["kv_cache"])
+            await llm.resume(["kv_cache"])
+            await llm.resume_generation()
+            return await stream
+
+    final = asyncio.run(run())
+    assert final.outputs[0].token_ids == hf_greedy(hf_model(path), PROMPTS[0], 30)
+
+
 # ---------------------------------------------------------------------- a trainer's weight-update group
 
 
@@ -208,7 +273,7 @@ def test_weights_broadcast_by_a_trainer_in_its_own_group(tiny_model_dirs, tmp_pa
     from raylm.actors.transport import free_address
 
     path = tiny_model_dirs["llama"]
-    hf, weights = _perturbed(path)
+    hf, weights = perturbed_hf_model(path)
     torch.save(weights, tmp_path / "weights.pt")
     port = free_address()[1]
     trainer = torch.multiprocessing.get_context("spawn").Process(
@@ -268,7 +333,7 @@ def _shared_by_file(ray_cluster):
 
 def test_tensor_parallel_ranks_cut_their_shards_from_full_updated_weights(tiny_model_dirs, _shared_by_file):
     path = tiny_model_dirs["llama"]
-    hf, weights = _perturbed(path)
+    hf, weights = perturbed_hf_model(path)
 
     async def run():
         async with AsyncLLM(model=str(path), tensor_parallel_size=2, skip_tokenizer_init=True, kv_cache_config=KV,

@@ -48,6 +48,14 @@ def test_the_extra_llm_api_options_alias_and_api_key_from_the_environment(tmp_pa
     assert _layered(["--api_key", "from-flag"]).api_key == "from-flag"
 
 
+def test_the_rl_endpoints_are_off_unless_the_flag_or_the_config_turns_them_on(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text("enable_rl_endpoints: true\n")
+    assert _layered([]).enable_rl_endpoints is False
+    assert _layered(["--enable_rl_endpoints"]).serving_config().enable_rl_endpoints is True
+    assert _layered(["--config", str(config)]).enable_rl_endpoints is True
+
+
 def test_bad_configuration_exits_2_before_starting_anything(tmp_path, capsys):
     assert main(["serve", "--set", "kv_cache_config.max_token=4096"]) == 2
     error = capsys.readouterr().err

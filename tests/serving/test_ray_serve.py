@@ -254,8 +254,9 @@ def test_rl_routes_reach_the_engine_replica_and_its_errors_answer_400(client, ba
     marker = tmp_path / "ran"
     malicious = code_running_payload(f"touch {marker}")
     response = _post(base_url, "/update_weights", {"weights": {devices[0]: malicious}})
-    assert response.status_code == 400 and response.json()["error"]["message"].startswith(
-        "a weight payload may only hold tensor handles")  # the worker's error, not Ray's traceback
+    message = response.json()["error"]["message"]
+    assert response.status_code == 400 and message.endswith("may only hold tensor handles; it refers to posix.system")
+    assert "Traceback" not in message  # the worker's error, not Ray's wrapping of it
     assert not marker.exists()
     response = _post(base_url, "/update_weights", {"weights": {"another-device": "AAAA"}})
     assert response.status_code == 400 and "hold no entry for device" in response.json()["error"]["message"]

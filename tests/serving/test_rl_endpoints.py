@@ -16,8 +16,7 @@ import pytest
 from raylm import LLM, AsyncLLM, KvCacheConfig
 from raylm.rl_api.weight_transfer import encode_payload, pack_bucket
 from raylm.serving import LocalEngine, ServingConfig, build_app
-from tests.conftest import hf_model
-from tests.rl_api.test_rl_loop import _perturbed
+from tests.conftest import hf_model, perturbed_hf_model
 from tests.serving.conftest import code_running_payload, serve
 
 MODEL = "tiny-rl"
@@ -130,7 +129,7 @@ def test_pause_without_a_body_aborts_and_keep_parks_until_resume(url):
 
 def test_updated_weights_change_the_greedy_output_and_the_finalize_bumps_the_version(url, tiny_model_dirs):
     path = tiny_model_dirs["llama"]
-    _, perturbed = _perturbed(path)
+    _, perturbed = perturbed_hf_model(path)
     original = [(name, param.detach().clone()) for name, param in
                 hf_model(path).named_parameters(remove_duplicate=False)]
     device, version, before = _device(url), _weight_version(url), _greedy_text(url)

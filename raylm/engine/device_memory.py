@@ -1,0 +1,148 @@
+"""What a rank holds on its device, by tag, and the release and resume of each tag (AsyncLLM.release / resume):
+
+- `model_weights`: the model's parameters; a host copy (pinned on GPUs) is kept unless sleep_config says
+  `discard`, when update_weights refills them after resume;
+- `kv_cache`: the paged KV cache, always discarded (the engine preempts parked requests and forgets its cached
+  prefixes first: EngineCore.forget_kv);
+- `cuda_graph`: the decode CUDA graphs, captured again on resume;
+- `model`: the rest the model keeps on the device (its buffers, such as the rotary tables), copied to the host.
+
+Released tensors are freed (on GPUs the allocator's cache is emptied too, so the memory goes back to the device);
+resumed ones are allocated anew. New addresses invalidate captured graphs, so releasing the weights or the cache
+drops the graphs as well, and they are captured again once weights, cache and graphs are all resident. Release and
+resume are idempotent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+TAGS = ("model_weights", "kv_cache", "cuda_graph", "model")
+WEIGHT_RESTORE_MODES = ("host_copy", "discard")
+
+
+def check_tags(tags: list[str]) -> list[str]:
+    """`tags` as given, once each, after checking every one is a memory tag."""
+    if isinstance(tags, str) or not all(isinstance(tag, str) for tag in tags):
+        raise TypeError(f"tags must be a list of tag names, got {tags!r}")
+    unknown = sorted(set(tags) - set(TAGS))
+    if unknown:
+        raise ValueError(f"unknown memory tags {unknown}; tags are {list(TAGS)}")
+    return list(dict.fromkeys(tags))
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class TaggedMemory:
+    """One rank's device memory by tag. `capture_graphs` captures the runner's decode graphs (a no-op where a rank
+    has none); `weight_restore` is sleep_config.model_weights."""
+
+    def __init__(self, runner, capture_graphs: Callable[[], None], weight_restore: str = "host_copy"):
+        if weight_restore not in WEIGHT_RESTORE_MODES:
+            raise ValueError(f"sleep_config.model_weights must be one of {list(WEIGHT_RESTORE_MODES)}, "
+                             f"got {weight_restore!r}")
+        self.runner = runner
+        self.capture_graphs = capture_graphs
+        self.weight_restore = weight_restore
+        self.released: set[str] = set()
+        self._weights = list(runner.model.parameters())  # tied weights once
+        self._buffers = list(runner.model.buffers())
+        self._layouts: dict[int, tuple[torch.Size, torch.dtype]] = {}
+        self._host: dict[int, torch.Tensor] = {}
+        self._kv_layout: tuple[int, torch.dtype] | None = None
+        self._graphs_stale = False  # the graphs were dropped with the weights or the cache, not by request
+        self.graph_bytes = 0  # what the last capture took from the device (its reserved memory grew by)
+
+    def capture(self) -> None:
+        """Captures the decode graphs, measuring what they take."""
+        cuda = self.device.type == "cuda"
+        before = torch.cuda.memory_reserved(self.device) if cuda else 0
+        self.capture_graphs()
+        if cuda:
+            self.graph_bytes = max(0, torch.cuda.memory_reserved(self.device) - before)
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    def status(self) -> dict[str, dict]:
+        """Per tag: the bytes it holds when resident, and whether it is."""
+        sizes = {"model_weights": self._layout_bytes(self._weights), "kv_cache": self._kv_bytes(),
+                 "cuda_graph": self.graph_bytes, "model": self._layout_bytes(self._buffers)}
+        return {tag: {"bytes": sizes[tag], "resident": tag not in self.released} for tag in TAGS}
+
+    def release(self, tags: list[str]) -> None:
+        tags = [tag for tag in check_tags(tags) if tag not in self.released]
+        if not tags:
+            return
+        if {"model_weights", "kv_cache", "cuda_graph"} & set(tags) and self.runner.graphs is not None:
+            self.runner.graphs = None  # they read the weights and the cache at their addresses
+            self._graphs_stale = "cuda_graph" not in tags
+        for tag in tags:
+            if tag == "model_weights":
+                self._free(self._weights, keep=self.weight_restore == "host_copy")
+            elif tag == "model":
+                self._free(self._buffers, keep=True)
+            elif tag == "kv_cache":
+                caches = self.runner.kv_caches
+                if caches:
+                    self._kv_layout = (caches[0][0].shape[0] - 1, caches[0][0].dtype)
+                self.runner.kv_caches = []
+            self.released.add(tag)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def resume(self, tags: list[str]) -> None:
+        tags = [tag for tag in check_tags(tags) if tag in self.released]
+        for tag in tags:
+            if tag == "model_weights":
+                self._restore(self._weights)
+            elif tag == "model":
+                self._restore(self._buffers)
+            elif tag == "kv_cache" and self._kv_layout is not None:
+                self.runner.allocate_kv_cache(*self._kv_layout)
+            self.released.discard(tag)
+        wants_graphs = "cuda_graph" in tags or self._graphs_stale
+        if wants_graphs and not self.released & {"model_weights", "kv_cache", "cuda_graph", "model"}:
+            self.capture()
+            self._graphs_stale = False
+
+    def _free(self, tensors: list[torch.Tensor], keep: bool) -> None:
+        for tensor in tensors:
+            key = id(tensor)
+            self._layouts[key] = (tensor.shape, tensor.dtype)
+            if keep:
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+                host.copy_(tensor.data)
+                self._host[key] = host
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+
+    def _restore(self, tensors: list[torch.Tensor]) -> None:
+        for tensor in tensors:
+            key = id(tensor)
+            shape, dtype = self._layouts[key]
+            restored = torch.empty(shape, dtype=dtype, device=self.device)
+            host = self._host.pop(key, None)
+            if host is not None:
+                restored.copy_(host)
+            tensor.data = restored
+
+    def _layout_bytes(self, tensors: list[torch.Tensor]) -> int:
+        """Bytes of `tensors` when resident (released ones by the layout they had)."""
+        layouts = (self._layouts.get(id(t), (t.shape, t.dtype)) if t.numel() == 0 else (t.shape, t.dtype)
+                   for t in tensors)
+        return sum(shape.numel() * dtype.itemsize for shape, dtype in layouts)
+
+    def _kv_bytes(self) -> int:
+        caches = self.runner.kv_caches
+        if caches:
+            return _bytes(t for pair in caches for t in pair)
+        if self._kv_layout is None:
+            return 0
+        num_blocks, dtype = self._kv_layout
+        return self.runner.kv_bytes_per_block(dtype) * (num_blocks + 1)
