@@ -35,9 +35,13 @@ class _IdleEngine:
     """Just enough of an engine for the loop to take calls: never any work, nothing to drain."""
 
     has_work = False
+    weight_version = 0
 
     def drain(self):
         return None
+
+    def take_control_deltas(self):
+        return []
 
 
 def test_the_engine_loop_runs_its_start_hook_on_its_own_thread():
