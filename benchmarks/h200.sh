@@ -12,6 +12,8 @@
 #   bash benchmarks/h200.sh pdl          # programmatic dependent launch (kernel_config.pdl): its GPU tests, then
 #                                        # 8B batch 1 by default (GEMV + PDL tail), PDL off, at exit, with
 #                                        # neither; batch 8, and the step profile of the default     (~6 min)
+#   bash benchmarks/h200.sh rl           # the RL loop's costs: 8B refit through bucketed CUDA IPC from a colocated
+#                                        # trainer, release / resume cycles; then release's GPU test  (~3 min)
 #   bash benchmarks/h200.sh flashinfer   # attention_backend="flashinfer": its GPU tests, then 8B latency batch 8
 #                                        # and 8B 256 x (512, 128); needs .gpu/flashinfer.tar.xz from
 #                                        # benchmarks/flashinfer_bundle.sh (its first JIT compiles take minutes)
@@ -121,6 +123,11 @@ case "${1:-}" in
       timeout 100 python benchmarks/step_profile.py --model "$1" "${dummy[@]}" --max_batch_size "$2" --batch_size "$2" \
         --kernels 8 --gaps 8 $(output_json "step-$(basename "$1")-b$2") 2>&1 | tail -27
     done
+    ;;
+  rl)
+    watched 170 python benchmarks/rl_refit.py --model "$llama" "${dummy[@]}" --refits 3 --set kernel_config.decode_gemv=false \
+      $(output_json rl_refit-llama-3.1-8b) 2>&1 | grep -v '^ *$' | tail -12
+    timeout 120 python -m pytest tests/rl_api/test_memory_gpu.py -q -p no:cacheprovider 2>&1 | tail -5
     ;;
   throughput)
     throughput throughput-8b-n1000 "$llama" 1000 1024 1024 256 500 --num_iters 3

@@ -1,10 +1,12 @@
 """A GRPO-style RL loop: a trainer actor and an AsyncLLM engine in one placement group.
 
 Each iteration: rollouts (several samples a prompt, with the log-probabilities of the sampled tokens) ->
-pause_generation -> a few optimizer steps on a toy reward (shorter answers score higher) -> update_weights from
-one flat bucket of the trainer's weights -> a new weight version -> resume_generation. It prints the phases'
-times and the largest gap between the trainer's and the engine's log-probability of a sampled token under the
-same weights, which stays at float precision (fp32) if refits are exact.
+pause_generation -> release of the engine's device memory (its weights discarded: the refit brings new ones) ->
+a few optimizer steps on a toy reward (shorter answers score higher) -> resume of the weights -> update_weights
+from one flat bucket of the trainer's weights -> a new weight version -> resume of the KV cache and the rest ->
+resume_generation. It prints the phases' times and the largest gap between the trainer's and the engine's
+log-probability of a sampled token under the same weights, which stays at float precision (fp32) if refits are
+exact.
 
     python examples/rl_loop.py                        # CPU, the embedded SmolLM2-135M-Instruct
     python examples/rl_loop.py --model path/to/hf-dir --iterations 5
@@ -96,17 +98,29 @@ async def iteration(llm: AsyncLLM, trainer, devices: list[str], args) -> dict[st
               default=0.0)
     scores = rewards([tokens for _, tokens, _ in samples], args.max_tokens)
     mean = sum(scores) / len(scores)
+    times["score"] = time.perf_counter() - begin
+
+    begin = time.perf_counter()
     await llm.pause_generation()
+    await llm.release(["kv_cache", "cuda_graph", "model", "model_weights"])
+    times["release"] = time.perf_counter() - begin
+
+    begin = time.perf_counter()
     loss = await trainer.train.remote([(prompt, tokens, score - mean) for (prompt, tokens, _), score
                                        in zip(samples, scores)], args.train_steps)
     times["train"] = time.perf_counter() - begin
 
     begin = time.perf_counter()
+    await llm.resume(["model_weights"])
     payload = await trainer.weights.remote()
     await llm.update_weights({device: payload for device in devices})
     await llm.update_weights(None)
-    await llm.resume_generation()
     times["refit"] = time.perf_counter() - begin
+
+    begin = time.perf_counter()
+    await llm.resume(["kv_cache", "cuda_graph", "model"])
+    await llm.resume_generation()
+    times["resume"] = time.perf_counter() - begin
     return {**times, "reward": mean, "loss": loss, "logprob_gap": gap}
 
 
@@ -123,14 +137,15 @@ async def main(args) -> None:
     engine_bundle = 0 if gpu else 1
     async with AsyncLLM(placement_groups=[group], placement_bundle_indices=[[engine_bundle]],
                         per_worker_gpu_share=0.5 if gpu else None, model=args.model, dtype="float32",
-                        max_seq_len=512) as llm:
+                        max_seq_len=512, sleep_config={"model_weights": "discard"}) as llm:
         devices = await llm.collective_rpc("report_device_id")
-        print(f"{'iter':>4} {'rollout s':>9} {'train s':>8} {'refit s':>8} {'reward':>7} {'loss':>8} "
-              f"{'max |logprob gap|':>18} weight version")
+        print(f"{'iter':>4} {'rollout s':>9} {'score s':>8} {'release s':>9} {'train s':>8} {'refit s':>8} "
+              f"{'resume s':>8} {'reward':>7} {'loss':>8} {'max |logprob gap|':>18} weight version")
         for step in range(args.iterations):
             row = await iteration(llm, trainer, devices, args)
-            print(f"{step:>4} {row['rollout']:>9.2f} {row['train']:>8.2f} {row['refit']:>8.2f} {row['reward']:>7.3f} "
-                  f"{row['loss']:>8.3f} {row['logprob_gap']:>18.2e} {llm.weight_version}")
+            print(f"{step:>4} {row['rollout']:>9.2f} {row['score']:>8.2f} {row['release']:>9.3f} {row['train']:>8.2f} "
+                  f"{row['refit']:>8.2f} {row['resume']:>8.3f} {row['reward']:>7.3f} {row['loss']:>8.3f} "
+                  f"{row['logprob_gap']:>18.2e} {llm.weight_version}")
     ray.kill(trainer)
     remove_placement_group(group)
 

@@ -110,11 +110,15 @@ class Worker:
 
     def memory_status(self) -> dict:
         """Per tag: bytes held when resident and whether it is; and the device's free and total bytes."""
+        from raylm.engine.device_memory import process_device_bytes
+
         status = {"tags": self._tagged_memory().status()}
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             status.update(device_free_bytes=free, device_total_bytes=total,
-                          process_allocated_bytes=torch.cuda.memory_allocated(self.device))
+                          process_allocated_bytes=torch.cuda.memory_allocated(self.device),
+                          process_reserved_bytes=torch.cuda.memory_reserved(self.device),
+                          process_device_bytes=process_device_bytes(self.device))
         return status
 
     def _tagged_memory(self):

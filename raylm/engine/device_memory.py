@@ -52,6 +52,9 @@ class TaggedMemory:
         self._weights = list(runner.model.parameters())  # tied weights once
         self._buffers = list(runner.model.buffers())
         self._layouts: dict[int, tuple[torch.Size, torch.dtype]] = {}
+        # One flat host buffer per kept group, allocated at its first release and reused by every later one (pinned
+        # allocations of many GB cost seconds); the views into it by tensor.
+        self._host_buffers: dict[str, torch.Tensor] = {}
         self._host: dict[int, torch.Tensor] = {}
         self._kv_layout: tuple[int, torch.dtype] | None = None
         self._graphs_stale = False  # the graphs were dropped with the weights or the cache, not by request
@@ -84,9 +87,9 @@ class TaggedMemory:
             self._graphs_stale = "cuda_graph" not in tags
         for tag in tags:
             if tag == "model_weights":
-                self._free(self._weights, keep=self.weight_restore == "host_copy")
+                self._free(tag, self._weights, keep=self.weight_restore == "host_copy")
             elif tag == "model":
-                self._free(self._buffers, keep=True)
+                self._free(tag, self._buffers, keep=True)
             elif tag == "kv_cache":
                 caches = self.runner.kv_caches
                 if caches:
@@ -112,25 +115,46 @@ class TaggedMemory:
             self.capture()
             self._graphs_stale = False
 
-    def _free(self, tensors: list[torch.Tensor], keep: bool) -> None:
+    def _free(self, group: str, tensors: list[torch.Tensor], keep: bool) -> None:
+        tensors = [tensor for tensor in tensors if tensor.numel()]
         for tensor in tensors:
-            key = id(tensor)
-            self._layouts[key] = (tensor.shape, tensor.dtype)
-            if keep:
-                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-                host.copy_(tensor.data)
-                self._host[key] = host
+            self._layouts[id(tensor)] = (tensor.shape, tensor.dtype)
+        if keep:
+            views = self._host_views(group, tensors)
+            for tensor, view in zip(tensors, views):
+                view.copy_(tensor.data, non_blocking=True)
+                self._host[id(tensor)] = view
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        for tensor in tensors:
             tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+
+    def _host_views(self, group: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Views of `group`'s host buffer, one per tensor in order, each starting on a 256-byte boundary."""
+        offsets, total = [], 0
+        for tensor in tensors:
+            offsets.append(total)
+            total += -(-tensor.nbytes // 256) * 256
+        buffer = self._host_buffers.get(group)
+        if buffer is None or buffer.numel() < total:
+            buffer = torch.empty(total, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            self._host_buffers[group] = buffer
+        return [buffer[offset:offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+                for tensor, offset in zip(tensors, offsets)]
 
     def _restore(self, tensors: list[torch.Tensor]) -> None:
         for tensor in tensors:
             key = id(tensor)
-            shape, dtype = self._layouts[key]
+            if key not in self._layouts:
+                continue  # empty when released: nothing to bring back
+            shape, dtype = self._layouts.pop(key)
             restored = torch.empty(shape, dtype=dtype, device=self.device)
             host = self._host.pop(key, None)
             if host is not None:
-                restored.copy_(host)
+                restored.copy_(host, non_blocking=True)
             tensor.data = restored
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _layout_bytes(self, tensors: list[torch.Tensor]) -> int:
         """Bytes of `tensors` when resident (released ones by the layout they had)."""
@@ -146,3 +170,24 @@ class TaggedMemory:
             return 0
         num_blocks, dtype = self._kv_layout
         return self.runner.kv_bytes_per_block(dtype) * (num_blocks + 1)
+
+
+def process_device_bytes(device: torch.device) -> int | None:
+    """What this process holds on `device` by the driver's count (NVML): the CUDA context and every allocation,
+    not only the allocator's. None where NVML is missing or does not list the process (some containers)."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    import os
+
+    try:
+        pynvml.nvmlInit()
+        uuid = str(torch.cuda.get_device_properties(device).uuid)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if process.pid == os.getpid():
+                return process.usedGpuMemory
+    except pynvml.NVMLError:
+        return None
+    return None
