@@ -1,20 +1,22 @@
 """Release and resume on a GPU (marker gpu): the memory goes back to the device by the driver's count
 (torch.cuda.mem_get_info), and greedy output after release / resume cycles, decode graphs captured again each time,
-is bitwise what it was. SmolLM2-135M-Instruct in bfloat16, in this process."""
+is bitwise what it was. SmolLM2-135M's shape with random weights (load_format dummy) in bfloat16, in this process."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import torch
 
-from raylm import AsyncLLM, SamplingParams
+from raylm import AsyncLLM, SamplingParams, TokensPrompt
 from raylm.engine.device_memory import TAGS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-PROMPT = "The three primary colours are"
+MODEL = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "smollm2-135m"
+PROMPT = TokensPrompt(prompt_token_ids=list(range(1000, 1032)))
 
 
 async def _greedy(llm: AsyncLLM) -> tuple[list[int], list[float]]:
@@ -31,7 +33,8 @@ def _free() -> int:
 
 def test_release_returns_the_memory_and_three_cycles_keep_greedy_output_bitwise():
     async def scenario():
-        llm = AsyncLLM(dtype="bfloat16", device="cuda", executor="local", max_batch_size=8, max_seq_len=512,
+        llm = AsyncLLM(model=str(MODEL), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                       device="cuda", executor="local", max_batch_size=8, max_seq_len=512,
                        kv_cache_config={"max_tokens": 65536})
         await llm
         worker = llm._executor.worker
