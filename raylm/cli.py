@@ -150,8 +150,8 @@ _SERVE_FLAGS: list[tuple[tuple[str, ...], str, dict, str]] = [
     (("--api_key",), "api_key", {}, "require 'Authorization: Bearer KEY' on every route but /health "
                                     "(default: $RAYLM_API_KEY)"),
     (("--enable_rl_endpoints",), "enable_rl_endpoints", {"action": "store_true", "default": None},
-     "serve /pause, /resume_generation, /update_weights, /weight_version and /device_ids for an RL trainer "
-     "(behind --api_key when set)"),
+     "serve /pause, /resume_generation, /update_weights, /weight_version, /device_ids, /release, /resume and "
+     "/memory_status for an RL trainer (behind --api_key when set)"),
     (("--log_level",), "log_level", {"choices": _LOG_LEVELS}, "log level (default warning)"),
 ]
 

@@ -1,5 +1,5 @@
 """The API RL trainers drive: AsyncLLM."""
 
-from raylm.rl_api.async_llm import AsyncLLM
+from raylm.rl_api.async_llm import AsyncLLM, MemoryReleasedError
 
-__all__ = ["AsyncLLM"]
+__all__ = ["AsyncLLM", "MemoryReleasedError"]

@@ -27,6 +27,10 @@ _NEEDED_TO_GENERATE = ("model_weights", "kv_cache", "model")
 _ABORT_DELIVERY_S = 60.0
 
 
+class MemoryReleasedError(ValueError):
+    """A call refused because it needs device memory that release() freed, until resume() brings it back."""
+
+
 class AsyncLLM(LLM):
     def __init__(
         self,
@@ -75,7 +79,7 @@ class AsyncLLM(LLM):
         self._require_ready()
         missing = [tag for tag in _NEEDED_TO_GENERATE if tag in self._released]
         if missing:
-            raise ValueError(f"generation needs {missing} on the device: await resume({missing}) first")
+            raise MemoryReleasedError(f"generation needs {missing} on the device: await resume({missing}) first")
 
     def generate_async(self, *args: Any, **kwargs: Any):
         self._require_generating()

@@ -50,8 +50,9 @@ class ServerOptions(StrictModel):
     enable_rl_endpoints: bool = Field(
         default=False,
         description="Serve the routes an RL trainer drives the engine with: /pause, /resume_generation, "
-                    "/update_weights, /weight_version and /device_ids (rl_routes.py). Whoever may call them can "
-                    "replace the served weights: set api_key too unless only the trainer reaches the server.",
+                    "/update_weights, /weight_version, /device_ids, /release, /resume and /memory_status "
+                    "(rl_routes.py). Whoever may call them can replace the served weights: set api_key too unless "
+                    "only the trainer reaches the server.",
     )
 
 

@@ -73,6 +73,16 @@ class ServingEngine(Protocol):
     async def get_device_ids(self) -> list[str]:
         """The device id of every engine rank, which update_weights keys its payloads by."""
 
+    async def release_memory(self, tags: list[str]) -> None:
+        """Frees the device memory of `tags` (engine/device_memory.py TAGS) on every rank: AsyncLLM.release."""
+
+    async def resume_memory(self, tags: list[str]) -> None:
+        """Brings the memory of `tags` back on every rank: AsyncLLM.resume."""
+
+    async def get_memory_status(self) -> list[list[dict]]:
+        """One list per engine replica (an engine in this process is one) of its ranks' memory status, in rank
+        order, as AsyncLLM.get_memory_status returns it."""
+
 
 class LocalGeneration:
     """A request running in an LLM in this process, as a GenerationStream."""
@@ -150,3 +160,12 @@ class LocalEngine:
 
     async def get_device_ids(self) -> list[str]:
         return await self._async_llm().collective_rpc("report_device_id")
+
+    async def release_memory(self, tags: list[str]) -> None:
+        await self._async_llm().release(tags)
+
+    async def resume_memory(self, tags: list[str]) -> None:
+        await self._async_llm().resume(tags)
+
+    async def get_memory_status(self) -> list[list[dict]]:
+        return [await self._async_llm().get_memory_status()]

@@ -20,9 +20,11 @@ from raylm.engine_client import EngineDeadError
 from raylm.inputs import PromptInputs
 from raylm.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from raylm.results import GenerationResult, RequestError
+from raylm.rl_api import MemoryReleasedError
 from raylm.sampling_params import SamplingParams
 
 _ERROR_KINDS: dict[str, type[Exception]] = {"ValueError": ValueError, "TypeError": TypeError,
+                                            "MemoryReleasedError": MemoryReleasedError,
                                             "EngineDeadError": EngineDeadError, "RuntimeError": RuntimeError}
 
 

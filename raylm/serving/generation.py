@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from raylm.engine_client import EngineDeadError
 from raylm.inputs import PromptInputs, TokensPrompt
 from raylm.outputs import CompletionOutput, RequestOutput
+from raylm.rl_api import MemoryReleasedError
 from raylm.sampling_params import SamplingParams
 from raylm.serving.chat import render_chat
 from raylm.serving.config import ServingConfig
@@ -71,6 +72,17 @@ def _field_errors(body: BaseModel) -> Iterator[None]:
         yield
     except (ValueError, TypeError) as exc:
         raise from_engine_error(exc, tuple(type(body).model_fields)) from exc
+
+
+@contextmanager
+def _released_memory_is_unavailable() -> Iterator[None]:
+    """A request refused because the engine's device memory is released (POST /release, AsyncLLM.release) is
+    fine in itself: the server cannot take it until the memory is resumed, a 503."""
+    try:
+        yield
+    except MemoryReleasedError as exc:
+        raise OpenAIError(503, f"the engine cannot generate while its device memory is released; resume it "
+                               f"(POST /resume) first: {exc}", code="memory_released") from exc
 
 
 class GenerationRoute(ABC):
@@ -164,12 +176,12 @@ class ServingContext:
 
         Errors the engine raises for bad input become 400s whose param is the body's field they name. A remote
         engine checks its input after stream() returns, so every submission is admitted before any response
-        starts.
+        starts. While the engine's memory is released (POST /release) a prompt answers 503.
         """
         self.check_engine()
         streams: list[GenerationStream] = []
         try:
-            with _field_errors(body):
+            with _field_errors(body), _released_memory_is_unavailable():
                 for prompt in prompts:
                     streams.append(self.engine.stream(prompt, params, body.priority, body.cache_salt))
                 for stream in streams:  # all are on their way: awaiting them in turn costs the slowest

@@ -132,6 +132,15 @@ class EngineDeployment:
     async def get_device_ids(self) -> list[str]:
         return await self.llm.collective_rpc("report_device_id")
 
+    async def release_memory(self, tags: list[str]) -> None:
+        await self.llm.release(tags)
+
+    async def resume_memory(self, tags: list[str]) -> None:
+        await self.llm.resume(tags)
+
+    async def get_memory_status(self) -> list[dict]:
+        return await self.llm.get_memory_status()
+
     def check_health(self) -> None:
         """Serve's health check: a replica whose engine died is replaced."""
         self.llm.check_health()

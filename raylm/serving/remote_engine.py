@@ -204,6 +204,16 @@ class RemoteEngine:
         """The device ids of every replica's ranks."""
         return [device for replica in await self._on_every_replica("get_device_ids") for device in replica]
 
+    async def release_memory(self, tags: list[str]) -> None:
+        await self._on_every_replica("release_memory", tags)
+
+    async def resume_memory(self, tags: list[str]) -> None:
+        await self._on_every_replica("resume_memory", tags)
+
+    async def get_memory_status(self) -> list[list[dict]]:
+        """Each replica's ranks' memory status."""
+        return await self._on_every_replica("get_memory_status")
+
     async def _on_every_replica(self, method: str, *args: Any) -> list[Any]:
         """Calls `method` on every engine replica running now, in parallel; one result per replica. A replica's
         error is raised as its engine raised it, not wrapped in Ray's RayTaskError (whose text is a traceback)."""

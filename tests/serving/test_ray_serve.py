@@ -1,7 +1,7 @@
 """The OpenAI server as a Ray Serve app (ingress + engine deployment) over the embedded SmolLM2, deployed once
 for the module on a local Ray cluster: the official openai client end to end, errors, the API key, the queue
-bound, disconnects that free KV blocks, concurrent streams, the RL routes, and /health when the engine deployment
-goes down."""
+bound, disconnects that free KV blocks, concurrent streams, the RL routes (device memory released and resumed
+among them), and /health when the engine deployment goes down."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ MODEL = "smollm2-serve"
 API_KEY = "serve-test-key"
 MAX_QUEUE = 24
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ALL_TAGS = ["model_weights", "kv_cache", "cuda_graph", "model"]
 # Runs far longer than the tests wait, unless it is aborted.
 LONG = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 300, "ignore_eos": True, "stream": True}
 
@@ -265,6 +266,24 @@ def test_rl_routes_reach_the_engine_replica_and_its_errors_answer_400(client, ba
     assert _post(base_url, "/resume_generation", {}).json() == {"paused": False}
     assert _post(base_url, "/update_weights", {"weights": None}).json() == {"weight_version": 1}
     assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_memory_routes_reach_the_engine_replica_and_generation_answers_503_until_resume(client, base_url):
+    greedy = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    before = client.completions.create(**greedy).choices[0].text
+    try:
+        assert _post(base_url, "/release", {}).json() == {"released": ALL_TAGS}
+        [[rank]] = _get(base_url, "/memory_status").json()["replicas"]
+        assert not any(entry["resident"] for entry in rank["tags"].values())
+        response = _post(base_url, "/v1/completions", greedy)  # refused in the replica, answered by the ingress
+        assert response.status_code == 503 and response.json()["error"]["code"] == "memory_released"
+    finally:
+        assert _post(base_url, "/resume", {}).json() == {"resumed": ALL_TAGS}
+    [[rank]] = _get(base_url, "/memory_status").json()["replicas"]
+    assert all(entry["resident"] for entry in rank["tags"].values())
+    assert client.completions.create(**greedy).choices[0].text == before
+    response = _post(base_url, "/release", {"tags": ["weights"]})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tags"
 
 
 def test_health_is_503_once_the_engine_deployment_is_down(base_url):

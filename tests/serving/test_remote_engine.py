@@ -14,6 +14,7 @@ from raylm import CompletionOutput, RequestOutput
 from raylm.engine_client import EngineDeadError
 from raylm.engine_spec import EngineInfo
 from raylm.results import RequestError
+from raylm.rl_api import MemoryReleasedError
 from raylm.serving.engine_stream import Admitted, ChunkEncoder, Failed, Rejected
 from raylm.serving.remote_engine import EngineDescription, RemoteEngine, RemoteGeneration
 
@@ -74,7 +75,9 @@ def test_a_generation_is_admitted_then_passes_its_chunks_on_to_the_last():
 
 @pytest.mark.parametrize(("rejected", "error"), [(Rejected("ValueError", "prompt is too long"), ValueError),
                                                  (Rejected("TypeError", "bad prompt"), TypeError),
-                                                 (Rejected("EngineDeadError", "shut down"), EngineDeadError)])
+                                                 (Rejected("EngineDeadError", "shut down"), EngineDeadError),
+                                                 (Rejected.from_error(MemoryReleasedError("generation needs kv_cache")),
+                                                  MemoryReleasedError)])
 def test_a_rejection_raises_what_the_engine_raised(rejected, error):
     with pytest.raises(error, match=rejected.message):
         _run(RemoteGeneration(FakeStream([rejected]), None).admitted())
@@ -203,14 +206,21 @@ def _replicas_engine(answers: dict) -> tuple[RemoteEngine, FakeReplicas]:
 
 
 def test_rl_control_goes_to_every_replica_whose_answers_are_combined():
-    engine, handle = _replicas_engine({"get_weight_version": [3, 2], "get_device_ids": [["a", "b"], ["c"]]})
+    statuses = [[{"tags": {"kv_cache": {"bytes": 8, "resident": False}}}] * 2,
+                [{"tags": {"kv_cache": {"bytes": 8, "resident": True}}}]]
+    engine, handle = _replicas_engine({"get_weight_version": [3, 2], "get_device_ids": [["a", "b"], ["c"]],
+                                       "get_memory_status": statuses})
     _run(engine.pause_generation("keep"))
     _run(engine.update_weights({"a": "x", "c": "y"}))
+    _run(engine.release_memory(["kv_cache"]))
+    _run(engine.resume_memory(["kv_cache", "model"]))
     _run(engine.resume_generation())
     assert handle.calls == [("pause_generation", ("keep",)), ("update_weights", ({"a": "x", "c": "y"},)),
+                            ("release_memory", (["kv_cache"],)), ("resume_memory", (["kv_cache", "model"],)),
                             ("resume_generation", ())]
     assert _run(engine.get_weight_version()) == 2  # the lowest: a replica that missed an update
     assert _run(engine.get_device_ids()) == ["a", "b", "c"]
+    assert _run(engine.get_memory_status()) == statuses  # per replica, its ranks
 
 
 @pytest.mark.parametrize("error", [ValueError("weights hold no entry for device 'c'"),

@@ -1,7 +1,8 @@
 """The RL routes (raylm/serving/rl_routes.py) over an AsyncLLM in this process on the tiny llama: absent unless
 enabled, behind the API key, pause(abort) ending a running request, weights sent as base64 payloads changing the
-greedy output and a finalize bumping the weight version, and bad input (a payload that would run code among it)
-answering 400 with the weights unchanged."""
+greedy output and a finalize bumping the weight version, device memory released (generation answering 503 until
+it is resumed, with the same greedy output after) and bad input (a payload that would run code among it, an
+unknown memory tag) answering 400 with the weights and memory unchanged."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ MODEL = "tiny-rl"
 API_KEY = "trainer-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 ROUTES = [("POST", "/pause"), ("POST", "/resume_generation"), ("POST", "/update_weights"),
-          ("GET", "/weight_version"), ("GET", "/device_ids")]
+          ("GET", "/weight_version"), ("GET", "/device_ids"), ("POST", "/release"), ("POST", "/resume"),
+          ("GET", "/memory_status")]
+ALL_TAGS = ["model_weights", "kv_cache", "cuda_graph", "model"]
 PROMPT = [5, 17, 99, 3, 250, 7, 42, 8]
 GREEDY = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 KV = KvCacheConfig(max_tokens=2048, tokens_per_block=16)
@@ -75,6 +78,12 @@ def _device(base_url: str) -> str:
     devices = _call(base_url, "GET", "/device_ids").json()["device_ids"]
     assert len(devices) == 1
     return devices[0]
+
+
+def _memory_tags(base_url: str) -> dict[str, dict]:
+    """The one rank's memory status by tag: {tag: {"bytes", "resident"}}."""
+    [[rank]] = _call(base_url, "GET", "/memory_status").json()["replicas"]
+    return rank["tags"]
 
 
 def _payload(named_tensors) -> tuple[object, str]:
@@ -163,6 +172,60 @@ def test_a_payload_that_would_run_code_is_400_and_leaves_the_weights(url, tmp_pa
     assert _weight_version(url) == version and _greedy_text(url) == before
 
 
+def test_release_answers_generation_503_until_resume_brings_back_the_same_greedy_output(url):
+    before, resident = _greedy_text(url), _memory_tags(url)
+    assert set(resident) == set(ALL_TAGS) and all(entry["resident"] for entry in resident.values())
+    assert resident["model_weights"]["bytes"] > 0 and resident["kv_cache"]["bytes"] > 0
+    try:
+        assert _post(url, "/release").json() == {"released": ALL_TAGS}  # no body: every tag
+        assert _post(url, "/release", {"tags": ALL_TAGS}).json() == {"released": ALL_TAGS}  # again: nothing to do
+        released = _memory_tags(url)
+        assert not any(entry["resident"] for entry in released.values())
+        assert {tag: entry["bytes"] for tag, entry in released.items()} == \
+               {tag: entry["bytes"] for tag, entry in resident.items()}  # what each holds when resident
+        for body in (GREEDY, {**GREEDY, "stream": True}):
+            error = _error(_call(url, "POST", "/v1/completions", body), 503)
+            assert error["code"] == "memory_released" and "POST /resume" in error["message"]
+            assert "['model_weights', 'kv_cache', 'model']" in error["message"]
+        assert "resume" in _error(_call(url, "POST", "/resume_generation"), 400)["message"]
+    finally:
+        assert _post(url, "/resume", {}).json() == {"resumed": ALL_TAGS}  # no tags: every tag
+    assert _post(url, "/resume").json() == {"resumed": ALL_TAGS}  # again: nothing to do
+    assert _memory_tags(url) == resident
+    assert _greedy_text(url) == before
+
+
+def test_only_the_released_tags_generation_needs_refuse_it(url):
+    before = _greedy_text(url)
+    try:
+        assert _post(url, "/release", {"tags": ["cuda_graph"]}).json() == {"released": ["cuda_graph"]}
+        assert _greedy_text(url) == before  # decode steps run eagerly
+        assert _post(url, "/release", {"tags": ["kv_cache", "kv_cache"]}).json() == {"released": ["kv_cache"]}
+        error = _error(_call(url, "POST", "/v1/completions", GREEDY), 503)
+        assert "['kv_cache']" in error["message"]
+        assert {tag for tag, entry in _memory_tags(url).items() if not entry["resident"]} == {"cuda_graph", "kv_cache"}
+    finally:
+        _post(url, "/resume")
+    assert _greedy_text(url) == before
+
+
+def test_release_while_a_request_runs_unpaused_is_400_and_frees_nothing(url):
+    long = {**GREEDY, "max_tokens": 900, "stream": True}
+    try:
+        with httpx2.Client(timeout=60, headers=AUTH) as http, \
+                http.stream("POST", f"{url}/v1/completions", json=long) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # the request runs
+            error = _error(_call(url, "POST", "/release", {"tags": ["kv_cache"]}), 400)
+            assert "while requests run" in error["message"] and "pause_generation" in error["message"]
+            assert all(entry["resident"] for entry in _memory_tags(url).values())
+            assert next(line for line in lines if line.startswith("data: {"))  # still generating
+            _post(url, "/pause")  # ends it, its last output delivered
+    finally:
+        _post(url, "/resume_generation")
+    assert _greedy_text(url)
+
+
 @pytest.mark.parametrize(("payload", "message"), [
     ("not base64!", "must be base64 text"),
     ("", "could not be unpickled"),
@@ -181,15 +244,23 @@ def test_a_payload_that_is_no_pickle_of_handles_is_400(url, payload, message):
     ("/update_weights", {"weights": {"gpu-0": {"bucket": []}}}, "weights", "got dict for device 'gpu-0'"),
     ("/update_weights", {"weights": ["gpu-0"]}, "weights", "must map device ids to base64 payloads"),
     ("/update_weights", {"weights": {"another-device": "AAAA"}}, "weights", "hold no entry for device"),
+    ("/release", {"tags": ["kv_cache", "weights"]}, "tags",
+     "unknown memory tags ['weights']; tags are ['model_weights', 'kv_cache', 'cuda_graph', 'model']"),
+    ("/resume", {"tags": ["gpu"]}, "tags", "unknown memory tags ['gpu']"),
+    ("/release", {"tags": "kv_cache"}, "tags", "Input should be a valid list"),
+    ("/resume", {"tags": None}, "tags", "Input should be a valid list"),
+    ("/release", {"tags": ["kv_cache"], "level": 1}, "level", "Unrecognized request argument"),
 ])
 def test_bad_input_is_400_naming_the_problem(url, route, body, param, message):
     error = _error(_call(url, "POST", route, body), 400)
     assert message in error["message"] and error["param"] == param
+    assert all(entry["resident"] for entry in _memory_tags(url).values())
 
 
 def test_an_engine_without_rl_control_answers_501(tiny_model_dirs):
     config = ServingConfig(served_model_name=MODEL, enable_rl_endpoints=True)
     with LLM(model=str(tiny_model_dirs["llama"]), kv_cache_config=KV, max_seq_len=256) as llm, \
             serve(build_app(LocalEngine(llm), config)) as base_url:
-        error = _error(_call(base_url, "GET", "/device_ids"), 501)
-        assert "need an AsyncLLM" in error["message"]
+        for method, route in (("GET", "/device_ids"), ("POST", "/release"), ("GET", "/memory_status")):
+            error = _error(_call(base_url, method, route), 501)
+            assert "need an AsyncLLM" in error["message"]
