@@ -174,6 +174,18 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
 
+    def free(self) -> None:
+        """Lets go of the graphs and all they hold (their memory pool, its outputs, the logits buffer, the KV cache
+        list), so that the memory goes back even while something still refers to this object."""
+        for graph in (*self.graphs.values(), *self.greedy_graphs.values()):
+            graph.reset()
+        self.graphs.clear()
+        self.greedy_graphs.clear()
+        self.outputs.clear()
+        self.greedy_outputs.clear()
+        self.logits_buffer = None
+        self.kv_caches = []
+
     def fits(self, num_seqs: int, max_blocks: int) -> bool:
         return 0 < num_seqs <= self.max_batch and max_blocks <= self.max_blocks
 

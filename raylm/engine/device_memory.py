@@ -15,6 +15,7 @@ resume are idempotent.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
 import torch
@@ -83,7 +84,7 @@ class TaggedMemory:
         if not tags:
             return
         if {"model_weights", "kv_cache", "cuda_graph"} & set(tags) and self.runner.graphs is not None:
-            self.runner.graphs = None  # they read the weights and the cache at their addresses
+            self.runner.drop_graphs()  # they read the weights and the cache at their addresses
             self._graphs_stale = "cuda_graph" not in tags
         for tag in tags:
             if tag == "model_weights":
@@ -97,6 +98,7 @@ class TaggedMemory:
                 self.runner.kv_caches = []
             self.released.add(tag)
         if self.device.type == "cuda":
+            gc.collect()  # dropped graphs sit in reference cycles that hold their pools and the cache's tensors
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 

@@ -230,6 +230,14 @@ class ModelRunner:
         graphs.capture()
         self.graphs = graphs
 
+    def drop_graphs(self) -> None:
+        """Frees the decode graphs (AsyncLLM.release): they read the weights and the KV cache at the addresses
+        they had, so new ones are captured once those are back."""
+        if self.graphs is not None:
+            self.graphs.free()
+        self.graphs = None
+        self._graphed = None  # views into the graphs' pool
+
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return

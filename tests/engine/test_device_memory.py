@@ -47,14 +47,22 @@ def test_discarded_weights_come_back_empty_for_the_caller_to_refill(tiny_model_d
     assert {name: param.shape for name, param in runner.model.named_parameters()} == shapes
 
 
+class _CapturedGraphs:
+    freed = False
+
+    def free(self):
+        self.freed = True
+
+
 def test_graphs_are_captured_again_once_weights_cache_and_graphs_are_back(tiny_model_dirs):
     runner, memory, captures = _memory(tiny_model_dirs)
     memory.release(["kv_cache"])
     memory.resume(["kv_cache"])
     assert captures == []  # no graphs were held (the CPU captures none): nothing to re-capture
-    runner.graphs = object()  # as if captured
+    graphs = _CapturedGraphs()
+    runner.graphs = graphs  # as if captured
     memory.release(["kv_cache", "model_weights"])
-    assert runner.graphs is None
+    assert runner.graphs is None and graphs.freed
     memory.resume(["kv_cache"])
     assert captures == []  # the weights are still away
     memory.resume(["model_weights"])

@@ -47,7 +47,9 @@ def test_release_returns_the_memory_and_three_cycles_keep_greedy_output_bitwise(
                 before = _free()
                 await llm.release(list(TAGS))
                 returned = _free() - before
-                assert returned >= 0.99 * held, f"released {returned} of {held} bytes"
+                assert returned >= 0.99 * held, (
+                    f"released {returned} of {held} bytes; the allocator still has {torch.cuda.memory_allocated()} "
+                    f"allocated, {torch.cuda.memory_reserved()} reserved")
                 with pytest.raises(ValueError, match="resume"):
                     llm.generate_async(PROMPT, SamplingParams(max_tokens=2))
                 await llm.resume(list(TAGS))
