@@ -128,6 +128,23 @@ def perturbed_hf_model(path, names: set[str] | None = None, seed: int = 7):
                    if names is None or name in names]
 
 
+def per_expert(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The same weights with each stacked experts tensor split into one tensor per expert and projection, under
+    the names checkpoints give them (gate rows first in gate_up_proj, as transformers' forward chunks them)."""
+    split = []
+    for name, tensor in named:
+        prefix, _, projection = name.rpartition(".")
+        if prefix.endswith(".experts") and projection == "gate_up_proj":
+            for expert, (gate, up) in enumerate(zip(*tensor.chunk(2, dim=1))):
+                split += [(f"{prefix}.{expert}.gate_proj.weight", gate.clone()),
+                          (f"{prefix}.{expert}.up_proj.weight", up.clone())]
+        elif prefix.endswith(".experts") and projection == "down_proj":
+            split += [(f"{prefix}.{expert}.down_proj.weight", down.clone()) for expert, down in enumerate(tensor)]
+        else:
+            split.append((name, tensor))
+    return split
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A local Ray cluster for one test module, shut down after it so later modules run without Ray."""

@@ -125,6 +125,13 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # an expert projection's checkpoint name -> (our stacked parameter of the layer's experts, half of it)
+    expert_params = {
+        "gate_proj": ("w13", 0),
+        "up_proj": ("w13", 1),
+        "gate_up_proj": ("w13", None),
+        "down_proj": ("w2", None),
+    }
 
     def __init__(self, arch: ArchConfig, max_positions: int, ctx: ParallelContext = SINGLE):
         super().__init__()
@@ -198,12 +205,20 @@ class LlamaForCausalLM(nn.Module):
         return name
 
     def _fused_name(self, name: str) -> tuple[str, object]:
-        """Maps a checkpoint name onto a fused parameter: (parameter name, shard id)."""
-        if ".mlp.experts." in name:  # layers.L.mlp.experts.E.{gate,up,down}_proj.weight
+        """Maps a checkpoint name onto a fused parameter: (parameter name, shard id). Experts come under either
+        name: one expert's (layers.L.mlp.experts.E.{gate,up,down}_proj.weight) or every expert's, stacked
+        (layers.L.mlp.experts.{gate_up,down}_proj)."""
+        if ".mlp.experts." in name:
             prefix, rest = name.split(".experts.", 1)
-            expert, proj, _ = rest.split(".", 2)
-            target = "w2" if proj == "down_proj" else "w13"
-            return f"{prefix}.{target}", (int(expert), 1 if proj == "up_proj" else 0)
+            parts = rest.split(".")
+            expert, projection = None, None
+            if len(parts) == 3 and parts[0].isdigit():
+                expert, projection = int(parts[0]), parts[1]
+            elif len(parts) == 1:
+                projection = parts[0]
+            if projection in self.expert_params:
+                target, half = self.expert_params[projection]
+                return f"{prefix}.{target}", (expert, half)
         for ckpt_name, (fused_name, fused_shard) in self.stacked_params.items():
             if f".{ckpt_name}." in name:
                 return name.replace(ckpt_name, fused_name), fused_shard
@@ -221,7 +236,7 @@ class LlamaForCausalLM(nn.Module):
             if name is None:
                 continue
             name, shard_id = self._fused_name(name)
-            if name.endswith((".w13", ".w2")):
+            if name.endswith((".w13", ".w2")) and shard_id[0] is not None:
                 block = self.get_submodule(name.rsplit(".", 1)[0])
                 if not block.owns(shard_id[0]):
                     continue

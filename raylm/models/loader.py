@@ -121,31 +121,6 @@ def _dummy_checkpoint(hf_config: Any, dtype: torch.dtype, device: torch.device,
         yield name, DummyTensor(name, tuple(param.shape), dtype, device, seed)
 
 
-def _init_dummy(model: nn.Module, hf_config: Any, arch: ArchConfig, dtype: torch.dtype, device: torch.device,
-                seed: int) -> None:
-    """Dummy weights through the checkpoint path (see DummyTensor). Where transformers' module layout is not the
-    checkpoint layout (fused mixture-of-experts weights), the weights it cannot place are drawn per parameter
-    on each rank instead: still random, but then not the same model across parallel layouts."""
-    try:
-        loaded = model.load_weights(_dummy_checkpoint(hf_config, dtype, device, seed))
-    except ValueError:
-        loaded = set()
-    if arch.tie_word_embeddings:
-        loaded.add("lm_head.weight")
-    generators: dict[torch.device, torch.Generator] = {}
-    for name, param in model.named_parameters():
-        if name in loaded:
-            continue
-        if name.endswith("norm.weight"):
-            param.data.fill_(1.0)
-        elif name.endswith("bias"):
-            param.data.zero_()
-        else:
-            if param.device not in generators:
-                generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-            param.data.normal_(0.0, 0.02, generator=generators[param.device])
-
-
 def load_model(
     source: ModelSource,
     hf_config: Any,
@@ -162,14 +137,13 @@ def load_model(
     with _default_dtype(dtype), torch.device(device):
         model = entry.model_class(arch, max_positions, ctx)
     prepared = time.perf_counter()
-    if load_format == "dummy":
-        _init_dummy(model, hf_config, arch, dtype, device, seed)
-    else:
-        loaded = model.load_weights(_iter_checkpoint(source, arch))
-        expected = {name for name, _ in model.named_parameters()}
-        missing = sorted(expected - loaded - ({"lm_head.weight"} if arch.tie_word_embeddings else set()))
-        if missing:
-            raise ValueError(f"checkpoint of {source.name!r} lacks weights: {', '.join(missing[:8])}")
+    checkpoint = _dummy_checkpoint(hf_config, dtype, device, seed) if load_format == "dummy" \
+        else _iter_checkpoint(source, arch)
+    loaded = model.load_weights(checkpoint)
+    expected = {name for name, _ in model.named_parameters()}
+    missing = sorted(expected - loaded - ({"lm_head.weight"} if arch.tie_word_embeddings else set()))
+    if missing:
+        raise ValueError(f"checkpoint of {source.name!r} lacks weights: {', '.join(missing[:8])}")
     populated = time.perf_counter()
     model.eval()
     timings = {

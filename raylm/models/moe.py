@@ -46,14 +46,29 @@ class MoEBlock(nn.Module):
     def owns(self, expert: int) -> bool:
         return self.first_expert <= expert < self.first_expert + self.local_count
 
-    def _load_w13(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: tuple[int, int]) -> None:
-        expert, half = shard_id
-        rows = loaded.narrow(0, self.expert_tp_rank * self.inter, self.inter)
-        param.data[expert - self.first_expert, half * self.inter : (half + 1) * self.inter].copy_(rows)
+    # Shard ids: (expert, half) for one expert's projection (half 0: gate, 1: up; None for down); (None, None) for
+    # every expert's, stacked as transformers holds them: gate_up_proj [E, 2I, H] (gate rows, then up) and
+    # down_proj [E, H, I]. A stacked tensor goes in with one sliced copy: this rank's experts, and of each its
+    # rows (w13) or columns (w2) of the intermediate dimension.
 
-    def _load_w2(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: tuple[int, int]) -> None:
+    def _load_w13(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: tuple[int | None, int | None]) -> None:
+        expert, half = shard_id
+        start = self.expert_tp_rank * self.inter
+        if expert is None:
+            stacked = loaded.narrow(0, self.first_expert, self.local_count)
+            halves = stacked.reshape(self.local_count, 2, -1, stacked.shape[-1]).narrow(2, start, self.inter)
+            param.data.view(self.local_count, 2, self.inter, -1).copy_(halves)
+            return
+        param.data[expert - self.first_expert, half * self.inter : (half + 1) * self.inter].copy_(
+            loaded.narrow(0, start, self.inter))
+
+    def _load_w2(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: tuple[int | None, None]) -> None:
         expert, _ = shard_id
-        param.data[expert - self.first_expert].copy_(loaded.narrow(1, self.expert_tp_rank * self.inter, self.inter))
+        start = self.expert_tp_rank * self.inter
+        if expert is None:
+            param.data.copy_(loaded.narrow(0, self.first_expert, self.local_count).narrow(2, start, self.inter))
+            return
+        param.data[expert - self.first_expert].copy_(loaded.narrow(1, start, self.inter))
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], experts [T, k]) as the reference router computes them."""

@@ -12,12 +12,36 @@ from torch import nn
 
 def checkpoint_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
     """The checkpoint's tensor names and full (unsharded) shapes for `hf_config`, read off transformers' model
-    built on the meta device (nothing allocated); tied weights under each of their names."""
+    built on the meta device (nothing allocated); tied weights under each of their names. A mixture-of-experts
+    layer's experts are there under both of their names (_per_expert_shapes)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         reference = AutoModelForCausalLM.from_config(hf_config)
-    return {name: tuple(param.shape) for name, param in reference.named_parameters(remove_duplicate=False)}
+    shapes = {}
+    for name, param in reference.named_parameters(remove_duplicate=False):
+        shapes[name] = tuple(param.shape)
+        shapes.update(_per_expert_shapes(name, tuple(param.shape)))
+    return shapes
+
+
+def _per_expert_shapes(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """The per-expert names and shapes of the experts that transformers holds stacked: `*.experts.gate_up_proj`
+    [E, 2I, H] (each expert's gate rows, then its up rows) and `*.experts.down_proj` [E, H, I]. A trainer holding
+    transformers' model sends these; checkpoints on disk, and other trainers, name each expert's projections
+    (`*.experts.E.gate_proj.weight` [I, H], `up_proj` [I, H], `down_proj` [H, I]). Empty for any other tensor."""
+    prefix, _, projection = name.rpartition(".")
+    if not prefix.endswith(".experts") or len(shape) != 3:
+        return {}
+    num_experts, rows, columns = shape
+    if projection == "gate_up_proj":
+        per_expert = {"gate_proj": (rows // 2, columns), "up_proj": (rows // 2, columns)}
+    elif projection == "down_proj":
+        per_expert = {"down_proj": (rows, columns)}
+    else:
+        return {}
+    return {f"{prefix}.{expert}.{part}.weight": part_shape
+            for expert in range(num_experts) for part, part_shape in per_expert.items()}
 
 
 def check_entries(entries: list[tuple[str, tuple[int, ...], torch.dtype]], shapes: dict[str, tuple[int, ...]],

@@ -9,6 +9,7 @@ import torch
 
 from raylm import LLM, KvCacheConfig, SamplingParams
 from raylm.models.loader import load_hf_config, load_model
+from raylm.models.parallel import SINGLE, ParallelContext
 from raylm.models.registry import supported_architectures
 from raylm.models.source import default_model_path, resolve_model
 
@@ -73,6 +74,19 @@ def test_dummy_weights_have_the_right_shapes_and_run(tiny_model_dirs):
         output = llm.generate([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True))
     assert len(output.outputs[0].token_ids) == 5
 
+
+
+def test_dummy_experts_are_one_model_whatever_rank_holds_them(tiny_model_dirs):
+    """Dummy weights come through the checkpoint path, stacked experts included: a rank holding experts 4..7 of 8
+    has the very experts that a single rank has."""
+    source = resolve_model(str(tiny_model_dirs["qwen3_moe"]))
+
+    def experts(ctx: ParallelContext):
+        loaded = load_model(source, load_hf_config(source), torch.float32, torch.device("cpu"), 128, "dummy", ctx)
+        return loaded.model.layers[0].mlp
+
+    whole, second_half = experts(SINGLE), experts(ParallelContext(tp_rank=1, tp_size=2, ep_size=2))
+    assert torch.equal(second_half.w13, whole.w13[4:]) and torch.equal(second_half.w2, whole.w2[4:])
 
 def test_sharded_safetensors_directory_loads(tmp_path, tiny_model_dirs):
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,6 +1,7 @@
 """The RL loop on AsyncLLM: pause_generation (abort / keep), update_weights from tensor handles (full, partial,
-bucketed, base64) finalized into a new weight version, and the prefix cache across an update. The engine runs in
-this process (executor="local"); the tensor-parallel case over Ray is at the end."""
+bucketed, base64) finalized into a new weight version, mixture-of-experts weights stacked or per expert, and the
+prefix cache across an update. The engine runs in this process (executor="local"); the tensor-parallel cases over
+Ray are at the end."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from raylm import AsyncLLM, KvCacheConfig, SamplingParams, TokensPrompt
 from raylm.rl_api.weight_transfer import encode_payload, pack_bucket, tensor_handle
-from tests.conftest import hf_greedy, hf_model, logprob_errors, perturbed_hf_model
+from tests.conftest import hf_greedy, hf_model, logprob_errors, per_expert, perturbed_hf_model
 
 KV = KvCacheConfig(max_tokens=2048, tokens_per_block=16)
 PROMPTS = [[5, 17, 99, 3, 250, 7, 42, 8], [300, 12, 9, 77, 101, 64, 2048, 11, 5, 6]]
@@ -174,6 +175,45 @@ def test_pause_modes_are_checked(tiny_model_dirs):
             running.abort()
 
     asyncio.run(run())
+
+
+# ---------------------------------------------------------------------- mixture-of-experts weights under either name
+
+
+def _moe_update(path, form: str, seed: int = 7):
+    """(HF's Qwen3-MoE with new weights, those weights as a trainer sends them) for each form of update: every
+    weight, the experts stacked as transformers holds them or per expert as checkpoints name them; one stacked
+    tensor; or the per-expert tensors of two experts of layer 0 (1 and 6: on different ranks when split in two)."""
+    if form == "two-experts":
+        hf = hf_model(path)
+        experts = hf.model.layers[0].mlp.experts
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for param in (experts.gate_up_proj, experts.down_proj):
+                param[[1, 6]] += torch.randn(param[[1, 6]].shape, generator=generator) * 0.05
+        stacked = [(name, param.detach().clone()) for name, param in hf.named_parameters()
+                   if name.startswith("model.layers.0.mlp.experts.")]
+        return hf, [(name, t) for name, t in per_expert(stacked) if ".experts.1." in name or ".experts.6." in name]
+    names = {"model.layers.0.mlp.experts.down_proj"} if form == "one-stacked-tensor" else None
+    hf, weights = perturbed_hf_model(path, names, seed)
+    return hf, per_expert(weights) if form == "per-expert" else weights
+
+
+@pytest.mark.parametrize("form", ["stacked", "per-expert", "one-stacked-tensor", "two-experts"])
+def test_moe_updates_under_stacked_or_per_expert_names_give_hf_tokens_and_logprobs(tiny_model_dirs, form):
+    path = tiny_model_dirs["qwen3_moe"]
+    hf, weights = _moe_update(path, form)
+
+    async def run():
+        async with _engine(path) as llm:
+            device = await _device_id(llm)
+            await llm.pause_generation()
+            await llm.update_weights({device: [(name, tensor_handle(t)) for name, t in weights]})
+            await llm.update_weights(None)
+            await llm.resume_generation()
+            return await _generate(llm)
+
+    _assert_matches_hf(hf, asyncio.run(run()))
 
 
 # ---------------------------------------------------------------------- device memory by tag
@@ -347,3 +387,29 @@ def test_tensor_parallel_ranks_cut_their_shards_from_full_updated_weights(tiny_m
             return await _generate(llm)
 
     _assert_matches_hf(hf, asyncio.run(run()))
+
+
+@pytest.mark.parametrize("expert_parallel", [2, 1])
+def test_moe_ranks_cut_their_experts_from_stacked_and_per_expert_updates(tiny_model_dirs, _shared_by_file,
+                                                                         expert_parallel):
+    """Two ranks holding four experts each (expert_parallel 2) or half of every expert's intermediate dimension
+    (1); each update is followed by generation: two experts per expert, then all stacked, then all per expert."""
+    path = tiny_model_dirs["qwen3_moe"]
+    updates = [_moe_update(path, "two-experts"), _moe_update(path, "stacked"), _moe_update(path, "per-expert", 8)]
+
+    async def run():
+        async with AsyncLLM(model=str(path), tensor_parallel_size=2, moe_expert_parallel_size=expert_parallel,
+                            skip_tokenizer_init=True, kv_cache_config=KV, max_seq_len=512) as llm:
+            devices = await llm.collective_rpc("report_device_id")
+            outputs = []
+            for _, weights in updates:
+                bucket = pack_bucket(weights)
+                await llm.pause_generation()
+                await llm.update_weights({device: bucket.payload() for device in devices})
+                await llm.update_weights(None)
+                await llm.resume_generation()
+                outputs.append(await _generate(llm))
+            return outputs
+
+    for (hf, _), outputs in zip(updates, asyncio.run(run()), strict=True):
+        _assert_matches_hf(hf, outputs)
