@@ -13,7 +13,8 @@
 #                                        # 8B batch 1 by default (GEMV + PDL tail), PDL off, at exit, with
 #                                        # neither; batch 8, and the step profile of the default     (~6 min)
 #   bash benchmarks/h200.sh rl           # the RL loop's costs: 8B refit through bucketed CUDA IPC from a colocated
-#                                        # trainer, release / resume cycles; then release's GPU test  (~3 min)
+#                                        # trainer, release / resume cycles with addresses kept (torch-memory-saver)
+#                                        # and reallocated; then release's GPU tests                   (~7 min)
 #   bash benchmarks/h200.sh flashinfer   # attention_backend="flashinfer": its GPU tests, then 8B latency batch 8
 #                                        # and 8B 256 x (512, 128); needs .gpu/flashinfer.tar.xz from
 #                                        # benchmarks/flashinfer_bundle.sh (its first JIT compiles take minutes)
@@ -125,8 +126,13 @@ case "${1:-}" in
     done
     ;;
   rl)
-    watched 170 python benchmarks/rl_refit.py --model "$llama" "${dummy[@]}" --refits 3 --set kernel_config.decode_gemv=false \
-      $(output_json rl_refit-llama-3.1-8b) 2>&1 | grep -v '^ *$' | tail -12
+    # Addresses kept (torch-memory-saver, when installed: carry its wheel) and reallocated; then release's GPU test.
+    refit=(python benchmarks/rl_refit.py --model "$llama" "${dummy[@]}" --refits 3 --set kernel_config.decode_gemv=false)
+    watched 170 "${refit[@]}" $(output_json rl_refit-llama-3.1-8b) 2>&1 | grep -v '^ *$' | tail -8
+    watched 170 "${refit[@]}" --tags model_weights kv_cache model $(output_json rl_refit-llama-3.1-8b-graphs-kept) \
+      2>&1 | grep -v '^ *$' | tail -8
+    watched 170 "${refit[@]}" --set sleep_config.keep_addresses=false $(output_json rl_refit-llama-3.1-8b-reallocate) \
+      2>&1 | grep -v '^ *$' | tail -8
     timeout 120 python -m pytest tests/rl_api/test_memory_gpu.py -q -p no:cacheprovider 2>&1 | tail -5
     ;;
   throughput)

@@ -6,10 +6,11 @@ half) runs in the same placement group. Measured:
 - refit: the trainer packs every weight into flat buckets (--bucket_mb each) and the engine copies them in from one
   handle per bucket (update_weights, then update_weights(None)); the first refit apart, the median of --refits;
   the weights are then checked to be exact: greedy tokens after refits A, B, A again equal the first A's;
-- the RL cycle, --cycles times: release of every tag, resume of the weights, a refit (sleep_config.model_weights
-  discard, the default here) or nothing (host_copy), resume of the rest (the decode graphs are captured again),
-  then greedy tokens compared bit for bit with those before; device memory by mem_get_info before and after the
-  release, and what the engine's process still holds (the driver's count, through NVML);
+- the RL cycle, --cycles times: release of the --tags (every tag by default), resume of the weights, a refit
+  (sleep_config.model_weights discard, the default here) or nothing (host_copy), resume of the rest (the decode
+  graphs are captured again unless addresses are kept and cuda_graph is not released), then greedy tokens compared
+  bit for bit with those before; device memory by mem_get_info before and after the release, and what the engine's
+  process still holds (the driver's count, through NVML);
 - each tag released alone: the device memory it returned against the bytes it held.
 
     python benchmarks/rl_refit.py --model benchmarks/configs/llama-3.1-8b --load_format dummy --dtype bfloat16
@@ -145,6 +146,9 @@ async def run(args) -> dict:
     await llm
     result: dict = {"engine_start_s": time.perf_counter() - begin, "weights_gib": await weights_a,
                     "sleep_config.model_weights": options["sleep_config"]["model_weights"]}
+    status = await memory(llm)
+    result["keep_addresses"] = status["keep_addresses"]
+    print(f"engine up in {result['engine_start_s']:.1f} s; addresses kept: {status['keep_addresses']}", flush=True)
     bucket_bytes = args.bucket_mb * 2**20
     devices = await llm.collective_rpc("report_device_id")
     prompt = random_prompts(1, args.input_len, 2000, args.seed)[0]  # ids 1000..1999: in every vocabulary
@@ -174,17 +178,18 @@ async def run(args) -> dict:
     for _ in range(args.cycles):
         await llm.pause_generation()
         before = await memory(llm)
-        cycle = {"release_s": await timed(llm.release(TAGS))}
+        cycle = {"release_s": await timed(llm.release(args.tags))}
         after = await memory(llm)
-        if discard:
+        if discard and "model_weights" in args.tags:
             cycle["resume_weights_s"] = await timed(llm.resume(["model_weights"]))
             cycle["refit_s"] = (await refit(llm, trainer, devices, bucket_bytes))["total_s"]
-            cycle["resume_rest_s"] = await timed(llm.resume(["kv_cache", "cuda_graph", "model"]))
+            cycle["resume_rest_s"] = await timed(llm.resume([tag for tag in args.tags if tag != "model_weights"]))
         else:
-            cycle["resume_s"] = await timed(llm.resume(TAGS))
+            cycle["resume_s"] = await timed(llm.resume(args.tags))
         await llm.resume_generation()
         cycle["same_tokens"] = await greedy(llm, prompt, args.output_len) == tokens_a
-        cycle["held_bytes"] = tag_bytes(before, TAGS)
+        cycle["held_bytes"] = tag_bytes(before, args.tags)
+        cycle["held_bytes_all_tags"] = tag_bytes(before, TAGS)
         if gpu:
             cycle["returned_bytes"] = after["device_free_bytes"] - before["device_free_bytes"]
             cycle["returned_fraction"] = cycle["returned_bytes"] / cycle["held_bytes"]
@@ -224,13 +229,15 @@ def main() -> None:
     parser.add_argument("--bucket_mb", type=int, default=1024, help="bytes per bucket, in MiB")
     parser.add_argument("--refits", type=int, default=5)
     parser.add_argument("--cycles", type=int, default=3)
+    parser.add_argument("--tags", nargs="+", default=TAGS, choices=TAGS, help="the tags each cycle releases")
     parser.add_argument("--input_len", type=int, default=32)
     parser.add_argument("--output_len", type=int, default=32)
     parser.add_argument("--max_seq_len", type=int, default=2048)
     args = parser.parse_args()
     ray.init()
     result = asyncio.run(run(args))
-    name = f"rl_refit-{Path(args.model or 'smollm2').name}{run_suffix(args)}"
+    tags = "" if set(args.tags) == set(TAGS) else "-" + "-".join(args.tags)
+    name = f"rl_refit-{Path(args.model or 'smollm2').name}{tags}{run_suffix(args)}"
     print(f"wrote {write_result(name, args, result)}")
 
 

@@ -72,6 +72,10 @@ class SleepConfig(StrictModel):
     model_weights: Literal["host_copy", "discard"] = Field(
         default="host_copy", description="host_copy: a host copy (pinned on GPUs) restores the weights on resume; "
                                          "discard: nothing is kept, and update_weights refills them after resume.")
+    keep_addresses: bool | None = Field(
+        default=None, description="Weights, buffers and KV cache come back at the same device addresses "
+                                  "(torch-memory-saver on CUDA), so resume captures no decode graphs again; false "
+                                  "frees and reallocates them; null: kept where torch-memory-saver is installed.")
 
 
 class KernelConfig(StrictModel):

@@ -36,6 +36,7 @@ class Worker:
         self._checkpoint_shapes: dict[str, tuple[int, ...]] | None = None  # read at the first weight update
         self._weight_group = None  # a trainer's weight-update group (actors/weight_group.py)
         self._memory = None  # device memory by tag (engine/device_memory.py), made with the KV cache
+        self._fixed = None  # where weights, buffers and KV cache keep their addresses (device_memory.FixedAddresses)
         self._begin = time.perf_counter()
         if spec.cpu_threads:
             torch.set_num_threads(spec.cpu_threads)
@@ -112,7 +113,7 @@ class Worker:
         """Per tag: bytes held when resident and whether it is; and the device's free and total bytes."""
         from raylm.engine.device_memory import process_device_bytes
 
-        status = {"tags": self._tagged_memory().status()}
+        status = {"tags": self._tagged_memory().status(), "keep_addresses": self._fixed is not None}
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             status.update(device_free_bytes=free, device_total_bytes=total,
@@ -125,7 +126,8 @@ class Worker:
         from raylm.engine.device_memory import TaggedMemory
 
         if self._memory is None:
-            self._memory = TaggedMemory(self.runner, self._capture_graphs, self.spec.args.sleep_config.model_weights)
+            self._memory = TaggedMemory(self.runner, self._capture_graphs, self.spec.args.sleep_config.model_weights,
+                                        self._fixed)
         return self._memory
 
     def _capture_graphs(self) -> None:
@@ -153,11 +155,17 @@ class Worker:
 
     def load_model(self) -> int:
         """Loads this rank's shard of the model; returns how many KV blocks this rank can hold."""
+        from raylm.engine.device_memory import fixed_addresses, move_into_region, region
+
         begin = time.perf_counter()
         args = self.spec.args
         hf_config = load_hf_config(self.spec.source, args.trust_remote_code)
-        loaded = load_model(self.spec.source, hf_config, self.dtype, self.device, self.spec.max_seq_len,
-                            args.load_format, ctx=self.ctx, seed=args.seed)
+        sleep = args.sleep_config
+        self._fixed = fixed_addresses(sleep.keep_addresses, self.device)
+        with region(self._fixed, "model_weights", keep_contents=sleep.model_weights == "host_copy"):
+            loaded = load_model(self.spec.source, hf_config, self.dtype, self.device, self.spec.max_seq_len,
+                                args.load_format, ctx=self.ctx, seed=args.seed)
+        move_into_region(self._fixed, list(loaded.model.buffers()), "model", keep_contents=True)
         self.arch = loaded.arch
         self.runner = ModelRunner(loaded.model, loaded.arch, self.device, self.dtype,
                                   args.kv_cache_config.tokens_per_block, seed=args.seed,
@@ -169,8 +177,11 @@ class Worker:
         return self._num_blocks(self.kv_dtype)
 
     def init_cache(self, num_blocks: int) -> EngineInfo:
+        from raylm.engine.device_memory import region
+
         begin = time.perf_counter()
-        self.runner.allocate_kv_cache(num_blocks, self.kv_dtype)
+        with region(self._fixed, "kv_cache"):
+            self.runner.allocate_kv_cache(num_blocks, self.kv_dtype)
         seconds = time.perf_counter() - begin
         self.timings["py_executor"]["final_kv_cache_creation_seconds"] = seconds
         self.timings["py_executor"]["kv_cache_capacity_configuration_seconds"] = seconds

@@ -7,16 +7,22 @@
 - `cuda_graph`: the decode CUDA graphs, captured again on resume;
 - `model`: the rest the model keeps on the device (its buffers, such as the rotary tables), copied to the host.
 
-Released tensors are freed (on GPUs the allocator's cache is emptied too, so the memory goes back to the device);
-resumed ones are allocated anew. New addresses invalidate captured graphs, so releasing the weights or the cache
-drops the graphs as well, and they are captured again once weights, cache and graphs are all resident. Release and
-resume are idempotent.
+Two ways to give memory back (sleep_config.keep_addresses):
+- reallocate: released tensors are freed (on GPUs the allocator's cache is emptied too, so the memory goes back to
+  the device) and resumed ones allocated anew. New addresses invalidate captured graphs, so releasing the weights
+  or the cache drops the graphs as well, and they are captured again once weights, cache and graphs are resident.
+- keep addresses (CUDA, torch-memory-saver): the weights, the buffers and the KV cache are allocated in regions
+  whose physical pages are unmapped on release and mapped again on resume at the same virtual addresses, so the
+  decode graphs stay valid and resume captures nothing. The graphs' own memory is still dropped and captured again
+  when `cuda_graph` is released.
+Release and resume are idempotent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -34,21 +40,89 @@ def check_tags(tags: list[str]) -> list[str]:
     return list(dict.fromkeys(tags))
 
 
+FIXED_TAGS = ("model_weights", "kv_cache", "model")  # the tags whose tensors keep their addresses
+_fixed_addresses = None  # one per process: the memory saver's allocator hooks are process-wide
+
+
+class FixedAddresses:
+    """Tagged device memory whose physical pages go back to the device and return at the same virtual addresses
+    (CUDA virtual memory through torch-memory-saver, with its in-process pluggable allocator)."""
+
+    def __init__(self):
+        import torch_memory_saver
+
+        self.saver = torch_memory_saver.TorchMemorySaver()
+        self.saver.hook_mode = "torch"  # no LD_PRELOAD: a Ray worker's environment is set before it starts
+
+    def region(self, tag: str, keep_contents: bool = False):
+        """Tensors allocated inside belong to `tag`; with keep_contents a pinned host copy refills them on resume."""
+        return self.saver.region(tag=tag, enable_cpu_backup=keep_contents)
+
+    def pause(self, tag: str) -> None:
+        self.saver.pause(tag)
+
+    def resume(self, tag: str) -> None:
+        self.saver.resume(tag)
+
+
+def fixed_addresses(keep_addresses: bool | None, device: torch.device) -> FixedAddresses | None:
+    """The process's FixedAddresses when sleep_config.keep_addresses asks for them (None: where torch-memory-saver
+    is installed and the device is CUDA), else None; a clear error when asked for where they cannot be had."""
+    global _fixed_addresses
+    if keep_addresses is False or (device.type != "cuda" and keep_addresses is None):
+        return None
+    if device.type != "cuda":
+        raise ValueError(f"sleep_config.keep_addresses=true needs a CUDA device, got {device}")
+    if _fixed_addresses is None:
+        try:
+            _fixed_addresses = FixedAddresses()
+        except ImportError as error:
+            if keep_addresses:
+                raise ValueError("sleep_config.keep_addresses=true needs the torch-memory-saver package: "
+                                 "pip install torch-memory-saver") from error
+            return None
+    return _fixed_addresses
+
+
+@contextlib.contextmanager
+def region(fixed: FixedAddresses | None, tag: str, keep_contents: bool = False) -> Iterator[None]:
+    """FixedAddresses.region, or nothing when addresses are not kept."""
+    if fixed is None:
+        yield
+    else:
+        with fixed.region(tag, keep_contents):
+            yield
+
+
+def move_into_region(fixed: FixedAddresses | None, tensors: list[torch.Tensor], tag: str,
+                     keep_contents: bool) -> None:
+    """Copies `tensors` into `tag`'s region in place of their old storage (the model's buffers, made while loading
+    inside the weights' region, go to the `model` tag's)."""
+    if fixed is None:
+        return
+    with fixed.region(tag, keep_contents):
+        for tensor in tensors:
+            tensor.data = tensor.data.clone()
+
+
 def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class TaggedMemory:
     """One rank's device memory by tag. `capture_graphs` captures the runner's decode graphs (a no-op where a rank
-    has none); `weight_restore` is sleep_config.model_weights."""
+    has none); `weight_restore` is sleep_config.model_weights; `fixed`: the FixedAddresses the weights, buffers and
+    KV cache were allocated in (their regions made with the same weight_restore), or None to reallocate."""
 
-    def __init__(self, runner, capture_graphs: Callable[[], None], weight_restore: str = "host_copy"):
+    def __init__(self, runner, capture_graphs: Callable[[], None], weight_restore: str = "host_copy",
+                 fixed: FixedAddresses | None = None):
         if weight_restore not in WEIGHT_RESTORE_MODES:
             raise ValueError(f"sleep_config.model_weights must be one of {list(WEIGHT_RESTORE_MODES)}, "
                              f"got {weight_restore!r}")
         self.runner = runner
         self.capture_graphs = capture_graphs
         self.weight_restore = weight_restore
+        self.fixed = fixed
         self.released: set[str] = set()
         self._weights = list(runner.model.parameters())  # tied weights once
         self._buffers = list(runner.model.buffers())
@@ -83,11 +157,14 @@ class TaggedMemory:
         tags = [tag for tag in check_tags(tags) if tag not in self.released]
         if not tags:
             return
-        if {"model_weights", "kv_cache", "cuda_graph"} & set(tags) and self.runner.graphs is not None:
+        moved = {"cuda_graph"} if self.fixed is not None else {"model_weights", "kv_cache", "cuda_graph"}
+        if moved & set(tags) and self.runner.graphs is not None:
             self.runner.drop_graphs()  # they read the weights and the cache at their addresses
             self._graphs_stale = "cuda_graph" not in tags
         for tag in tags:
-            if tag == "model_weights":
+            if self.fixed is not None and tag in FIXED_TAGS:
+                self.fixed.pause(tag)
+            elif tag == "model_weights":
                 self._free(tag, self._weights, keep=self.weight_restore == "host_copy")
             elif tag == "model":
                 self._free(tag, self._buffers, keep=True)
@@ -105,7 +182,11 @@ class TaggedMemory:
     def resume(self, tags: list[str]) -> None:
         tags = [tag for tag in check_tags(tags) if tag in self.released]
         for tag in tags:
-            if tag == "model_weights":
+            if self.fixed is not None and tag in FIXED_TAGS:
+                self.fixed.resume(tag)
+                if tag == "kv_cache":
+                    self.runner.zero_null_block()  # the pages come back with any contents
+            elif tag == "model_weights":
                 self._restore(self._weights)
             elif tag == "model":
                 self._restore(self._buffers)

@@ -165,9 +165,14 @@ class ModelRunner:
         for _ in range(self.num_local_layers):
             k_cache = torch.empty(shape, dtype=kv_dtype, device=self.device)
             v_cache = torch.empty(shape, dtype=kv_dtype, device=self.device)
+            self.kv_caches.append((k_cache, v_cache))
+        self.zero_null_block()
+
+    def zero_null_block(self) -> None:
+        """Zeroes block 0 of every layer's cache, which padding rows and unused table entries read."""
+        for k_cache, v_cache in self.kv_caches:
             k_cache[0].zero_()
             v_cache[0].zero_()
-            self.kv_caches.append((k_cache, v_cache))
 
     def profile_activation_memory(self, num_tokens: int) -> int:
         """Peak device memory (bytes) a prefill step of num_tokens tokens takes beyond weights and KV cache,

@@ -74,3 +74,62 @@ def test_unknown_tags_are_refused_with_the_tags():
         TaggedMemory.release(None, ["weights"])
     with pytest.raises(TypeError, match="list of tag names"):
         TaggedMemory.resume(None, "kv_cache")
+
+
+class _FakeFixedAddresses:
+    """Stands in for torch-memory-saver on the CPU: records pauses and resumes; a resumed tag's pages come back
+    holding ones, as reused device pages hold whatever was there."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.calls = []
+
+    def pause(self, tag):
+        self.calls.append(("pause", tag))
+
+    def resume(self, tag):
+        self.calls.append(("resume", tag))
+        if tag == "kv_cache":
+            for k_cache, v_cache in self.runner.kv_caches:
+                k_cache.fill_(1.0)
+                v_cache.fill_(1.0)
+
+
+def test_kept_addresses_pause_and_resume_in_place_and_keep_the_graphs(tiny_model_dirs):
+    runner, _ = tiny_runner(tiny_model_dirs["llama"], torch.float32, torch.device("cpu"))
+    captures = []
+    fixed = _FakeFixedAddresses(runner)
+    memory = TaggedMemory(runner, lambda: captures.append(1), "discard", fixed)
+    caches, weights = runner.kv_caches, [param.data for param in runner.model.parameters()]
+    graphs = _CapturedGraphs()
+    runner.graphs = graphs
+    memory.release(["model_weights", "kv_cache", "model"])
+    memory.release(["kv_cache"])
+    assert fixed.calls == [("pause", "model_weights"), ("pause", "kv_cache"), ("pause", "model")]
+    assert runner.graphs is graphs and not graphs.freed  # the graphs' addresses stay valid
+    assert runner.kv_caches is caches
+    assert all(param.data.data_ptr() == old.data_ptr() for param, old in zip(runner.model.parameters(), weights))
+    memory.resume(list(TAGS))
+    assert fixed.calls[3:] == [("resume", "model_weights"), ("resume", "kv_cache"), ("resume", "model")]
+    assert captures == []  # nothing to capture again
+    assert bool((caches[0][0][0] == 0).all()) and bool((caches[0][0][1] == 1).all())  # the null block zeroed
+
+    memory.release(["cuda_graph", "kv_cache"])  # the graphs' own memory is dropped, and captured again on resume
+    assert runner.graphs is None and graphs.freed
+    memory.resume(["kv_cache"])
+    assert captures == []
+    memory.resume(["cuda_graph"])
+    assert captures == [1]
+
+
+def test_kept_addresses_are_chosen_by_config_and_refused_where_they_cannot_be(monkeypatch):
+    from raylm.engine.device_memory import fixed_addresses
+
+    assert fixed_addresses(None, torch.device("cpu")) is None
+    assert fixed_addresses(False, torch.device("cuda")) is None
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        fixed_addresses(True, torch.device("cpu"))
+    monkeypatch.setitem(__import__("sys").modules, "torch_memory_saver", None)  # not installed
+    assert fixed_addresses(None, torch.device("cuda")) is None
+    with pytest.raises(ValueError, match="pip install torch-memory-saver"):
+        fixed_addresses(True, torch.device("cuda"))

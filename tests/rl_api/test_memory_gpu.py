@@ -31,14 +31,19 @@ def _free() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
-def test_release_returns_the_memory_and_three_cycles_keep_greedy_output_bitwise():
+@pytest.mark.parametrize("keep_addresses", [False, True], ids=["reallocate", "keep_addresses"])
+def test_release_returns_the_memory_and_three_cycles_keep_greedy_output_bitwise(keep_addresses):
+    if keep_addresses:
+        pytest.importorskip("torch_memory_saver")
+
     async def scenario():
         llm = AsyncLLM(model=str(MODEL), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                        device="cuda", executor="local", max_batch_size=8, max_seq_len=512,
-                       kv_cache_config={"max_tokens": 65536})
+                       kv_cache_config={"max_tokens": 65536}, sleep_config={"keep_addresses": keep_addresses})
         await llm
         worker = llm._executor.worker
         try:
+            assert worker.memory_status()["keep_addresses"] is keep_addresses
             assert worker.runner.graphs is not None  # decode graphs on
             reference = await _greedy(llm)
             for _ in range(3):
