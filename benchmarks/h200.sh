@@ -127,7 +127,8 @@ case "${1:-}" in
     ;;
   rl)
     # Addresses kept (torch-memory-saver, when installed: carry its wheel) and reallocated; then release's GPU test.
-    refit=(python benchmarks/rl_refit.py --model "$llama" "${dummy[@]}" --refits 3 --set kernel_config.decode_gemv=false)
+    refit=(python benchmarks/rl_refit.py --model "$llama" "${dummy[@]}" --refits 3 --set kernel_config.decode_gemv=false
+           --set sleep_config.keep_addresses=null)
     watched 170 "${refit[@]}" $(output_json rl_refit-llama-3.1-8b) 2>&1 | grep -v '^ *$' | tail -8
     watched 170 "${refit[@]}" --tags model_weights kv_cache model $(output_json rl_refit-llama-3.1-8b-graphs-kept) \
       2>&1 | grep -v '^ *$' | tail -8

@@ -73,9 +73,10 @@ class SleepConfig(StrictModel):
         default="host_copy", description="host_copy: a host copy (pinned on GPUs) restores the weights on resume; "
                                          "discard: nothing is kept, and update_weights refills them after resume.")
     keep_addresses: bool | None = Field(
-        default=None, description="Weights, buffers and KV cache come back at the same device addresses "
-                                  "(torch-memory-saver on CUDA), so resume captures no decode graphs again; false "
-                                  "frees and reallocates them; null: kept where torch-memory-saver is installed.")
+        default=False, description="Weights, buffers and KV cache come back at the same device addresses "
+                                   "(torch-memory-saver on CUDA, pip install 'raylm[rl]'), so resume captures no "
+                                   "decode graphs again; false frees and reallocates them; null: kept where "
+                                   "torch-memory-saver is installed.")
 
 
 class KernelConfig(StrictModel):
