@@ -231,6 +231,62 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_batch_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "batch", help="answer a file of requests or prompts on a Ray cluster (Ray Data)",
+        description="Answer every row of INPUT (JSONL or Parquet: OpenAI Batch requests, or rows with a `prompt` or "
+                    "`messages` column) with engine replicas on the Ray cluster (RAY_ADDRESS, as `ray job submit` "
+                    "sets it, or a new local one), writing JSONL answers under OUTPUT. Settings come from, lowest "
+                    "precedence first: the defaults, --config, the flags below, --set (see raylm.batch.BatchArgs).",
+    )
+    parser.add_argument("-i", "--input", required=True, help="a file, a directory or a URI of JSONL / Parquet rows")
+    parser.add_argument("-o", "--output", required=True, help="the directory (or URI) the answers go to")
+    parser.add_argument("--model", default=None, help="HF directory, .gguf file, hub id or alias "
+                                                       "(default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--num_replicas", type=int, default=None, help="engine replicas (default 1)")
+    parser.add_argument("--max_replicas", type=int, default=None, help="scale up to this many replicas")
+    parser.add_argument("--tensor_parallel_size", "--tp", type=int, default=None, help="GPUs per replica's stage")
+    parser.add_argument("--max_tokens", type=int, default=None, help="table rows' max_tokens unless they set it")
+    parser.add_argument("--temperature", type=float, default=None, help="table rows' temperature unless they set "
+                                                                        "it (OpenAI's default 1.0 when unset)")
+    parser.add_argument("--resume", action="store_true", help="skip rows already answered in OUTPUT")
+    parser.add_argument("--config", dest="config_file", default=None, metavar="YAML",
+                        help="a YAML file of BatchArgs fields (engine settings included)")
+    parser.add_argument("--set", dest="assignments", action="append", default=[], metavar="PATH=VALUE",
+                        help="one BatchArgs field as a dotted path and a YAML value, applied last "
+                             "(e.g. --set kv_cache_config.max_tokens=4096, --set sampling.top_p=0.9)")
+    parser.add_argument("--log_level", default="warning", choices=_LOG_LEVELS)
+    parser.set_defaults(handler=batch)
+
+
+def batch(args: argparse.Namespace) -> int:
+    """Runs a batch job and prints its summary."""
+    import yaml
+
+    from raylm.batch import BatchArgs, run_batch
+
+    tree: dict = {}
+    if args.config_file:
+        with open(args.config_file, encoding="utf-8") as handle:
+            tree = yaml.safe_load(handle) or {}
+    flags = {"input": args.input, "output": args.output, "model": args.model, "num_replicas": args.num_replicas,
+             "max_replicas": args.max_replicas, "tensor_parallel_size": args.tensor_parallel_size,
+             "resume": args.resume or None, "sampling.max_tokens": args.max_tokens,
+             "sampling.temperature": args.temperature}
+    assignments = [text.partition("=") for text in args.assignments]
+    for path, value in [*flags.items(), *((path.strip(), yaml.safe_load(raw)) for path, _, raw in assignments)]:
+        if value is None:
+            continue
+        *parents, leaf = path.split(".")
+        node = tree
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = value
+    summary = run_batch(BatchArgs(**tree))
+    print(f"raylm batch: {summary}", flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raylm", description="raylm: a Ray-native LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -244,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     gen.set_defaults(handler=generate)
     _add_serve_parser(sub)
+    _add_batch_parser(sub)
     return parser
 
 

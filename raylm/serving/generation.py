@@ -170,6 +170,18 @@ class ServingContext:
         await unless_disconnected(request, stream.run_to_end())
         return JSONResponse(route.response(stream.outputs(), stream.usage()).model_dump())
 
+    async def answer(self, route: GenerationRoute) -> BaseModel:
+        """`route`'s whole response without an HTTP request (batch jobs, raylm/batch): raises OpenAIError for what
+        respond would answer with an error."""
+        body = route.body
+        self.check_model(body.model)
+        prompts = route.prompts()
+        with _field_errors(body):
+            params = route.sampling_params(prompts)
+        stream = ResponseStream(await self.submit(prompts, params, body), self.metrics, self._request_failed)
+        await stream.run_to_end()
+        return route.response(stream.outputs(), stream.usage())
+
     async def submit(self, prompts: Sequence[PromptInputs], params: SamplingParams,
                      body: GenerationBody) -> list[GenerationStream]:
         """Submits every prompt, or none: a rejected prompt aborts those already submitted.
