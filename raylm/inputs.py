@@ -42,8 +42,10 @@ def to_prompt_list(inputs: Any) -> list[PromptInputs]:
                     f"those), got {type(inputs).__name__}")
 
 
-def tokenize_prompt(prompt: PromptInputs, tokenizer: Any, add_special_tokens: bool) -> tuple[str | None, list[int]]:
-    """Returns (prompt text if known, prompt token ids)."""
+def tokenize_prompt(prompt: PromptInputs, tokenizer: Any, add_special_tokens: bool,
+                    truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
+    """Returns (prompt text if known, prompt token ids), the ids cut to their last truncate_prompt_tokens when
+    that is set."""
     if isinstance(prompt, str):
         text, ids = prompt, None
     elif isinstance(prompt, dict):
@@ -71,7 +73,15 @@ def tokenize_prompt(prompt: PromptInputs, tokenizer: Any, add_special_tokens: bo
             raise TypeError(f"prompt token ids must be integers, got {token!r}")
     if not ids:
         raise ValueError("prompt must not be empty (it has no tokens)")
+    if truncate_prompt_tokens is not None:
+        ids = ids[-truncate_prompt_tokens:]
     return text, ids
+
+
+def check_prompt_length(prompt_len: int, max_seq_len: int) -> None:
+    """Raises ValueError unless a prompt of prompt_len tokens leaves room for a token within max_seq_len."""
+    if prompt_len >= max_seq_len:
+        raise ValueError(f"prompt has {prompt_len} tokens; max_seq_len is {max_seq_len}, so it must be shorter")
 
 
 def apply_chat_template(tokenizer: Any, messages: list[dict], chat_template: str | None = None,

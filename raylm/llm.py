@@ -15,7 +15,7 @@ from raylm.actors.executor import Executor, LocalExecutor
 from raylm.config import LlmArgs
 from raylm.engine_client import EngineClient
 from raylm.engine_spec import EngineInfo, WorkerSpec, resolve_device, resolve_dtype
-from raylm.inputs import PromptInputs, is_single_prompt, to_prompt_list, tokenize_prompt
+from raylm.inputs import PromptInputs, check_prompt_length, is_single_prompt, to_prompt_list, tokenize_prompt
 from raylm.models.arch import config_dtype
 from raylm.models.loader import load_hf_config
 from raylm.models.source import ModelSource, resolve_model
@@ -143,8 +143,7 @@ class LLM:
         if max_input_len is not None and prompt_len > max_input_len:
             raise ValueError(f"prompt has {prompt_len} tokens, more than max_input_len ({max_input_len})")
         max_seq_len = self.info.max_seq_len
-        if prompt_len >= max_seq_len:
-            raise ValueError(f"prompt has {prompt_len} tokens; max_seq_len is {max_seq_len}, so it must be shorter")
+        check_prompt_length(prompt_len, max_seq_len)
         if prompt_len + params.max_tokens > max_seq_len:
             raise ValueError(f"prompt ({prompt_len} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                              f"max_seq_len ({max_seq_len})")
@@ -164,9 +163,8 @@ class LLM:
             raise ValueError(f"priority must be in [0, 1], got {priority}")
         if self._client is None:
             raise RuntimeError("the LLM is shut down")
-        text, token_ids = tokenize_prompt(prompt, self._tokenizer, params.add_special_tokens)
-        if params.truncate_prompt_tokens is not None:
-            token_ids = token_ids[-params.truncate_prompt_tokens:]
+        text, token_ids = tokenize_prompt(prompt, self._tokenizer, params.add_special_tokens,
+                                          params.truncate_prompt_tokens)
         vocab = self.info.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -35,6 +35,7 @@ from raylm.serving.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from raylm.serving.request_body import BodySizeLimit, json_body
 from raylm.serving.responses import ResponsesRoute
 from raylm.serving.rl_routes import add_rl_routes
 
@@ -55,6 +56,7 @@ def build_app(engine: ServingEngine, config: ServingConfig) -> FastAPI:
     _add_error_handlers(app)
     app.add_middleware(InFlightLimit, max_in_flight=config.max_queue, routes=GENERATION_ROUTES,
                        gauge=metrics.requests_in_flight)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
     if config.api_key is not None:
         app.add_middleware(ApiKeyCheck, api_key=config.api_key)
 
@@ -73,15 +75,17 @@ def build_app(engine: ServingEngine, config: ServingConfig) -> FastAPI:
         return model_card()
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(request: Request, body: CompletionRequest = Depends(json_body(CompletionRequest))
+                          ) -> Response:
         return await context.respond(request, CompletionRoute(context, body))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(request: Request,
+                               body: ChatCompletionRequest = Depends(json_body(ChatCompletionRequest))) -> Response:
         return await context.respond(request, ChatCompletionRoute(context, body))
 
     @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, request: Request) -> Response:
+    async def responses(request: Request, body: ResponsesRequest = Depends(json_body(ResponsesRequest))) -> Response:
         return await context.respond(request, ResponsesRoute(context, body))
 
     # ------------------------------------------------------------------ server state
@@ -115,9 +119,14 @@ def build_app(engine: ServingEngine, config: ServingConfig) -> FastAPI:
 
     # ------------------------------------------------------------------ tokenizer
 
+    # Both run in a thread: a long text takes seconds to tokenize, during which the loop serves other requests.
+
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(body: TokenizeRequest = Depends(json_body(TokenizeRequest))) -> TokenizeResponse:
         context.check_model(body.model)
+        return await asyncio.to_thread(tokenize_body, body)
+
+    def tokenize_body(body: TokenizeRequest) -> TokenizeResponse:
         if body.messages is not None:
             tokens = context.chat_prompt(message_dicts(body.messages), body.add_generation_prompt)["prompt_token_ids"]
         else:
@@ -125,8 +134,11 @@ def build_app(engine: ServingEngine, config: ServingConfig) -> FastAPI:
         return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=context.max_seq_len)
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(body: DetokenizeRequest = Depends(json_body(DetokenizeRequest))) -> DetokenizeResponse:
         context.check_model(body.model)
+        return await asyncio.to_thread(detokenize_body, body)
+
+    def detokenize_body(body: DetokenizeRequest) -> DetokenizeResponse:
         vocab_size = len(context.tokenizer)
         bad = [token for token in body.tokens if not 0 <= token < vocab_size]
         if bad:

@@ -40,6 +40,13 @@ class ServerOptions(StrictModel):
         default=1024, ge=1,
         description="Generation requests in flight (running or waiting) a server holds; more are answered 429.",
     )
+    max_request_body_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1024,
+        description="Largest request body a server reads, in bytes; larger ones are answered 413 before they are "
+                    "parsed. The default, 16 MiB, holds a prompt as long as a 128k-token context many times over "
+                    "(about 0.5-2 MB as text, 1 MB as token ids), batches of long prompts too, while it bounds the "
+                    "time parsing and tokenizing one body takes from the server.",
+    )
     chat_template: str | None = Field(
         default=None, description="A Jinja chat template that replaces the tokenizer's for chat and responses.",
     )

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from raylm.engine_client import EngineDeadError
-from raylm.inputs import PromptInputs, TokensPrompt
+from raylm.inputs import PromptInputs, TokensPrompt, check_prompt_length, tokenize_prompt
 from raylm.outputs import CompletionOutput, RequestOutput
 from raylm.rl_api import MemoryReleasedError
 from raylm.sampling_params import SamplingParams
@@ -160,9 +160,8 @@ class ServingContext:
         stream) or answers its whole response once every request has finished."""
         body = route.body
         self.check_model(body.model)
-        prompts = route.prompts()
-        with _field_errors(body):
-            params = route.sampling_params(prompts)
+        # Chat templates and tokenizers take seconds over a long input: the loop serves other requests meanwhile.
+        prompts, params = await asyncio.to_thread(self._prepare, route)
         stream = ResponseStream(await self.submit(prompts, params, body), self.metrics, self._request_failed)
         if body.stream:
             return StreamingResponse(route.events(stream), media_type="text/event-stream",
@@ -175,12 +174,29 @@ class ServingContext:
         respond would answer with an error."""
         body = route.body
         self.check_model(body.model)
-        prompts = route.prompts()
-        with _field_errors(body):
-            params = route.sampling_params(prompts)
+        prompts, params = await asyncio.to_thread(self._prepare, route)
         stream = ResponseStream(await self.submit(prompts, params, body), self.metrics, self._request_failed)
         await stream.run_to_end()
         return route.response(stream.outputs(), stream.usage())
+
+    def _prepare(self, route: GenerationRoute) -> tuple[list[TokensPrompt], SamplingParams]:
+        """The route's prompts as token ids, each checked to fit max_seq_len, and its sampling parameters.
+
+        Tokenizing here, where the text arrived, means a prompt too long for the engine is answered 400 without
+        ever crossing to it, and what crosses is its token ids."""
+        prompts = route.prompts()
+        with _field_errors(route.body):
+            params = route.sampling_params(prompts)
+            return [self._tokens_prompt(prompt, params) for prompt in prompts], params
+
+    def _tokens_prompt(self, prompt: PromptInputs, params: SamplingParams) -> TokensPrompt:
+        text, token_ids = tokenize_prompt(prompt, self.tokenizer, params.add_special_tokens,
+                                          params.truncate_prompt_tokens)
+        check_prompt_length(len(token_ids), self.max_seq_len)
+        tokens = TokensPrompt(prompt_token_ids=token_ids)
+        if text is not None:
+            tokens["prompt"] = text
+        return tokens
 
     async def submit(self, prompts: Sequence[PromptInputs], params: SamplingParams,
                      body: GenerationBody) -> list[GenerationStream]:
@@ -202,7 +218,7 @@ class ServingContext:
             _abort(streams)
             if isinstance(exc, EngineDeadError) or self.engine.dead_reason is not None:
                 raise OpenAIError(503, str(exc), code="engine_unavailable") from exc
-            raise
+            raise OpenAIError(500, f"the engine could not take the request: {exc}") from exc
         except BaseException:
             _abort(streams)
             raise

@@ -2,20 +2,26 @@
 that build_app serves (engine.py).
 
 Each request is one streaming call to the engine deployment, whose chunks (engine_stream.py) go to the routes
-as they come; aborting it cancels the call, which aborts the request in the engine and frees its blocks. The
-engine's health is polled in the background, so that dead_reason answers at once. The RL control (rl_routes.py)
-goes to every engine replica (DeploymentHandle.broadcast).
+as they come; aborting it cancels the call, which aborts the request in the engine and frees its blocks. A call
+whose arguments may not fit one gRPC message goes as a Ray actor call instead, its arguments as Ray objects. The
+engine's health is polled in the background, so that dead_reason answers at once; a call that fails because the
+engine replica died or cannot be reached says so at once too, while a call that fails for its own sake (a
+message too large, say) fails its request alone. The RL control (rl_routes.py) goes to every engine replica
+(DeploymentHandle.broadcast).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ray.exceptions import RayTaskError
+from grpc.aio import AioRpcError
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import DeploymentUnavailableError
 
 from raylm.config import LlmArgs
 from raylm.engine_client import EngineDeadError
@@ -32,6 +38,9 @@ logger = logging.getLogger(__name__)
 HEALTH_POLL_S = 1.0
 HEALTH_TIMEOUT_S = 3.0
 STATS_TIMEOUT_S = 30.0
+# Requests whose arguments may pickle to more than this go as Ray actor calls, not over Serve's gRPC channel,
+# whose replicas receive messages of 4 MiB at most.
+GRPC_REQUEST_BYTES = 1024 * 1024
 
 
 @dataclass
@@ -44,8 +53,32 @@ class EngineDescription:
 
 
 def _first_line(exc: BaseException) -> str:
+    if isinstance(exc, AioRpcError):  # its text's first line says only that an RPC failed
+        return f"{type(exc).__name__}: {exc.code().name}: {exc.details()}"
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _engine_unreachable(exc: BaseException) -> bool:
+    """Whether a call failed because the engine deployment cannot take calls (its replica died or cannot be
+    reached, or none runs), rather than for a reason of its own."""
+    return isinstance(exc, (RayActorError, DeploymentUnavailableError))
+
+
+def _request_bytes(inputs: PromptInputs, params: SamplingParams) -> int:
+    """At least the size of one request's pickled arguments: UTF-8 takes at most 4 bytes a character, pickle at
+    most 5 an int."""
+    if isinstance(inputs, str):
+        text, token_ids = inputs, ()
+    elif isinstance(inputs, dict):
+        text, token_ids = inputs.get("prompt") or "", inputs.get("prompt_token_ids", ())
+    else:
+        text, token_ids = "", inputs
+    return 4 * len(text) + 5 * len(token_ids) + len(pickle.dumps(params))
+
+
+class EngineUnreachable(RequestError):
+    """A call failed because the engine deployment cannot take calls."""
 
 
 def _engine_error(exc: BaseException) -> BaseException:
@@ -58,10 +91,10 @@ def _engine_error(exc: BaseException) -> BaseException:
 class RemoteGeneration:
     """A request running in the engine deployment, as a GenerationStream (engine.py)."""
 
-    def __init__(self, stream: Any, on_transport_error: Callable[[str], None]):
+    def __init__(self, stream: Any, on_engine_unreachable: Callable[[str], None]):
         self.request_id: str | None = None
         self._stream = stream
-        self._on_transport_error = on_transport_error
+        self._on_engine_unreachable = on_engine_unreachable
         self._done = False
 
     async def admitted(self) -> None:
@@ -71,7 +104,7 @@ class RemoteGeneration:
             return
         try:
             message = await self._receive()
-        except RequestError as exc:
+        except EngineUnreachable as exc:
             raise EngineDeadError(str(exc)) from exc
         if isinstance(message, Rejected):
             self._done = True
@@ -89,13 +122,15 @@ class RemoteGeneration:
         except asyncio.CancelledError:
             self.abort()
             raise
-        except Exception as exc:  # the call failed: the replica died, or Serve could not reach it
+        except Exception as exc:  # the call failed
             if self._done:  # aborted while waiting: the cancellation surfaced here
                 raise RequestError("the request was aborted") from exc
             self._done = True
-            reason = f"the engine deployment failed: {_first_line(exc)}"
-            self._on_transport_error(reason)
-            raise RequestError(reason) from exc
+            if _engine_unreachable(exc):
+                reason = f"the engine deployment failed: {_first_line(exc)}"
+                self._on_engine_unreachable(reason)
+                raise EngineUnreachable(reason) from exc
+            raise RequestError(f"the engine deployment failed the request: {_first_line(exc)}") from exc
 
     def abort(self) -> None:
         """Stops the request in the engine (which frees its KV blocks) by cancelling its call."""
@@ -130,6 +165,7 @@ class RemoteEngine:
         # Requests stream over the replicas' gRPC channel rather than as Ray objects: each message then costs
         # one send, not an object the ingress must be told of and fetch (about a millisecond per hop here).
         self._stream_handle = handle.options(stream=True, _by_reference=False)
+        self._large_stream_handle = handle.options(stream=True, _by_reference=True)
         self.tokenizer = tokenizer
         self.info = description.info
         self.startup_metrics = description.startup_metrics
@@ -154,7 +190,9 @@ class RemoteEngine:
     def stream(self, inputs: PromptInputs, sampling_params: SamplingParams, priority: float,
                cache_salt: str | None) -> RemoteGeneration:
         """Submits one prompt; errors the engine finds in it surface from the stream's admitted()."""
-        call = self._stream_handle.stream.remote(inputs, sampling_params, priority, cache_salt)
+        large = _request_bytes(inputs, sampling_params) > GRPC_REQUEST_BYTES
+        handle = self._large_stream_handle if large else self._stream_handle
+        call = handle.stream.remote(inputs, sampling_params, priority, cache_salt)
         return RemoteGeneration(call, self._mark_unreachable)
 
     # ------------------------------------------------------------------ state

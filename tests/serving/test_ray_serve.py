@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import threading
 import time
 
 import httpx2
@@ -168,6 +169,37 @@ def test_bad_requests_answer_4xx_and_the_server_keeps_serving(client, base_url, 
     assert response.status_code == status, response.text
     assert response.json()["error"]["code"] == code and response.json()["error"]["message"]
     assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=1).usage.completion_tokens == 1
+
+
+def _while_health_is_polled(base_url: str, route: str, body: dict) -> tuple[httpx2.Response, set[int]]:
+    """Posts body to route while /health is polled; the response and every /health status seen meanwhile."""
+    outcome: dict = {}
+    request = threading.Thread(target=lambda: outcome.setdefault("response", _post(base_url, route, body)))
+    request.start()
+    statuses = set()
+    while request.is_alive():
+        statuses.add(httpx2.get(f"{base_url}/health", timeout=60).status_code)
+        time.sleep(0.05)
+    request.join()
+    statuses.add(httpx2.get(f"{base_url}/health", timeout=60).status_code)
+    return outcome["response"], statuses
+
+
+def test_a_prompt_over_grpcs_4_mib_is_too_long_a_400_and_health_stays_200(base_url):
+    body = {"model": MODEL, "prompt": "hello " * 734_000, "max_tokens": 2}  # 4.4 MB of text
+    response, health = _while_health_is_polled(base_url, "/v1/completions", body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and "prompt has 734001 tokens; max_seq_len is 1024" in error["message"]
+    assert health == {200}
+
+
+def test_arguments_over_grpcs_4_mib_cross_the_replicas_as_ray_objects(base_url):
+    stop = "<" + "z" * 5_000_000 + ">"  # never generated; its 5 MB go with the sampling parameters
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "stop": [stop]}
+    response, health = _while_health_is_polled(base_url, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"].startswith(" Paris") and health == {200}
 
 
 def test_every_route_but_health_needs_the_api_key(base_url):

@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import pickle
 
+import grpc
 import pytest
+from grpc.aio import AioRpcError, Metadata
+from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 import raylm.serving.remote_engine as remote_engine
 from raylm import CompletionOutput, RequestOutput
@@ -64,7 +67,7 @@ def test_a_generation_is_admitted_then_passes_its_chunks_on_to_the_last():
     chunks = _chunks("He", "llo", "!")
 
     async def run():
-        result = RemoteGeneration(FakeStream([Admitted("7"), *chunks]), on_transport_error=None)
+        result = RemoteGeneration(FakeStream([Admitted("7"), *chunks]), on_engine_unreachable=None)
         await result.admitted()
         return result, [chunk async for chunk in result]
 
@@ -83,16 +86,40 @@ def test_a_rejection_raises_what_the_engine_raised(rejected, error):
         _run(RemoteGeneration(FakeStream([rejected]), None).admitted())
 
 
-def test_a_failed_call_is_an_unavailable_engine_at_admission_and_a_request_error_later():
+def test_a_call_to_an_unreachable_replica_is_an_unavailable_engine_at_admission_and_a_request_error_later():
     reported = []
-    with pytest.raises(EngineDeadError, match="the engine deployment failed: ConnectionError: replica gone"):
-        _run(RemoteGeneration(FakeStream([ConnectionError("replica gone")]), reported.append).admitted())
-    assert reported == ["the engine deployment failed: ConnectionError: replica gone"]
+    with pytest.raises(EngineDeadError, match="the engine deployment failed: ActorUnavailableError: .*replica gone"):
+        _run(RemoteGeneration(FakeStream([ActorUnavailableError("replica gone", None)]), reported.append).admitted())
+    assert len(reported) == 1 and "replica gone" in reported[0]
+    with pytest.raises(EngineDeadError, match="ActorDiedError"):
+        _run(RemoteGeneration(FakeStream([ActorDiedError()]), reported.append).admitted())
+    assert len(reported) == 2
     failing = [Admitted("1"), *_chunks("a", finished_last=False), Failed("engine step failed: boom")]
     with pytest.raises(RequestError, match="boom"):
         _run(_consume(RemoteGeneration(FakeStream(failing), reported.append)))
     with pytest.raises(RequestError, match="ended the request's stream"):
         _run(_consume(RemoteGeneration(FakeStream(failing[:-1]), reported.append)))
+
+
+TOO_LARGE = AioRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, Metadata(), Metadata(),
+                        details="Received message larger than max (5000123 vs. 4194304)")
+
+
+@pytest.mark.parametrize("error", [TOO_LARGE, TypeError("cannot pickle 'generator' object"),
+                                   ConnectionError("connection reset")])
+def test_a_call_failing_for_its_own_sake_fails_its_request_alone(error):
+    reported = []
+    with pytest.raises(RequestError, match="the engine deployment failed the request") as info:
+        _run(RemoteGeneration(FakeStream([error]), reported.append).admitted())
+    assert not isinstance(info.value, EngineDeadError) and reported == []
+    with pytest.raises(RequestError, match="failed the request"):
+        _run(_consume(RemoteGeneration(FakeStream([Admitted("1"), error]), reported.append)))
+    assert reported == []
+
+
+def test_a_grpc_error_is_reported_by_its_status_and_details():
+    with pytest.raises(RequestError, match=r"AioRpcError: RESOURCE_EXHAUSTED: Received message larger than max"):
+        _run(RemoteGeneration(FakeStream([TOO_LARGE]), None).admitted())
 
 
 def test_abort_and_leaving_early_cancel_the_call_once():

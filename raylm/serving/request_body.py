@@ -1,0 +1,73 @@
+"""Request bodies: the bound on their size (413 beyond ServingConfig.max_request_body_bytes) and their parsing,
+which runs in a thread for a large body so that the event loop goes on serving the other requests (/health
+among them) meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from raylm.serving.errors import OpenAIError, from_validation_errors
+
+M = TypeVar("M", bound=BaseModel)
+
+# Bodies up to this size are parsed on the event loop: a thread hop would cost more than the parse.
+PARSE_IN_THREAD_BYTES = 256 * 1024
+
+
+def body_too_large(max_bytes: int, size: int | None = None) -> OpenAIError:
+    given = f" ({size} bytes)" if size is not None else ""
+    return OpenAIError(413, f"the request body{given} is larger than the server's limit of {max_bytes} bytes "
+                            "(max_request_body_bytes)", code="request_too_large")
+
+
+class BodySizeLimit:
+    """ASGI middleware: answers 413 for a request whose body is larger than max_bytes, before reading it when it
+    declares its Content-Length, else as soon as the bytes received pass the limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await body_too_large(self.max_bytes, int(declared)).response()(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # Raised into the route reading the body; the app's handler answers it.
+                    raise body_too_large(self.max_bytes)
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+def json_body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
+    """A FastAPI dependency: the request body validated as `model`, parsed in a thread when it is large; a body
+    that is not valid JSON, or not a valid `model`, answers 400 naming the field."""
+
+    async def parse(request: Request) -> M:
+        raw = await request.body()
+        try:
+            if len(raw) <= PARSE_IN_THREAD_BYTES:
+                return model.model_validate_json(raw)
+            return await asyncio.to_thread(model.model_validate_json, raw)
+        except ValidationError as exc:
+            raise from_validation_errors(exc.errors()) from None
+
+    return parse
