@@ -145,8 +145,8 @@ class LLM:
         max_seq_len = self.info.max_seq_len
         check_prompt_length(prompt_len, max_seq_len)
         if prompt_len + params.max_tokens > max_seq_len:
-            raise ValueError(f"prompt ({prompt_len} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                             f"max_seq_len ({max_seq_len})")
+            raise ValueError(f"max_tokens must be <= {max_seq_len - prompt_len} for this prompt (max_seq_len "
+                             f"{max_seq_len} minus the prompt's {prompt_len} tokens), got {params.max_tokens}")
         if not self.args.enable_chunked_prefill and prompt_len > self.args.max_num_tokens:
             raise ValueError(f"prompt has {prompt_len} tokens, more than max_num_tokens ({self.args.max_num_tokens});"
                              " enable chunked prefill or raise max_num_tokens")

@@ -10,6 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+# Temperatures below this decode greedily: dividing logits by a temperature this small overflows them to inf
+# (or turns them into NaN), and the draw would no longer favour the most likely token.
+GREEDY_TEMPERATURE = 1e-5
+# The seeds a request's torch.Generator takes: 64 bits, a negative seed standing for seed + 2**64.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -17,7 +23,12 @@ def _is_number(value: object) -> bool:
 
 @dataclass
 class SamplingParams:
-    """Decoding parameters of a request."""
+    """Decoding parameters of a request.
+
+    temperature: 0 (or below GREEDY_TEMPERATURE, 1e-5) decodes greedily; unset, it is 1.0 when top_k, top_p or
+    min_p is given and greedy otherwise. seed: an integer in [-2**63, 2**64 - 1] (a negative seed stands for
+    seed + 2**64, as in torch.Generator.manual_seed) makes the request's draws reproducible.
+    """
 
     max_tokens: int = 32
     min_tokens: int = 0
@@ -88,7 +99,7 @@ class SamplingParams:
         self._check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True, optional=True)
         self._check_float("min_p", self.min_p, low=0.0, high=1.0, optional=True)
         if self.seed is not None:
-            self._check_int("seed", self.seed, low=0)
+            self._check_int("seed", self.seed, low=SEED_RANGE[0], high=SEED_RANGE[1])
         self._check_float("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
         self._check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         self._check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
@@ -113,7 +124,7 @@ class SamplingParams:
             self._check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=20)
         if self.truncate_prompt_tokens is not None:
             self._check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, low=1)
-        if self.use_beam_search and self.temperature not in (None, 0.0):
+        if self.use_beam_search and self.temperature is not None and self.temperature >= GREEDY_TEMPERATURE:
             raise ValueError("use_beam_search does not combine with temperature sampling; leave temperature unset")
         for f in fields(self):
             if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
@@ -158,7 +169,7 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when decoding picks the most likely token every step."""
         if self.temperature is not None:
-            return self.temperature == 0.0 or self.top_k == 1
+            return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
         if self.top_k == 1:
             return True
         return self.top_k is None and self.top_p is None and self.min_p is None

@@ -172,6 +172,26 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(llm):
     assert batch[0].outputs[0].token_ids == sample(7)
 
 
+def test_seeds_anywhere_in_the_64_bit_range_sample_and_forked_sequences_too(llm):
+    def sample(seed, n=1):
+        params = SamplingParams(max_tokens=6, temperature=1.0, seed=seed, n=n)
+        return [c.token_ids for c in llm.generate("My favourite animal is", params).outputs]
+
+    assert sample(-1) == sample(2**64 - 1)  # a negative seed stands for seed + 2**64
+    for seed in (2**64 - 1, -(2**63), 2**62):
+        forked = sample(seed, n=3)
+        assert len(forked) == 3 and forked == sample(seed, n=3)
+
+
+def test_a_temperature_below_1e_5_decodes_greedily(llm):
+    greedy = llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0.0)).outputs[0]
+    for temperature in (1e-45, 1e-6):
+        tiny = llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=temperature,
+                                                                       logprobs=0)).outputs[0]
+        assert tiny.token_ids == greedy.token_ids
+        assert all(entry[token].rank == 1 for token, entry in zip(tiny.token_ids, tiny.logprobs))
+
+
 def test_best_of_returns_the_most_likely_of_its_candidates(llm):
     params = SamplingParams(n=1, best_of=4, max_tokens=8, temperature=1.0, seed=11)
     output = llm.generate("The weather today is", params)

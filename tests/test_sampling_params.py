@@ -46,7 +46,9 @@ OUT_OF_RANGE = [
     ({"presence_penalty": -2.01}, r"presence_penalty must be in \[-2\.0, 2\.0\], got -2\.01"),
     ({"frequency_penalty": 3}, r"frequency_penalty must be in \[-2\.0, 2\.0\], got 3"),
     ({"frequency_penalty": -2.5}, r"frequency_penalty must be in \[-2\.0, 2\.0\], got -2\.5"),
-    ({"seed": -1}, r"seed must be >= 0, got -1"),
+    ({"seed": 2**64}, r"seed must be in \[-9223372036854775808, 18446744073709551615\], got 18446744073709551616"),
+    ({"seed": -(2**63) - 1}, r"seed must be in \[-9223372036854775808, 18446744073709551615\]"),
+    ({"use_beam_search": True, "temperature": 1e-5}, r"use_beam_search .*temperature"),
     ({"end_id": -1}, r"end_id must be >= 0, got -1"),
     ({"stop_token_ids": [3, -1]}, r"stop_token_ids must be >= 0, got -1"),
     ({"truncate_prompt_tokens": 0}, r"truncate_prompt_tokens must be >= 1, got 0"),
@@ -157,6 +159,10 @@ def test_stop_given_a_bare_int_raises_type_error_naming_field():
         {"frequency_penalty": -2},
         {"frequency_penalty": 2},
         {"seed": 0},
+        {"seed": -1},
+        {"seed": -(2**63)},
+        {"seed": 2**64 - 1},
+        {"use_beam_search": True, "temperature": 1e-6, "best_of": 2},
         {"end_id": 0},
         {"stop_token_ids": [0]},
         {"early_stopping": "never"},
@@ -219,10 +225,12 @@ def test_defaults_are_greedy_like_the_llm_api():
         {"top_k": 1},
         {"top_k": 1, "temperature": 0.8},
         {"top_k": 1, "top_p": 0.5},
+        {"temperature": 1e-45},
+        {"temperature": 9.9e-6, "top_p": 0.9},
     ],
     ids=str,
 )
-def test_temperature_zero_or_top_k_one_is_greedy(kwargs):
+def test_temperature_below_1e_5_or_top_k_one_is_greedy(kwargs):
     assert SamplingParams(**kwargs).is_greedy
 
 
@@ -231,6 +239,7 @@ def test_temperature_zero_or_top_k_one_is_greedy(kwargs):
     [
         {"temperature": 0.7},
         {"temperature": 1.0},
+        {"temperature": 1e-5},
         {"top_p": 0.9},
         {"top_p": 1.0},
         {"top_k": 50},

@@ -17,7 +17,8 @@ from raylm.engine.step_plan import prompt_logprob_targets
 
 def _child_generator(request: Request, index: int) -> torch.Generator | None:
     seed = request.sampling_params.seed
-    return None if seed is None else torch.Generator().manual_seed(seed * 1_000_003 + index)
+    # Kept within the generator's 64-bit seeds, which any seed SamplingParams accepts times 1_000_003 is not.
+    return None if seed is None else torch.Generator().manual_seed((seed * 1_000_003 + index) % 2**64)
 
 
 def _check_stop(request: Request, seq: Sequence, max_seq_len: int, position: int) -> None:

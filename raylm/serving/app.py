@@ -29,11 +29,13 @@ from raylm.serving.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     ResponsesRequest,
     TokenizeRequest,
     TokenizeResponse,
+    TokenizerInfo,
 )
 from raylm.serving.request_body import BodySizeLimit, json_body
 from raylm.serving.responses import ResponsesRoute
@@ -52,8 +54,10 @@ def build_app(engine: ServingEngine, config: ServingConfig) -> FastAPI:
     profiler = TorchProfiler(config.profile_dir)
     created = unix_time()
 
-    app = FastAPI(title="raylm", version=__version__)
+    app = FastAPI(title="raylm", version=__version__, responses={
+        400: {"model": ErrorResponse, "description": "Bad request, in OpenAI's error shape; `param` names the field"}})
     _add_error_handlers(app)
+    _document_no_422(app)
     app.add_middleware(InFlightLimit, max_in_flight=config.max_queue, routes=GENERATION_ROUTES,
                        gauge=metrics.requests_in_flight)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
@@ -91,9 +95,9 @@ def build_app(engine: ServingEngine, config: ServingConfig) -> FastAPI:
     # ------------------------------------------------------------------ server state
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health() -> dict:
         context.check_engine()
-        return Response(status_code=200)
+        return {"status": "ok"}
 
     @app.get("/version")
     async def version() -> dict:
@@ -145,6 +149,21 @@ def build_app(engine: ServingEngine, config: ServingConfig) -> FastAPI:
             raise bad_request(f"tokens must be in [0, {vocab_size}), got {bad[:5]}", "tokens")
         return DetokenizeResponse(prompt=context.tokenizer.decode(body.tokens))
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> TokenizerInfo:
+        tokenizer = context.tokenizer
+        if tokenizer is None:
+            raise OpenAIError(404, "this server loaded no tokenizer (skip_tokenizer_init)", code="no_tokenizer")
+        template = config.chat_template or getattr(tokenizer, "chat_template", None)
+        if isinstance(template, dict):  # a tokenizer's named templates: chat requests use the default one
+            template = template.get("default")
+        return TokenizerInfo(
+            tokenizer_class=type(tokenizer).__name__, name_or_path=tokenizer.name_or_path, vocab_size=len(tokenizer),
+            bos_token=tokenizer.bos_token, bos_token_id=tokenizer.bos_token_id, eos_token=tokenizer.eos_token,
+            eos_token_id=tokenizer.eos_token_id, pad_token=tokenizer.pad_token, pad_token_id=tokenizer.pad_token_id,
+            model_max_length=context.max_seq_len, max_seq_len=context.max_seq_len,
+            chat_template=template if isinstance(template, str) else None)
+
     # ------------------------------------------------------------------ profiling
 
     @app.post("/start_profile")
@@ -168,6 +187,25 @@ def build_app(engine: ServingEngine, config: ServingConfig) -> FastAPI:
     return app
 
 
+def _document_no_422(app: FastAPI) -> None:
+    """/openapi.json without FastAPI's 422 and its error models: a body that fails validation gets the 400 every
+    route documents (ErrorResponse)."""
+    build_schema = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build_schema()
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     """Every error leaves in OpenAI's shape."""
 
@@ -181,7 +219,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> Response:
-        return OpenAIError(exc.status_code, str(exc.detail)).response()
+        return OpenAIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:

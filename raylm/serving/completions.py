@@ -89,6 +89,10 @@ class CompletionRoute(GenerationRoute):
             if entry is None:  # the first prompt token: nothing precedes it to predict it
                 into.top_logprobs.append(None)
             else:
+                # As OpenAI's legacy completions do: the sampled token is listed too, outside the top ones or not.
+                tops = top_ranked(entry, num_top)
+                if chosen is not None and all(top != token for top, _ in tops):
+                    tops.append((token, chosen))
                 into.top_logprobs.append({token_text(self.context.tokenizer, top, logprob): logprob.logprob
-                                          for top, logprob in top_ranked(entry, num_top)})
+                                          for top, logprob in tops})
         self._text_offsets[index] = offset

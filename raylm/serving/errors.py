@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -14,19 +14,21 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "inva
 class OpenAIError(Exception):
     """An error the server answers with; raised anywhere below a route, rendered by the app's handler."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: Mapping[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})  # e.g. a 405's Allow
 
     def body(self) -> dict:
         kind = _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
@@ -52,6 +54,12 @@ def from_validation_errors(errors: Sequence[dict[str, Any]]) -> OpenAIError:
     if kind == "json_invalid":
         return bad_request(f"the request body is not valid JSON: {error.get('ctx', {}).get('error', message)}",
                            code="invalid_json")
+    if not location and kind == "missing":
+        return bad_request("the request body is empty: send a JSON object of the request's fields",
+                           code="invalid_json")
+    if not location and kind in ("model_type", "model_attributes_type", "dict_type"):
+        return bad_request(f"the request body must be a JSON object, got {_json_type(error.get('input'))}",
+                           code="invalid_value")
     if kind == "extra_forbidden":
         return bad_request(f"Unrecognized request argument supplied: {param}", param, code="unknown_parameter")
     if kind == "missing":
@@ -60,3 +68,11 @@ def from_validation_errors(errors: Sequence[dict[str, Any]]) -> OpenAIError:
     if message.startswith("raylm does not support"):
         return bad_request(message, param, code="unsupported_parameter")
     return bad_request(f"{param}: {message}" if param else message, param, code="invalid_value")
+
+
+def _json_type(value: Any) -> str:
+    for kind, name in ((bool, "a boolean"), (str, "a string"), (int, "a number"), (float, "a number"),
+                       (list, "an array"), (dict, "an object")):
+        if isinstance(value, kind):
+            return name
+    return "null"

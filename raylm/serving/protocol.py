@@ -40,10 +40,42 @@ def reject_unsupported(*names: str) -> Any:
     return field_validator(*names)(check)
 
 
+def _lone_surrogate(value: Any) -> str | None:
+    """Where a lone surrogate (U+D800..U+DFFF, which JSON's \\ud800 escapes can carry but no UTF-8 text holds)
+    sits in value's strings, if anywhere: the tokenizer cannot encode it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return f"U+{ord(value[exc.start]):04X} at character {exc.start}"
+        return None
+    if isinstance(value, BaseModel):
+        value = list(value.__dict__.values())
+    elif isinstance(value, dict):
+        value = [*value.keys(), *value.values()]
+    elif not isinstance(value, list):
+        return None
+    for item in value:
+        if isinstance(item, (str, list, dict, BaseModel)):
+            found = _lone_surrogate(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _require_valid_unicode(value: Any) -> Any:
+    found = _lone_surrogate(value)
+    if found is not None:
+        raise ValueError(f"text must be valid Unicode, but it holds a lone surrogate ({found})")
+    return value
+
+
 class RequestModel(BaseModel):
-    """A request body: strict types and no undeclared fields."""
+    """A request body: strict types, no undeclared fields, and text that is valid Unicode."""
 
     model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
+
+    _valid_unicode = field_validator("*")(lambda cls, value: _require_valid_unicode(value))
 
 
 class StreamOptions(RequestModel):
@@ -147,6 +179,7 @@ class CompletionRequest(SamplingRequest):
         try:
             prompt = handler(value)
         except ValidationError:
+            _require_valid_unicode(value)  # when the shape is right but the text is not, that is the error
             raise ValueError(_PROMPT_SHAPE) from None
         if isinstance(prompt, list) and (not prompt or any(isinstance(p, list) and not p for p in prompt)):
             raise ValueError("prompt must not be empty")
@@ -405,6 +438,22 @@ class ResponseObject(BaseModel):
     usage: ResponseUsage | None = None
 
 
+# ---------------------------------------------------------------------------------------------- errors
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error the server answers (errors.py)."""
+
+    error: ErrorInfo
+
+
 # ---------------------------------------------------------------------------------------------- other routes
 
 
@@ -441,6 +490,23 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
     count: int
     max_model_len: int
+
+
+class TokenizerInfo(BaseModel):
+    """GET /tokenizer_info: what a client needs to tokenize for this server itself (lm-eval asks for it)."""
+
+    tokenizer_class: str
+    name_or_path: str
+    vocab_size: int  # special tokens included
+    bos_token: str | None
+    bos_token_id: int | None
+    eos_token: str | None
+    eos_token_id: int | None
+    pad_token: str | None
+    pad_token_id: int | None
+    model_max_length: int  # the server's max_seq_len: prompt and generated tokens together
+    max_seq_len: int
+    chat_template: str | None  # the one chat requests are rendered with
 
 
 class DetokenizeRequest(RequestModel):

@@ -52,7 +52,16 @@ BAD_REQUESTS = [
     ("/v1/completions", {**COMPLETION, "prompt": [999999]}, 400, "prompt", None),
     ("/v1/completions", {**COMPLETION, "max_tokens": 0}, 400, "max_tokens", None),
     ("/v1/completions", {**COMPLETION, "max_tokens": -3}, 400, "max_tokens", None),
-    ("/v1/completions", {**COMPLETION, "max_tokens": 5000}, 400, "prompt", None),
+    ("/v1/completions", {**COMPLETION, "max_tokens": 5000}, 400, "max_tokens", None),
+    ("/v1/completions", {**COMPLETION, "seed": 2**64}, 400, "seed", None),
+    ("/v1/completions", {**COMPLETION, "seed": -(2**63) - 1}, 400, "seed", None),
+    ("/v1/completions", b"", 400, None, "invalid_json"),
+    ("/v1/completions", b'"\\ud800"', 400, None, "invalid_value"),
+    ("/v1/completions", b'{"model": "smollm2-test", "prompt": "a\\ud800"}', 400, "prompt", "invalid_value"),
+    ("/v1/completions", b'{"model": "smollm2-test", "prompt": ["ok", "\\udfff"]}', 400, "prompt", "invalid_value"),
+    ("/v1/chat/completions", b'{"model": "smollm2-test", "messages": [{"role": "user", "content": "\\ud800"}]}',
+     400, "messages.0.content", "invalid_value"),
+    ("/tokenize", b'{"prompt": "\\ud800"}', 400, "prompt", "invalid_value"),
     ("/v1/completions", {**COMPLETION, "prompt": "hello " * 1500}, 400, "prompt", None),
     ("/v1/completions", {**COMPLETION, "temperature": -1}, 400, "temperature", None),
     ("/v1/completions", {**COMPLETION, "n": 0}, 400, "n", None),
@@ -94,6 +103,47 @@ def test_bad_requests_get_openai_errors(base_url, route, body, status, param, co
     assert error["type"] == "invalid_request_error" and error["message"]
 
 
+def test_empty_non_object_and_lone_surrogate_bodies_get_messages_saying_what_is_wrong(base_url):
+    assert "request body is empty" in _error(_post(base_url, "/v1/completions", b""), 400)["message"]
+    assert _error(_post(base_url, "/v1/completions", b'["x"]'), 400)["message"] == (
+        "the request body must be a JSON object, got an array")
+    message = _error(_post(base_url, "/v1/completions", b'{"model": "smollm2-test", "prompt": "ab\\ud800"}'),
+                     400)["message"]
+    assert message == "prompt: text must be valid Unicode, but it holds a lone surrogate (U+D800 at character 2)"
+
+
+def test_a_disallowed_method_is_a_405_with_an_allow_header(base_url):
+    response = httpx2.get(f"{base_url}/v1/completions")
+    _error(response, 405)
+    assert response.headers["allow"] == "POST"
+
+
+def test_openapi_documents_the_400_error_body_and_no_422(base_url):
+    schema = httpx2.get(f"{base_url}/openapi.json").json()
+    error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert "422" not in responses
+        assert responses["400"]["content"]["application/json"]["schema"] == error_ref
+    assert "422" not in json.dumps(schema["paths"])
+    components = schema["components"]["schemas"]
+    assert "HTTPValidationError" not in components
+    assert set(components["ErrorInfo"]["properties"]) == ERROR_FIELDS
+
+
+def test_tokenizer_info_reports_the_special_tokens_lengths_and_chat_template(base_url, llm):
+    info = httpx2.get(f"{base_url}/tokenizer_info").json()
+    tokenizer = llm.tokenizer
+    assert info["tokenizer_class"] == type(tokenizer).__name__
+    assert (info["eos_token"], info["eos_token_id"]) == (tokenizer.eos_token, tokenizer.eos_token_id)
+    assert info["eos_token_id"] == tokenizer.convert_tokens_to_ids(info["eos_token"])
+    assert (info["bos_token"], info["bos_token_id"]) == (tokenizer.bos_token, tokenizer.bos_token_id)
+    assert (info["pad_token"], info["pad_token_id"]) == (tokenizer.pad_token, tokenizer.pad_token_id)
+    assert info["model_max_length"] == info["max_seq_len"] == 1024
+    assert info["vocab_size"] == len(tokenizer)
+    assert info["chat_template"] == tokenizer.chat_template and "{%" in info["chat_template"]
+
+
 def test_server_keeps_serving_after_bad_requests_and_unsupported_options_raise_in_the_client(client, base_url):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=CHAT["messages"], response_format={"type": "json_object"})
@@ -116,7 +166,8 @@ def test_unknown_route_is_a_404_in_openai_shape(base_url):
 
 
 def test_health_is_503_while_the_engine_is_down(client, base_url, monkeypatch):
-    assert httpx2.get(f"{base_url}/health").status_code == 200
+    healthy = httpx2.get(f"{base_url}/health")
+    assert healthy.status_code == 200 and healthy.json() == {"status": "ok"}
     monkeypatch.setattr(LocalEngine, "dead_reason", property(lambda engine: "engine loop died: test"))
     assert "engine loop died" in _error(httpx2.get(f"{base_url}/health"), 503)["message"]
     assert _error(_post(base_url, "/v1/completions", COMPLETION), 503)["type"] == "server_error"

@@ -97,6 +97,22 @@ def test_seed_makes_sampling_reproducible(client):
     assert any(sample(seed) != sample(7) for seed in (8, 9, 10))
 
 
+def test_top_logprobs_list_the_sampled_token_even_outside_the_top_k(client):
+    choice = client.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=24,
+                                       temperature=1.5, seed=4, logprobs=1).choices[0]
+    logprobs = choice.logprobs
+    outside = 0
+    for token, token_logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert top[token] == token_logprob
+        best = max(top.values())
+        if token_logprob < best:  # sampled outside the top 1: listed after it
+            outside += 1
+            assert len(top) == 2
+        else:
+            assert len(top) == 1
+    assert outside > 0
+
+
 @pytest.mark.parametrize("max_tokens", [0, 1])
 def test_echo_returns_prompt_logprobs_as_loglikelihood_scoring_needs(client, llm, max_tokens):
     ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog")
@@ -112,7 +128,11 @@ def test_echo_returns_prompt_logprobs_as_loglikelihood_scoring_needs(client, llm
         expected = reference[position][ids[position]].logprob
         assert logprobs.token_logprobs[position] == pytest.approx(expected, abs=1e-4)
         top = logprobs.top_logprobs[position]
-        assert len(top) == 1 and max(top.values()) >= logprobs.token_logprobs[position] - 1e-6
+        # The most likely token, and the prompt's own token when it is another.
+        is_most_likely = reference[position][ids[position]].rank == 1
+        assert len(top) == (1 if is_most_likely else 2)
+        assert top[logprobs.tokens[position]] == logprobs.token_logprobs[position]
+        assert max(top.values()) >= logprobs.token_logprobs[position] - 1e-6
     assert logprobs.tokens[1] == " quick" and logprobs.text_offset[:2] == [0, len(logprobs.tokens[0])]
     assert response.usage.prompt_tokens == len(ids) and response.usage.completion_tokens == max_tokens
     if max_tokens == 0:
