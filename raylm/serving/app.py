@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -189,7 +190,8 @@ def build_app(engine: ServingEngine, config: ServingConfig) -> FastAPI:
 
 def _document_no_422(app: FastAPI) -> None:
     """/openapi.json without FastAPI's 422 and its error models: a body that fails validation gets the 400 every
-    route documents (ErrorResponse)."""
+    route documents (ErrorResponse). Routes that read their body with request_body.json_body get its schema back
+    as their requestBody (FastAPI sees only a dependency there)."""
     build_schema = app.openapi
 
     def openapi() -> dict:
@@ -198,12 +200,34 @@ def _document_no_422(app: FastAPI) -> None:
             for operations in schema.get("paths", {}).values():
                 for operation in operations.values():
                     operation.get("responses", {}).pop("422", None)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
+                components.pop(name, None)
+            for route in app.routes:
+                model = _json_body_model(route)
+                if model is None:
+                    continue
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+                for method in route.methods:
+                    operation = schema["paths"][route.path_format][method.lower()]
+                    operation["requestBody"] = {"required": True, "content": {"application/json": {
+                        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi
+
+
+def _json_body_model(route: Any) -> type | None:
+    """The model a route's json_body dependency validates its body as, if it has one."""
+    dependant = getattr(route, "dependant", None)
+    for dependency in dependant.dependencies if dependant is not None else ():
+        model = getattr(dependency.call, "body_model", None)
+        if model is not None:
+            return model
+    return None
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -70,4 +70,5 @@ def json_body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
         except ValidationError as exc:
             raise from_validation_errors(exc.errors()) from None
 
+    parse.body_model = model  # app.py documents the body in /openapi.json
     return parse

@@ -131,6 +131,21 @@ def test_openapi_documents_the_400_error_body_and_no_422(base_url):
     assert set(components["ErrorInfo"]["properties"]) == ERROR_FIELDS
 
 
+def test_openapi_documents_each_request_body_with_its_schema(base_url):
+    """Bodies are parsed by a dependency of the server's own (request_body.json_body), which /openapi.json still
+    documents: clients and fuzzers generate requests from it."""
+    schema = httpx2.get(f"{base_url}/openapi.json").json()
+    components = schema["components"]["schemas"]
+    for path, model in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest"),
+                        ("/v1/responses", "ResponsesRequest"), ("/tokenize", "TokenizeRequest")):
+        body = schema["paths"][path]["post"]["requestBody"]
+        assert body["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{model}"}
+        assert "prompt" in components[model]["properties"] or "messages" in components[model]["properties"] \
+            or "input" in components[model]["properties"]
+    refs = {ref.rsplit("/", 1)[-1] for ref in json.dumps(schema).split('"$ref": "')[1:] for ref in [ref.split('"')[0]]}
+    assert refs <= set(components)  # every reference resolves
+
+
 def test_tokenizer_info_reports_the_special_tokens_lengths_and_chat_template(base_url, llm):
     info = httpx2.get(f"{base_url}/tokenizer_info").json()
     tokenizer = llm.tokenizer
