@@ -81,12 +81,15 @@ def fuzz(args) -> dict:
                      "--mode", mode, "--checks", "not_a_server_error", "--max-time", str(args.max_time // 2),
                      "--workers", "4",
                      "--phases", "examples,coverage,fuzzing", "--no-color", "--seed", str(args.seed),
-                     "--suppress-health-check", "all", "--exclude-path-regex", "profile"],
+                     "--suppress-health-check", "all", "--exclude-path-regex", "profile",
+                     "--request-timeout", "120"],  # a chat without max_tokens runs to max_seq_len: seconds on a CPU
                     capture_output=True, text=True)
                 output = run.stdout + run.stderr
                 result[mode] = {"seconds": time.perf_counter() - begin, "exit_code": run.returncode,
                                 "test_cases": _count(r"(\d+) generated", output) or 0,
-                                "failed": _count(r"(\d+) failed", output) or 0, "summary": output[-3000:]}
+                                "failed": _count(r"(\d+) failed", output) or 0,  # checks failed: a 5xx
+                                "network_errors": _count(r"Network Error: (\d+)", output) or 0,  # no answer
+                                "summary": output[-3000:]}
                 print(f"{mode}: exit {run.returncode}\n{output[-1500:]}", flush=True)
     finally:
         server.should_exit = True
