@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import errno
 import logging
 import os
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -268,6 +270,8 @@ def start_server(config: ServeArgs, app_name: str = "raylm") -> RunningServer:
     from raylm.actors.ray_executor import ensure_ray
 
     owns_cluster = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
+    if owns_cluster:  # the new cluster's proxy listens on this machine
+        check_port_free(config.host, config.port)
     scaling = config.autoscaling_config
     replicas = scaling.max_replicas if scaling is not None else config.num_replicas or 1
     ensure_ray(replicas * (config.world_size + 2))
@@ -280,6 +284,26 @@ def start_server(config: ServeArgs, app_name: str = "raylm") -> RunningServer:
         server.stop()
         raise
     return server
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raises RuntimeError when a server already listens on host:port. Serve's proxy binds with SO_REUSEPORT,
+    so a second cluster's proxy would share the port with the first and the kernel split requests between
+    them; this bind, without that option, fails instead."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise RuntimeError(f"host {host!r} cannot be resolved: {exc.strerror}") from None
+    for family, kind, protocol, _, address in addresses:
+        with socket.socket(family, kind, protocol) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed server's TIME_WAIT is no owner
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise RuntimeError(f"port {port} is in use on {host}: another server listens there; stop it "
+                                       f"or choose another --port") from None
+                # Any other failure (an address family this host lacks) is Serve's to report.
 
 
 def _http_url(config: ServeArgs) -> str:

@@ -125,3 +125,24 @@ def test_raylm_serve_runs_a_server_until_terminated(tmp_path):
             process.kill()
             raise
     assert process.returncode == 0, log.read_text()[-3000:]
+
+
+def test_a_port_in_use_fails_in_one_line_before_ray_starts(tiny_model_dirs, monkeypatch, capsys):
+    import ray
+
+    def no_ray(*_):
+        raise AssertionError("Ray was started although the port is taken")
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr("raylm.actors.ray_executor.ensure_ray", no_ray)
+    assert not ray.is_initialized()
+    with socket.socket() as listener:  # bound as Serve's proxy binds, SO_REUSEPORT included
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        code = main(["serve", str(tiny_model_dirs["llama"]), "--host", "127.0.0.1", "--port", str(port)])
+    error = capsys.readouterr().err
+    assert code == 1 and error.count("\n") == 1
+    assert f"port {port} is in use on 127.0.0.1" in error
