@@ -152,6 +152,10 @@ _SERVE_FLAGS: list[tuple[tuple[str, ...], str, dict, str]] = [
     (("--enable_rl_endpoints",), "enable_rl_endpoints", {"action": "store_true", "default": None},
      "serve /pause, /resume_generation, /update_weights, /weight_version, /device_ids, /release, /resume and "
      "/memory_status for an RL trainer (behind --api_key when set)"),
+    (("--enable_profiling_endpoints",), "enable_profiling_endpoints", {"action": "store_true", "default": None},
+     "serve /start_profile and /stop_profile (behind --api_key when set)"),
+    (("--profile_dir",), "profile_dir", {}, "where /start_profile writes traces; requests may name only a "
+                                            "sub-folder (default: $RAYLM_TORCH_PROFILER_DIR)"),
     (("--log_level",), "log_level", {"choices": _LOG_LEVELS}, "log level (default warning)"),
 ]
 

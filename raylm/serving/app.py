@@ -9,7 +9,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
@@ -23,7 +23,7 @@ from raylm.serving.errors import OpenAIError, bad_request, from_validation_error
 from raylm.serving.generation import ServingContext, unix_time
 from raylm.serving.metrics import ServingMetrics
 from raylm.serving.middleware import ApiKeyCheck, InFlightLimit
-from raylm.serving.profiling import ProfileConflict, StartProfileRequest, TorchProfiler
+from raylm.serving.profiling import add_profiling_routes
 from raylm.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,11 +44,10 @@ GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 def build_app(engine: ServingEngine, config: ServingConfig) -> FastAPI:
-    """The FastAPI app serving `engine` under `config.served_model_name`, with the RL routes (rl_routes.py) when
-    config.enable_rl_endpoints is set; run it with any ASGI server."""
+    """The FastAPI app serving `engine` under `config.served_model_name`, with the profiling routes
+    (profiling.py) and the RL routes (rl_routes.py) when config enables them; run it with any ASGI server."""
     metrics = ServingMetrics(config.served_model_name)
     context = ServingContext(engine, config, metrics)
-    profiler = TorchProfiler(config.profile_dir)
     created = unix_time()
 
     app = FastAPI(title="raylm", version=__version__)
@@ -133,24 +132,8 @@ def build_app(engine: ServingEngine, config: ServingConfig) -> FastAPI:
             raise bad_request(f"tokens must be in [0, {vocab_size}), got {bad[:5]}", "tokens")
         return DetokenizeResponse(prompt=context.tokenizer.decode(body.tokens))
 
-    # ------------------------------------------------------------------ profiling
-
-    @app.post("/start_profile")
-    async def start_profile(body: StartProfileRequest | None = None) -> Response:
-        try:
-            path = await profiler.start(body or StartProfileRequest())
-        except ProfileConflict as exc:
-            return JSONResponse({"success": False, "message": str(exc)}, status_code=409)
-        return JSONResponse({"message": "Profiling started", "trace_path": path})
-
-    @app.post("/stop_profile")
-    async def stop_profile() -> Response:
-        try:
-            path = await profiler.stop()
-        except ProfileConflict as exc:
-            return JSONResponse({"success": False, "message": str(exc)}, status_code=409)
-        return JSONResponse({"message": "Profiling stopped", "trace_path": path})
-
+    if config.enable_profiling_endpoints:
+        add_profiling_routes(app, config.profile_dir)
     if config.enable_rl_endpoints:
         add_rl_routes(app, context)
     return app
