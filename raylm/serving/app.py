@@ -5,7 +5,6 @@ in this process through LocalEngine, or the Ray Serve engine deployment through 
 from __future__ import annotations
 
 import asyncio
-import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,7 +18,7 @@ from raylm.serving.chat_completions import ChatCompletionRoute
 from raylm.serving.completions import CompletionRoute
 from raylm.serving.config import ServingConfig
 from raylm.serving.engine import ServingEngine
-from raylm.serving.errors import OpenAIError, bad_request, from_validation_errors
+from raylm.serving.errors import OpenAIError, bad_request, from_validation_errors, server_error
 from raylm.serving.generation import ServingContext, unix_time
 from raylm.serving.metrics import ServingMetrics
 from raylm.serving.middleware import ApiKeyCheck, InFlightLimit
@@ -37,8 +36,6 @@ from raylm.serving.protocol import (
 )
 from raylm.serving.responses import ResponsesRoute
 from raylm.serving.rl_routes import add_rl_routes
-
-logger = logging.getLogger(__name__)
 
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
@@ -156,5 +153,4 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error serving %s", request.url.path)
-        return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+        return server_error(500, f"internal error serving {request.url.path}", exc).response()

@@ -116,7 +116,7 @@ def test_unknown_route_is_a_404_in_openai_shape(base_url):
 def test_health_is_503_while_the_engine_is_down(client, base_url, monkeypatch):
     assert httpx2.get(f"{base_url}/health").status_code == 200
     monkeypatch.setattr(LocalEngine, "dead_reason", property(lambda engine: "engine loop died: test"))
-    assert "engine loop died" in _error(httpx2.get(f"{base_url}/health"), 503)["message"]
+    assert "the engine is not running" in _error(httpx2.get(f"{base_url}/health"), 503)["message"]
     assert _error(_post(base_url, "/v1/completions", COMPLETION), 503)["type"] == "server_error"
     monkeypatch.undo()
     assert httpx2.get(f"{base_url}/health").status_code == 200
