@@ -28,20 +28,22 @@ logger = logging.getLogger(__name__)
 _SHUTDOWN_GRACE_S = 10.0
 
 
-def ensure_ray(num_cpus_hint: int) -> float:
+def ensure_ray(num_cpus_hint: int, logging_level: int = logging.INFO) -> float:
     """Connects to the Ray cluster (RAY_ADDRESS, or one already running in this process) or starts a local
-    one; returns the seconds it took."""
+    one, its driver-side logs at logging_level; returns the seconds it took."""
     import ray
 
     begin = time.perf_counter()
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
-        kwargs: dict[str, Any] = {"ignore_reinit_error": True, "log_to_driver": True}
+        kwargs: dict[str, Any] = {"ignore_reinit_error": True, "log_to_driver": True, "logging_level": logging_level}
         if address:
             kwargs["address"] = address
         else:
+            # "local": a cluster of this process's own, not another driver's that ray.init would otherwise join.
             # A CPU worker takes one logical CPU: declare enough for every rank even on a small machine.
-            kwargs.update(num_cpus=max(os.cpu_count() or 1, num_cpus_hint, 8), include_dashboard=False)
+            kwargs.update(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus_hint, 8),
+                          include_dashboard=False)
         _init_ray_for_the_process(kwargs)
     return time.perf_counter() - begin
 

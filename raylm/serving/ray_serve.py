@@ -23,7 +23,7 @@ import errno
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ from fastapi import FastAPI
 from ray import serve
 from ray.exceptions import TaskCancelledError
 from ray.serve import Application
+from ray.serve._private.constants import SERVE_LOGGER_NAME
 from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -262,9 +263,11 @@ class RunningServer:
             serve.delete(self.app_name)
 
 
-def start_server(config: ServeArgs, app_name: str = "raylm") -> RunningServer:
+def start_server(config: ServeArgs, app_name: str = "raylm",
+                 progress: Callable[[str], None] = lambda _: None) -> RunningServer:
     """Deploys the app with Serve's HTTP proxy on config.host:config.port and returns once it serves. It runs
-    on the Ray cluster this process is connected to, else the one at RAY_ADDRESS, else on a new local one."""
+    on the Ray cluster this process is connected to, else the one at RAY_ADDRESS, else on a new local one.
+    `progress` hears each stage as it begins; Ray's and Serve's own logs below config.log_level stay quiet."""
     import ray
 
     from raylm.actors.ray_executor import ensure_ray
@@ -274,11 +277,19 @@ def start_server(config: ServeArgs, app_name: str = "raylm") -> RunningServer:
         check_port_free(config.host, config.port)
     scaling = config.autoscaling_config
     replicas = scaling.max_replicas if scaling is not None else config.num_replicas or 1
-    ensure_ray(replicas * (config.world_size + 2))
+    level = getattr(logging, config.log_level.upper())
+    progress("starting a local Ray cluster" if owns_cluster else "connecting to the Ray cluster")
+    ensure_ray(replicas * (config.world_size + 2), logging_level=level)
+    logging.getLogger(SERVE_LOGGER_NAME).setLevel(level)
     server = RunningServer(f"http://{config.host}:{config.port}", app_name, owns_cluster)
     try:
-        serve.start(http_options={"host": config.host, "port": config.port})
+        serve.start(http_options={"host": config.host, "port": config.port},
+                    logging_config={"log_level": config.log_level.upper()})
         server.url = _http_url(config)
+        on_gpus = resolve_device(config.device) == "cuda"
+        warm_up = "compiling its kernels and capturing CUDA graphs" if on_gpus else "warming up"
+        progress(f"loading {config.model_name} on {replicas} replica(s) of {config.world_size} rank(s), then "
+                 f"{warm_up}")
         serve.run(build_openai_app(config), name=app_name, route_prefix="/")
     except BaseException:
         server.stop()

@@ -75,6 +75,14 @@ def test_print_schema_prints_the_shipped_schema(capsys):
     assert json.loads(capsys.readouterr().out) == json.loads(SCHEMA_PATH.read_text())
 
 
+def test_without_the_serve_extra_raylm_serve_says_how_to_install_it():
+    code = "import sys; sys.modules['fastapi'] = None\nfrom raylm.cli import main\nsys.exit(main(['serve']))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and run.stderr.count("\n") == 1, run.stderr
+    assert "the server needs the 'serve' extra, which lacks fastapi" in run.stderr
+    assert 'pip install -e ".[serve]"' in run.stderr
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -117,6 +125,9 @@ def test_raylm_serve_runs_a_server_until_terminated(tmp_path):
         while served not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert served in log.read_text()
+        console = log.read_text()
+        assert "raylm serve: starting a local Ray cluster..." in console and "raylm serve: loading from-set" in console
+        assert " INFO " not in console  # Ray's and Serve's INFO lines stay out below --log_level info
     finally:
         process.send_signal(signal.SIGTERM)
         try:
