@@ -21,7 +21,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="HF directory, .gguf file, hub id or alias (default: embedded SmolLM2-135M-Instruct)")
     engine.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (None: the model's)")
     engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weight and activation dtype (auto: the model's on GPUs, float32 on CPUs)")
+                        help="weight and activation dtype (auto: float32 on CPUs, the checkpoint's half type on GPUs)")
     engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs")
     engine.add_argument("--max_batch_size", "--max-batch-size", type=int, default=256,
                         help="most requests the engine schedules at once")
@@ -42,7 +42,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--max_tokens", "--max-tokens", type=int, default=128, help="most tokens to generate")
-    sampling.add_argument("--min_tokens", type=int, default=0, help="tokens to generate before EOS may end")
+    sampling.add_argument("--min_tokens", type=int, default=0, help="tokens to generate before EOS may end the output")
     sampling.add_argument("--temperature", type=float, default=None,
                           help="0 or None: greedy, unless top_k / top_p / min_p is set")
     sampling.add_argument("--top_k", "--top-k", type=int, default=None, help="sample among the k likeliest tokens")
