@@ -9,7 +9,8 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 _LOG_LEVELS = ["error", "warning", "info", "debug"]
 
@@ -18,34 +19,43 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine")
     engine.add_argument("--model", default=None,
                         help="HF directory, .gguf file, hub id or alias (default: embedded SmolLM2-135M-Instruct)")
-    engine.add_argument("--tokenizer", default=None)
-    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    engine.add_argument("--max_batch_size", "--max-batch-size", type=int, default=256)
-    engine.add_argument("--max_num_tokens", "--max-num-tokens", type=int, default=8192)
-    engine.add_argument("--max_seq_len", "--max-seq-len", type=int, default=None)
+    engine.add_argument("--tokenizer", default=None, help="tokenizer directory or hub id (None: the model's)")
+    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weight and activation dtype (auto: float32 on CPUs, the checkpoint's half type on GPUs)")
+    engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs")
+    engine.add_argument("--max_batch_size", "--max-batch-size", type=int, default=256,
+                        help="most requests the engine schedules at once")
+    engine.add_argument("--max_num_tokens", "--max-num-tokens", type=int, default=8192,
+                        help="most batched tokens in one engine iteration")
+    engine.add_argument("--max_seq_len", "--max-seq-len", type=int, default=None,
+                        help="longest request, prompt plus output (None: the model's context length)")
     engine.add_argument("--kv_cache_max_tokens", "--kv-cache-max-tokens", type=int, default=None,
                         help="KV cache capacity in tokens (the CPU capacity; a cap on GPU)")
-    engine.add_argument("--kv_cache_free_gpu_memory_fraction", type=float, default=0.9)
-    engine.add_argument("--tokens_per_block", type=int, default=32)
-    engine.add_argument("--trust_remote_code", action="store_true")
-    engine.add_argument("--log_level", default="warning", choices=_LOG_LEVELS)
+    engine.add_argument("--kv_cache_free_gpu_memory_fraction", type=float, default=0.9,
+                        help="fraction of the free GPU memory the KV cache takes after the model is loaded")
+    engine.add_argument("--tokens_per_block", type=int, default=32, help="tokens per KV cache block")
+    engine.add_argument("--trust_remote_code", action="store_true",
+                        help="let HF transformers run the model's own code")
+    engine.add_argument("--log_level", default="warning", choices=_LOG_LEVELS, help="log level")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     sampling = parser.add_argument_group("sampling")
-    sampling.add_argument("--max_tokens", "--max-tokens", type=int, default=128)
-    sampling.add_argument("--min_tokens", type=int, default=0)
-    sampling.add_argument("--temperature", type=float, default=None, help="0 or unset: greedy")
-    sampling.add_argument("--top_k", "--top-k", type=int, default=None)
-    sampling.add_argument("--top_p", "--top-p", type=float, default=None)
-    sampling.add_argument("--min_p", "--min-p", type=float, default=None)
-    sampling.add_argument("--seed", type=int, default=None)
-    sampling.add_argument("--repetition_penalty", type=float, default=1.0)
-    sampling.add_argument("--presence_penalty", type=float, default=0.0)
-    sampling.add_argument("--frequency_penalty", type=float, default=0.0)
+    sampling.add_argument("--max_tokens", "--max-tokens", type=int, default=128, help="most tokens to generate")
+    sampling.add_argument("--min_tokens", type=int, default=0, help="tokens to generate before EOS may end the output")
+    sampling.add_argument("--temperature", type=float, default=None,
+                          help="0 or None: greedy, unless top_k / top_p / min_p is set")
+    sampling.add_argument("--top_k", "--top-k", type=int, default=None, help="sample among the k likeliest tokens")
+    sampling.add_argument("--top_p", "--top-p", type=float, default=None,
+                          help="sample among the likeliest tokens whose probabilities sum to p")
+    sampling.add_argument("--min_p", "--min-p", type=float, default=None,
+                          help="drop tokens less likely than min_p times the likeliest")
+    sampling.add_argument("--seed", type=int, default=None, help="seed of a request's sampling")
+    sampling.add_argument("--repetition_penalty", type=float, default=1.0, help="1.0: none")
+    sampling.add_argument("--presence_penalty", type=float, default=0.0, help="0.0: none")
+    sampling.add_argument("--frequency_penalty", type=float, default=0.0, help="0.0: none")
     sampling.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    sampling.add_argument("--ignore_eos", action="store_true")
+    sampling.add_argument("--ignore_eos", action="store_true", help="generate past EOS up to max_tokens")
     sampling.add_argument("--n", type=int, default=1, help="completions per prompt")
     sampling.add_argument("--beam_width", type=int, default=None, help="beam search with this many beams")
 
@@ -53,8 +63,12 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 def _read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompts)
     if args.prompts_file:
-        with open(args.prompts_file, encoding="utf-8") as handle:
-            prompts.extend(line.rstrip("\n") for line in handle if line.strip())
+        try:
+            with open(args.prompts_file, encoding="utf-8") as handle:
+                prompts.extend(line.rstrip("\n") for line in handle if line.strip())
+        except OSError as exc:
+            raise SystemExit(f"raylm generate: error: cannot read --prompts_file {args.prompts_file}: "
+                             f"{exc.strerror}") from None
     if not prompts and not sys.stdin.isatty():
         prompts.extend(line.rstrip("\n") for line in sys.stdin if line.strip())
     if not prompts:
@@ -152,6 +166,10 @@ _SERVE_FLAGS: list[tuple[tuple[str, ...], str, dict, str]] = [
     (("--enable_rl_endpoints",), "enable_rl_endpoints", {"action": "store_true", "default": None},
      "serve /pause, /resume_generation, /update_weights, /weight_version, /device_ids, /release, /resume and "
      "/memory_status for an RL trainer (behind --api_key when set)"),
+    (("--enable_profiling_endpoints",), "enable_profiling_endpoints", {"action": "store_true", "default": None},
+     "serve /start_profile and /stop_profile (behind --api_key when set)"),
+    (("--profile_dir",), "profile_dir", {}, "where /start_profile writes traces; requests may name only a "
+                                            "sub-folder (default: $RAYLM_TORCH_PROFILER_DIR)"),
     (("--log_level",), "log_level", {"choices": _LOG_LEVELS}, "log level (default warning)"),
 ]
 
@@ -177,7 +195,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         if options.get("action") != "store_true":
             options = {"metavar": path.rsplit(".", 1)[-1].upper(), **options}
         flags.add_argument(*names, dest=path, help=help_text, **{"default": None, **options})
-    parser.set_defaults(handler=serve)
+    parser.set_defaults(handler=serve, command_parser=parser)
 
 
 def serve_flag_values(args: argparse.Namespace) -> dict:
@@ -200,10 +218,21 @@ def _wait_for_interrupt() -> None:
             signal.signal(sig, handler)
 
 
+@contextmanager
+def _needs_the_serve_extra() -> Iterator[None]:
+    """Imports of the server's modules: a missing dependency says, in one line, how to install them."""
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        raise SystemExit(f"raylm serve: error: the server needs the 'serve' extra, which lacks {exc.name}: "
+                         f"pip install 'raylm[serve]' (in a checkout: pip install -e \".[serve]\")") from None
+
+
 def serve(args: argparse.Namespace) -> int:
     """Deploys the OpenAI-compatible server on Ray Serve and keeps it up until interrupted."""
-    from raylm.serving.config import serve_args_schema
-    from raylm.serving.config_sources import layer_serve_args
+    with _needs_the_serve_extra():
+        from raylm.serving.config import serve_args_schema
+        from raylm.serving.config_sources import layer_serve_args
 
     if args.print_schema:
         print(json.dumps(serve_args_schema(), indent=2))
@@ -213,16 +242,17 @@ def serve(args: argparse.Namespace) -> int:
     from raylm.models.source import resolve_model
 
     resolve_model(config.model, config.revision)  # a bad MODEL fails here, before any cluster starts
-    from raylm.serving.ray_serve import start_server
+    with _needs_the_serve_extra():
+        from raylm.serving.ray_serve import start_server
 
     try:
-        server = start_server(config)
+        server = start_server(config, progress=lambda stage: print(f"raylm serve: {stage}...", flush=True))
     except KeyboardInterrupt:
         return 130
     except RuntimeError as exc:
         print(f"raylm serve: error: {exc}", file=sys.stderr)
         return 1
-    print(f"raylm serve: {config.model_name} is served at {server.url}/v1 (Ctrl-C to stop)", flush=True)
+    print(f"raylm serve: ready: {config.model_name} is served at {server.url}/v1 (Ctrl-C to stop)", flush=True)
     try:
         _wait_for_interrupt()
     finally:
@@ -290,15 +320,18 @@ def batch(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raylm", description="raylm: a Ray-native LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate text for prompts (arguments, a file, or stdin)")
-    gen.add_argument("prompts", nargs="*", help="prompts; read from --prompts_file or stdin when none")
+    gen = sub.add_parser("generate", help="generate text for prompts (arguments, a file, or stdin)",
+                         description="Generate text for prompts (arguments, a file, or stdin); greedy unless "
+                                     "sampling flags say otherwise.",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    gen.add_argument("prompts", nargs="*", default=[], help="prompts; read from --prompts_file or stdin when none")
     gen.add_argument("--prompts_file", "--prompts-file", default=None, help="a file with one prompt per line")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     gen.add_argument("--system", default=None, help="system message for --chat")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of streaming")
     _add_engine_args(gen)
     _add_sampling_args(gen)
-    gen.set_defaults(handler=generate)
+    gen.set_defaults(handler=generate, command_parser=gen)
     _add_serve_parser(sub)
     _add_batch_parser(sub)
     return parser
@@ -306,7 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # with the usage of the subcommand they were given to, not the top level's
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     level = args.log_level or "warning"  # serve leaves it to its config layers
     logging.basicConfig(level=getattr(logging, level.upper()), format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import itertools
 import logging
 import os
 import time
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -25,6 +27,26 @@ from raylm.sampling_params import SamplingParams
 from raylm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+# Every LLM whose engine runs, so that those a driver leaves open are shut down when the interpreter exits.
+_OPEN_LLMS: weakref.WeakSet[LLM] = weakref.WeakSet()
+
+
+def _shutdown_open_llms() -> None:
+    """Shuts down every LLM still open; an atexit hook."""
+    for llm in list(_OPEN_LLMS):
+        try:
+            llm.shutdown()
+        except Exception:
+            logger.exception("shutting down an LLM left open at exit failed")
+
+
+def _track_open(llm: LLM) -> None:
+    _OPEN_LLMS.add(llm)
+    # Registered again after each engine starts, so that it runs first at exit (atexit runs hooks last in,
+    # first out): before Ray's own hook that ray.init registered, while the workers can still be stopped.
+    atexit.unregister(_shutdown_open_llms)
+    atexit.register(_shutdown_open_llms)
 
 
 def _eos_token_ids(source: ModelSource, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
@@ -74,6 +96,7 @@ class LLM:
         self.info: EngineInfo = self._executor.info
         self._client = EngineClient(self._executor, self._tokenizer, self.args.iter_stats_max_iterations,
                                     self.args.kv_cache_config.event_buffer_max_size)
+        _track_open(self)
         self._startup_metrics = dict(self.info.startup_metrics)
         self._startup_metrics.setdefault("py_executor", {})
         self._startup_metrics["py_executor"]["config_and_checkpoint_loader_initialization_seconds"] = (
@@ -304,6 +327,7 @@ class LLM:
     def shutdown(self) -> None:
         """Stops the engine and releases its memory; outstanding requests fail."""
         client, self._client = self._client, None
+        _OPEN_LLMS.discard(self)
         if client is not None:
             client.shutdown()
 

@@ -147,10 +147,11 @@ def per_expert(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.T
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray cluster for one test module, shut down after it so later modules run without Ray."""
+    """A local Ray cluster for one test module, shut down after it so later modules run without Ray. It is the
+    module's own (address="local"): without it ray.init joins any cluster another process runs on the machine."""
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=True, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=True, log_to_driver=False)
     yield ray
     ray.shutdown()
 

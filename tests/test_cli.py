@@ -55,3 +55,29 @@ def test_generate_bad_sampling_flag_exits_2_naming_the_field(flag, value, messag
 def test_generate_unknown_model_exits_2(capsys):
     assert main(["generate", "hi", "--model", "/no/such/model/dir"]) == 2
     assert "not an existing directory" in capsys.readouterr().err
+
+
+def test_generate_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--help"])
+    assert exit_info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "most tokens to generate (default: 128)" in out and "(default: 256)" in out
+    assert "greedy, unless top_k / top_p / min_p is set (default: None)" in out
+
+
+def test_generate_with_a_missing_prompts_file_is_a_one_line_error(tmp_path):
+    missing = tmp_path / "missing.txt"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--prompts_file", str(missing)])
+    message = f"raylm generate: error: cannot read --prompts_file {missing}: No such file or directory"
+    assert exit_info.value.code == message
+
+
+def test_an_unknown_generate_flag_shows_the_generate_usage(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "hi", "--bogus"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("usage: raylm generate")
+    assert "raylm generate: error: unrecognized arguments: --bogus" in error

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from typing import Any
 
 from raylm.actors.executor import Executor
@@ -26,22 +28,52 @@ logger = logging.getLogger(__name__)
 _SHUTDOWN_GRACE_S = 10.0
 
 
-def ensure_ray(num_cpus_hint: int) -> float:
+def ensure_ray(num_cpus_hint: int, logging_level: int = logging.INFO) -> float:
     """Connects to the Ray cluster (RAY_ADDRESS, or one already running in this process) or starts a local
-    one; returns the seconds it took."""
+    one, its driver-side logs at logging_level; returns the seconds it took."""
     import ray
 
     begin = time.perf_counter()
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
-        kwargs: dict[str, Any] = {"ignore_reinit_error": True, "log_to_driver": True}
+        kwargs: dict[str, Any] = {"ignore_reinit_error": True, "log_to_driver": True, "logging_level": logging_level}
         if address:
             kwargs["address"] = address
         else:
+            # "local": a cluster of this process's own, not another driver's that ray.init would otherwise join.
             # A CPU worker takes one logical CPU: declare enough for every rank even on a small machine.
-            kwargs.update(num_cpus=max(os.cpu_count() or 1, num_cpus_hint, 8), include_dashboard=False)
-        ray.init(**kwargs)
+            kwargs.update(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus_hint, 8),
+                          include_dashboard=False)
+        _init_ray_for_the_process(kwargs)
     return time.perf_counter() - begin
+
+
+def _init_ray_for_the_process(kwargs: dict[str, Any]) -> None:
+    """ray.init, made so that the local cluster it may start lives as long as this process.
+
+    Ray ties the processes of a local cluster to the thread that started them (PR_SET_PDEATHSIG): started from
+    a worker thread (AsyncLLM's setup runs in asyncio's default executor, whose threads end with asyncio.run),
+    the cluster died with that thread and the driver hung on it, past its last line. Off the main thread, Ray
+    starts on a daemon thread that stays alive until the process ends.
+    """
+    import ray
+
+    if threading.current_thread() is threading.main_thread():
+        ray.init(**kwargs)
+        return
+    started: Future[None] = Future()
+
+    def start_and_stay() -> None:
+        try:
+            ray.init(**kwargs)
+        except BaseException as exc:
+            started.set_exception(exc)
+            return
+        started.set_result(None)
+        threading.Event().wait()
+
+    threading.Thread(target=start_and_stay, name="raylm-ray-owner", daemon=True).start()
+    started.result()
 
 
 def ray_cluster_is_up() -> bool:
@@ -174,6 +206,9 @@ class RayExecutor(Executor):
         import ray
 
         if not self.actors:
+            return
+        if not ray.is_initialized():  # Ray shut down first: the workers ended with it
+            self.actors = []
             return
         if self._dead is None:
             try:

@@ -5,12 +5,11 @@ in this process through LocalEngine, or the Ray Serve engine deployment through 
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
@@ -20,11 +19,11 @@ from raylm.serving.chat_completions import ChatCompletionRoute
 from raylm.serving.completions import CompletionRoute
 from raylm.serving.config import ServingConfig
 from raylm.serving.engine import ServingEngine
-from raylm.serving.errors import OpenAIError, bad_request, from_validation_errors
+from raylm.serving.errors import OpenAIError, bad_request, from_validation_errors, server_error
 from raylm.serving.generation import ServingContext, unix_time
 from raylm.serving.metrics import ServingMetrics
 from raylm.serving.middleware import ApiKeyCheck, InFlightLimit
-from raylm.serving.profiling import ProfileConflict, StartProfileRequest, TorchProfiler
+from raylm.serving.profiling import add_profiling_routes
 from raylm.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,17 +41,14 @@ from raylm.serving.request_body import BodySizeLimit, json_body
 from raylm.serving.responses import ResponsesRoute
 from raylm.serving.rl_routes import add_rl_routes
 
-logger = logging.getLogger(__name__)
-
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 def build_app(engine: ServingEngine, config: ServingConfig) -> FastAPI:
-    """The FastAPI app serving `engine` under `config.served_model_name`, with the RL routes (rl_routes.py) when
-    config.enable_rl_endpoints is set; run it with any ASGI server."""
+    """The FastAPI app serving `engine` under `config.served_model_name`, with the profiling routes
+    (profiling.py) and the RL routes (rl_routes.py) when config enables them; run it with any ASGI server."""
     metrics = ServingMetrics(config.served_model_name)
     context = ServingContext(engine, config, metrics)
-    profiler = TorchProfiler(config.profile_dir)
     created = unix_time()
 
     app = FastAPI(title="raylm", version=__version__, responses={
@@ -165,24 +161,8 @@ def build_app(engine: ServingEngine, config: ServingConfig) -> FastAPI:
             model_max_length=context.max_seq_len, max_seq_len=context.max_seq_len,
             chat_template=template if isinstance(template, str) else None)
 
-    # ------------------------------------------------------------------ profiling
-
-    @app.post("/start_profile")
-    async def start_profile(body: StartProfileRequest | None = None) -> Response:
-        try:
-            path = await profiler.start(body or StartProfileRequest())
-        except ProfileConflict as exc:
-            return JSONResponse({"success": False, "message": str(exc)}, status_code=409)
-        return JSONResponse({"message": "Profiling started", "trace_path": path})
-
-    @app.post("/stop_profile")
-    async def stop_profile() -> Response:
-        try:
-            path = await profiler.stop()
-        except ProfileConflict as exc:
-            return JSONResponse({"success": False, "message": str(exc)}, status_code=409)
-        return JSONResponse({"message": "Profiling stopped", "trace_path": path})
-
+    if config.enable_profiling_endpoints:
+        add_profiling_routes(app, config.profile_dir)
     if config.enable_rl_endpoints:
         add_rl_routes(app, context)
     return app
@@ -247,5 +227,4 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
-        logger.exception("unhandled error serving %s", request.url.path)
-        return OpenAIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+        return server_error(500, f"internal error serving {request.url.path}", exc).response()

@@ -9,6 +9,7 @@ config_schema.json next to this file.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,10 +19,11 @@ from raylm.config import LlmArgs, StrictModel
 
 SCHEMA_PATH = Path(__file__).with_name("config_schema.json")
 API_KEY_ENV = "RAYLM_API_KEY"
+PROFILE_DIR_ENV = "RAYLM_TORCH_PROFILER_DIR"
 
 
 def _default_profile_dir() -> str:
-    return os.environ.get("RAYLM_TORCH_PROFILER_DIR", "/tmp")
+    return os.environ.get(PROFILE_DIR_ENV) or os.path.join(tempfile.gettempdir(), "raylm-profiles")
 
 
 def _default_api_key() -> str | None:
@@ -50,9 +52,17 @@ class ServerOptions(StrictModel):
     chat_template: str | None = Field(
         default=None, description="A Jinja chat template that replaces the tokenizer's for chat and responses.",
     )
+    enable_profiling_endpoints: bool = Field(
+        default=False,
+        description="Serve /start_profile and /stop_profile, a torch.profiler window over the server's process "
+                    "(profiling.py). Each window slows the server and writes a trace to disk: set api_key too unless "
+                    "only trusted clients reach the server.",
+    )
     profile_dir: str = Field(
-        default_factory=_default_profile_dir,
-        description="Where /start_profile writes chrome traces when the request names no output_dir.",
+        default_factory=_default_profile_dir, min_length=1,
+        description=f"Where /start_profile writes chrome traces; a request's output_dir may only name a sub-folder "
+                    f"of it. Default: the {PROFILE_DIR_ENV} environment variable, else raylm-profiles in the "
+                    f"system's temporary directory.",
     )
     enable_rl_endpoints: bool = Field(
         default=False,

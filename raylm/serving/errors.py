@@ -1,11 +1,19 @@
-"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with the matching HTTP status."""
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}} with the matching HTTP status.
+
+A server error (5xx) tells the client what failed and a request id, nothing more: its cause can name Ray actors,
+processes, namespaces and node addresses, which go to the server's log under that id.
+"""
 
 from __future__ import annotations
 
+import logging
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse
+
+logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 409: "invalid_request_error", 429: "rate_limit_error"}
@@ -29,6 +37,18 @@ class OpenAIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def server_error(status: int, message: str, cause: BaseException | str, request_id: str | None = None,
+                 code: str | None = None) -> OpenAIError:
+    """A 5xx whose body holds `message` and the request id (a new one unless given); `cause`, with its traceback
+    when it is an exception, goes to the server log under the same id."""
+    request_id = request_id or f"req_{uuid.uuid4().hex}"
+    if isinstance(cause, BaseException):
+        logger.error("%s [request id %s]", message, request_id, exc_info=cause)
+    else:
+        logger.error("%s [request id %s]: %s", message, request_id, cause)
+    return OpenAIError(status, f"{message} (request id {request_id}; the server log has the details)", code=code)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:

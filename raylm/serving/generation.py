@@ -31,7 +31,7 @@ from raylm.sampling_params import SamplingParams
 from raylm.serving.chat import render_chat
 from raylm.serving.config import ServingConfig
 from raylm.serving.engine import GenerationStream, ServingEngine
-from raylm.serving.errors import OpenAIError, from_engine_error
+from raylm.serving.errors import OpenAIError, from_engine_error, server_error
 from raylm.serving.metrics import ServingMetrics
 from raylm.serving.protocol import ResponsesRequest, SamplingRequest, Usage
 from raylm.serving.response_stream import ChoiceDelta, ResponseStream
@@ -139,10 +139,10 @@ class ServingContext:
             raise OpenAIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
                               "model", "model_not_found")
 
-    def check_engine(self) -> None:
+    def check_engine(self, request_id: str | None = None) -> None:
         reason = self.engine.dead_reason
         if reason is not None:
-            raise OpenAIError(503, f"the engine is not running: {reason}", code="engine_unavailable")
+            raise server_error(503, "the engine is not running", reason, request_id, "engine_unavailable")
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> TokensPrompt:
         """A conversation rendered by the chat template, as the prompt to submit."""
@@ -162,7 +162,8 @@ class ServingContext:
         self.check_model(body.model)
         # Chat templates and tokenizers take seconds over a long input: the loop serves other requests meanwhile.
         prompts, params = await asyncio.to_thread(self._prepare, route)
-        stream = ResponseStream(await self.submit(prompts, params, body), self.metrics, self._request_failed)
+        streams = await self.submit(prompts, params, body, route.response_id)
+        stream = ResponseStream(streams, self.metrics, lambda exc: self._request_failed(exc, route.response_id))
         if body.stream:
             return StreamingResponse(route.events(stream), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -175,7 +176,8 @@ class ServingContext:
         body = route.body
         self.check_model(body.model)
         prompts, params = await asyncio.to_thread(self._prepare, route)
-        stream = ResponseStream(await self.submit(prompts, params, body), self.metrics, self._request_failed)
+        streams = await self.submit(prompts, params, body, route.response_id)
+        stream = ResponseStream(streams, self.metrics, lambda exc: self._request_failed(exc, route.response_id))
         await stream.run_to_end()
         return route.response(stream.outputs(), stream.usage())
 
@@ -198,15 +200,16 @@ class ServingContext:
             tokens["prompt"] = text
         return tokens
 
-    async def submit(self, prompts: Sequence[PromptInputs], params: SamplingParams,
-                     body: GenerationBody) -> list[GenerationStream]:
+    async def submit(self, prompts: Sequence[PromptInputs], params: SamplingParams, body: GenerationBody,
+                     request_id: str) -> list[GenerationStream]:
         """Submits every prompt, or none: a rejected prompt aborts those already submitted.
 
         Errors the engine raises for bad input become 400s whose param is the body's field they name. A remote
         engine checks its input after stream() returns, so every submission is admitted before any response
-        starts. While the engine's memory is released (POST /release) a prompt answers 503.
+        starts. While the engine's memory is released (POST /release) a prompt answers 503. A server error's
+        body names request_id, under which the server log holds its cause.
         """
-        self.check_engine()
+        self.check_engine(request_id)
         streams: list[GenerationStream] = []
         try:
             with _field_errors(body), _released_memory_is_unavailable():
@@ -217,17 +220,17 @@ class ServingContext:
         except RuntimeError as exc:
             _abort(streams)
             if isinstance(exc, EngineDeadError) or self.engine.dead_reason is not None:
-                raise OpenAIError(503, str(exc), code="engine_unavailable") from exc
-            raise OpenAIError(500, f"the engine could not take the request: {exc}") from exc
+                raise server_error(503, "the engine is not running", exc, request_id, "engine_unavailable") from exc
+            raise server_error(500, "the engine could not take the request", exc, request_id) from exc
         except BaseException:
             _abort(streams)
             raise
         return streams
 
-    def _request_failed(self, exc: Exception) -> OpenAIError:
+    def _request_failed(self, exc: Exception, request_id: str) -> OpenAIError:
         if self.engine.dead_reason is not None:
-            return OpenAIError(503, f"the engine stopped: {exc}", code="engine_unavailable")
-        return OpenAIError(500, f"generation failed: {exc}")
+            return server_error(503, "the engine stopped", exc, request_id, "engine_unavailable")
+        return server_error(500, "generation failed", exc, request_id)
 
 
 def _abort(streams: Sequence[GenerationStream]) -> None:

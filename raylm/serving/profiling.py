@@ -1,7 +1,9 @@
 """/start_profile and /stop_profile: a torch.profiler window over this process, written as a chrome trace.
 
-The profiler records every thread of the process, so with the in-process engine it captures the engine
-loop as well as the server. One window at a time: a second start, or a stop without a start, is a conflict.
+The routes exist only when the server's config enables them (enable_profiling_endpoints). Traces go under the
+server's profile_dir; a request may name a sub-folder of it, never a path outside it. The profiler records every
+thread of the process, so with the in-process engine it captures the engine loop as well as the server. One
+window at a time: a second start, or a stop without a start, is a conflict.
 """
 
 from __future__ import annotations
@@ -10,9 +12,12 @@ import asyncio
 import os
 import time
 import uuid
+from pathlib import Path, PurePath
 from typing import Literal
 
 import torch
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
 from torch._C._profiler import _ExperimentalConfig
 
 from raylm.serving.errors import bad_request
@@ -22,7 +27,7 @@ from raylm.serving.protocol import RequestModel, reject_unsupported
 class StartProfileRequest(RequestModel):
     """The body of /start_profile; every field is optional."""
 
-    output_dir: str | None = None
+    output_dir: str | None = None  # a sub-folder of the server's profile_dir
     activities: list[Literal["CPU", "GPU", "CUDA_PROFILER"]] | None = None
     num_steps: int | None = None
     start_step: int | None = None
@@ -36,8 +41,8 @@ class ProfileConflict(Exception):
 
 
 class TorchProfiler:
-    def __init__(self, default_dir: str):
-        self.default_dir = default_dir
+    def __init__(self, profile_dir: str):
+        self.profile_dir = Path(profile_dir)
         self._profiler: torch.profiler.profile | None = None
         self._trace_path: str | None = None
         self._lock = asyncio.Lock()
@@ -48,11 +53,12 @@ class TorchProfiler:
             if self._profiler is not None:
                 raise ProfileConflict(f"a profile window is already active (trace {self._trace_path})")
             activities = self._activities(request.activities or ["CPU", "GPU"], explicit=bool(request.activities))
-            output_dir = request.output_dir or self.default_dir
+            output_dir = self._output_dir(request.output_dir)
             try:
                 os.makedirs(output_dir, exist_ok=True)
             except OSError as exc:
-                raise bad_request(f"output_dir {output_dir!r} cannot be created: {exc}", "output_dir") from exc
+                raise bad_request(f"output_dir {request.output_dir!r} cannot be created under the server's "
+                                  f"profile directory: {exc.strerror}", "output_dir") from exc
             profile_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
             profiler = torch.profiler.profile(activities=activities,
                                               experimental_config=_ExperimentalConfig(profile_all_threads=True))
@@ -72,6 +78,18 @@ class TorchProfiler:
             await asyncio.to_thread(profiler.export_chrome_trace, path)
             return path
 
+    def _output_dir(self, requested: str | None) -> str:
+        """profile_dir, or the sub-folder of it that the request names; 400 for a path that leaves it."""
+        if not requested:
+            return str(self.profile_dir)
+        relative = PurePath(requested)
+        root = self.profile_dir.resolve()
+        target = (root / relative).resolve()
+        if relative.is_absolute() or ".." in relative.parts or not target.is_relative_to(root):
+            raise bad_request(f"output_dir must be a sub-folder of the server's profile directory, relative and "
+                              f"without '..', got {requested!r}", "output_dir")
+        return str(target)
+
     @staticmethod
     def _activities(names: list[str], explicit: bool) -> list[torch.profiler.ProfilerActivity]:
         if "CUDA_PROFILER" in names:
@@ -86,3 +104,24 @@ class TorchProfiler:
             elif explicit:
                 raise bad_request("activities asks for GPU but this server has no CUDA device", "activities")
         return activities
+
+
+def add_profiling_routes(app: FastAPI, profile_dir: str) -> None:
+    """Adds /start_profile and /stop_profile to app, writing traces under profile_dir."""
+    profiler = TorchProfiler(profile_dir)
+
+    @app.post("/start_profile")
+    async def start_profile(body: StartProfileRequest | None = None) -> Response:
+        try:
+            path = await profiler.start(body or StartProfileRequest())
+        except ProfileConflict as exc:
+            return JSONResponse({"success": False, "message": str(exc)}, status_code=409)
+        return JSONResponse({"message": "Profiling started", "trace_path": path})
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> Response:
+        try:
+            path = await profiler.stop()
+        except ProfileConflict as exc:
+            return JSONResponse({"success": False, "message": str(exc)}, status_code=409)
+        return JSONResponse({"message": "Profiling stopped", "trace_path": path})

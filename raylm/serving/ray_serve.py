@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import errno
 import logging
 import os
-from collections.abc import AsyncIterator
+import socket
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,7 @@ from fastapi import FastAPI
 from ray import serve
 from ray.exceptions import TaskCancelledError
 from ray.serve import Application
+from ray.serve._private.constants import SERVE_LOGGER_NAME
 from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -260,26 +263,58 @@ class RunningServer:
             serve.delete(self.app_name)
 
 
-def start_server(config: ServeArgs, app_name: str = "raylm") -> RunningServer:
+def start_server(config: ServeArgs, app_name: str = "raylm",
+                 progress: Callable[[str], None] = lambda _: None) -> RunningServer:
     """Deploys the app with Serve's HTTP proxy on config.host:config.port and returns once it serves. It runs
-    on the Ray cluster this process is connected to, else the one at RAY_ADDRESS, else on a new local one."""
+    on the Ray cluster this process is connected to, else the one at RAY_ADDRESS, else on a new local one.
+    `progress` hears each stage as it begins; Ray's and Serve's own logs below config.log_level stay quiet."""
     import ray
 
     from raylm.actors.ray_executor import ensure_ray
 
     owns_cluster = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
+    if owns_cluster:  # the new cluster's proxy listens on this machine
+        check_port_free(config.host, config.port)
     scaling = config.autoscaling_config
     replicas = scaling.max_replicas if scaling is not None else config.num_replicas or 1
-    ensure_ray(replicas * (config.world_size + 2))
+    level = getattr(logging, config.log_level.upper())
+    progress("starting a local Ray cluster" if owns_cluster else "connecting to the Ray cluster")
+    ensure_ray(replicas * (config.world_size + 2), logging_level=level)
+    logging.getLogger(SERVE_LOGGER_NAME).setLevel(level)
     server = RunningServer(f"http://{config.host}:{config.port}", app_name, owns_cluster)
     try:
-        serve.start(http_options={"host": config.host, "port": config.port})
+        serve.start(http_options={"host": config.host, "port": config.port},
+                    logging_config={"log_level": config.log_level.upper()})
         server.url = _http_url(config)
+        on_gpus = resolve_device(config.device) == "cuda"
+        warm_up = "compiling its kernels and capturing CUDA graphs" if on_gpus else "warming up"
+        progress(f"loading {config.model_name} on {replicas} replica(s) of {config.world_size} rank(s), then "
+                 f"{warm_up}")
         serve.run(build_openai_app(config), name=app_name, route_prefix="/")
     except BaseException:
         server.stop()
         raise
     return server
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raises RuntimeError when a server already listens on host:port. Serve's proxy binds with SO_REUSEPORT,
+    so a second cluster's proxy would share the port with the first and the kernel split requests between
+    them; this bind, without that option, fails instead."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise RuntimeError(f"host {host!r} cannot be resolved: {exc.strerror}") from None
+    for family, kind, protocol, _, address in addresses:
+        with socket.socket(family, kind, protocol) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed server's TIME_WAIT is no owner
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise RuntimeError(f"port {port} is in use on {host}: another server listens there; stop it "
+                                       f"or choose another --port") from None
+                # Any other failure (an address family this host lacks) is Serve's to report.
 
 
 def _http_url(config: ServeArgs) -> str:

@@ -5,6 +5,7 @@ among them) meanwhile."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -12,7 +13,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from raylm.serving.errors import OpenAIError, from_validation_errors
+from raylm.serving.errors import OpenAIError, bad_request, from_validation_errors
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -59,16 +60,28 @@ class BodySizeLimit:
 
 def json_body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
     """A FastAPI dependency: the request body validated as `model`, parsed in a thread when it is large; a body
-    that is not valid JSON, or not a valid `model`, answers 400 naming the field."""
+    that is empty, not valid JSON, or not a valid `model` answers 400 saying what is wrong (Python's JSON reader
+    keeps a lone surrogate escape, so that the field holding it is named)."""
 
     async def parse(request: Request) -> M:
         raw = await request.body()
-        try:
-            if len(raw) <= PARSE_IN_THREAD_BYTES:
-                return model.model_validate_json(raw)
-            return await asyncio.to_thread(model.model_validate_json, raw)
-        except ValidationError as exc:
-            raise from_validation_errors(exc.errors()) from None
+        if len(raw) <= PARSE_IN_THREAD_BYTES:
+            return _validated(model, raw)
+        return await asyncio.to_thread(_validated, model, raw)
 
     parse.body_model = model  # app.py documents the body in /openapi.json
     return parse
+
+
+def _validated(model: type[M], raw: bytes) -> M:
+    if not raw.strip():
+        raise bad_request("the request body is empty: send a JSON object of the request's fields",
+                          code="invalid_json")
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors()) from None

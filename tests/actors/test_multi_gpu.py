@@ -86,7 +86,7 @@ def ray_cluster():
     """A local Ray cluster with the machine's GPUs (no dashboard: these tests do not read Ray's state API)."""
     import ray
 
-    ray.init(num_cpus=8, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, log_to_driver=False)
     yield ray
     ray.shutdown()
 

@@ -75,6 +75,14 @@ def test_print_schema_prints_the_shipped_schema(capsys):
     assert json.loads(capsys.readouterr().out) == json.loads(SCHEMA_PATH.read_text())
 
 
+def test_without_the_serve_extra_raylm_serve_says_how_to_install_it():
+    code = "import sys; sys.modules['fastapi'] = None\nfrom raylm.cli import main\nsys.exit(main(['serve']))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and run.stderr.count("\n") == 1, run.stderr
+    assert "the server needs the 'serve' extra, which lacks fastapi" in run.stderr
+    assert 'pip install -e ".[serve]"' in run.stderr
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -117,6 +125,9 @@ def test_raylm_serve_runs_a_server_until_terminated(tmp_path):
         while served not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert served in log.read_text()
+        console = log.read_text()
+        assert "raylm serve: starting a local Ray cluster..." in console and "raylm serve: loading from-set" in console
+        assert " INFO " not in console  # Ray's and Serve's INFO lines stay out below --log_level info
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -125,3 +136,24 @@ def test_raylm_serve_runs_a_server_until_terminated(tmp_path):
             process.kill()
             raise
     assert process.returncode == 0, log.read_text()[-3000:]
+
+
+def test_a_port_in_use_fails_in_one_line_before_ray_starts(tiny_model_dirs, monkeypatch, capsys):
+    import ray
+
+    def no_ray(*_):
+        raise AssertionError("Ray was started although the port is taken")
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr("raylm.actors.ray_executor.ensure_ray", no_ray)
+    assert not ray.is_initialized()
+    with socket.socket() as listener:  # bound as Serve's proxy binds, SO_REUSEPORT included
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        code = main(["serve", str(tiny_model_dirs["llama"]), "--host", "127.0.0.1", "--port", str(port)])
+    error = capsys.readouterr().err
+    assert code == 1 and error.count("\n") == 1
+    assert f"port {port} is in use on 127.0.0.1" in error

@@ -1,22 +1,17 @@
 """Following requests: a client that disconnects (streaming or not) aborts its request and frees its KV
-blocks, many concurrent streaming clients all get correct, complete outputs, and a request the engine
-fails ends in an OpenAI error."""
+blocks, and many concurrent streaming clients all get correct, complete outputs (a request the engine fails:
+test_errors.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from types import SimpleNamespace
 
 import httpx2
 import openai
 
-from raylm import CompletionOutput, RequestError
-from raylm.serving import ServingConfig, build_app
-from raylm.serving.engine_stream import OutputChunk
 from tests.conftest import PROMPTS
-from tests.serving.conftest import MODEL, serve, used_blocks
+from tests.serving.conftest import MODEL, used_blocks
 
 # Without an abort, this request would run for far longer than the tests wait for its blocks.
 LONG = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 900, "ignore_eos": True}
@@ -75,44 +70,3 @@ def test_fifty_concurrent_streaming_clients_get_the_greedy_reference_outputs(cli
     outputs = asyncio.run(stream_all())
     assert [text for text, _ in outputs] == [references[prompt] for prompt in prompts]
     assert all(reason in ("stop", "length") for _, reason in outputs)
-
-
-class FailingStream:
-    """A request that fails after its first chunk."""
-
-    async def admitted(self):
-        pass
-
-    async def __aiter__(self):
-        yield OutputChunk("0", finished=False, num_cached_tokens=0, metrics={}, prompt="Hi", prompt_token_ids=[1, 2],
-                          completions=[CompletionOutput(0, text="Hel", token_ids=[3])], first=True)
-        raise RequestError("engine step failed: boom")
-
-    def abort(self):
-        pass
-
-
-class FailingEngine:
-    """Just the ServingEngine build_app needs; every request fails after its first output."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.info = SimpleNamespace(max_seq_len=1024)
-        self.dead_reason = None
-
-    def stream(self, inputs, sampling_params, priority, cache_salt):
-        return FailingStream()
-
-
-def test_a_request_the_engine_fails_ends_in_an_openai_error_streamed_or_not(llm):
-    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4}
-    with serve(build_app(FailingEngine(llm.tokenizer), ServingConfig(served_model_name=MODEL))) as url:
-        response = httpx2.post(f"{url}/v1/completions", json=body)
-        assert response.status_code == 500
-        error = response.json()["error"]
-        assert error["type"] == "server_error" and "boom" in error["message"]
-        with httpx2.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as streamed:
-            lines = [line for line in streamed.iter_lines() if line]
-        assert json.loads(lines[0].removeprefix("data: "))["choices"][0]["text"] == "Hel"
-        assert "boom" in json.loads(lines[-2].removeprefix("data: "))["error"]["message"]
-        assert lines[-1] == "data: [DONE]"
