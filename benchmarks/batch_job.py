@@ -41,7 +41,7 @@ def engine_run(args, prompts: list[list[int]]) -> dict:
 def job_run(args, rows_file: Path, replicas: int, workdir: Path) -> dict:
     from raylm.batch import BatchArgs, run_batch
 
-    options = llm_options(args, args.max_seq_len)
+    options = {key: value for key, value in llm_options(args, args.max_seq_len).items() if value is not None}
     options.pop("device", None)
     summary = run_batch(BatchArgs(input=str(rows_file), output=str(workdir / f"out-{replicas}"),
                                   num_replicas=replicas, rows_per_block=args.rows_per_block,
@@ -64,14 +64,11 @@ def main() -> None:
     args.max_seq_len = args.max_seq_len or args.input_len + args.output_len + 16
     if args.tokenizer:
         args.settings.append(f"tokenizer={args.tokenizer}")
-    import ray
-
     vocab = 49152 if args.model is None else 32000
     prompts = random_prompts(args.num_prompts, args.input_len, vocab, args.seed)
     result = {"engine": engine_run(args, prompts)}
     print(f"engine: {result['engine']['tok_s']:.1f} tok/s ({result['engine']['tok_s_with_start']:.1f} with its "
           f"start-up)", flush=True)
-    ray.init()
     with tempfile.TemporaryDirectory() as work:
         workdir = Path(work)
         rows_file = workdir / "rows.jsonl"

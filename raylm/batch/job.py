@@ -49,15 +49,17 @@ def replica_resources(args: BatchArgs, cluster_gpus: float) -> tuple[dict[str, A
 
 
 def run_batch(args: BatchArgs | None = None, **fields: Any) -> BatchSummary:
-    """Runs a batch job (BatchArgs, or its fields as keyword arguments) on the Ray cluster this process is
-    connected to, starting a local one when there is none; returns its summary."""
+    """Runs a batch job (BatchArgs, or its fields as keyword arguments) on the Ray cluster of RAY_ADDRESS (as
+    `ray job submit` sets it; `auto` for one started with `ray start`) or this process's, starting a local one
+    when there is none; returns its summary."""
     import ray
     import ray.data
 
+    from raylm.actors.ray_executor import ensure_ray
+
     args = args if args is not None else BatchArgs(**fields)
     begin = time.perf_counter()
-    if not ray.is_initialized():
-        ray.init()
+    ensure_ray(num_cpus_hint=int(args.num_replicas * args.replica_cpus) + 2)
     done = written_keys(args.output)
     if done and not args.resume:
         raise ValueError(f"output {args.output!r} already holds {len(done)} answers: pass resume (--resume) to "
