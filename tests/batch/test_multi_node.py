@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from tests.batch.test_recovery import SAMPLING, _answer_ids, _retried_calls, _run_while, _WhenReplicasWork, _write_rows
+from tests.batch.test_recovery import SAMPLING, _answer_ids, _retried_blocks, _run_while, _WhenReplicasWork, _write_rows
 
 
 def _free_port() -> int:
@@ -38,13 +38,13 @@ def cluster():
 
 def test_replicas_spread_over_nodes_and_a_node_removed_mid_job_loses_no_row(cluster, tiny_model_dirs, tmp_path):
     cluster, workers = cluster
-    ids = _write_rows(tmp_path / "rows.jsonl", 48)
+    ids = _write_rows(tmp_path / "rows.jsonl", 64)
     output = tmp_path / "out"
 
-    def remove_a_replicas_node(alive: list) -> tuple[set[str], str]:
-        doomed = next(worker for worker in workers if worker.node_id == alive[0].node_id)
+    def remove_a_replicas_node(busy, alive: list) -> tuple[set[str], str]:
+        doomed = next(worker for worker in workers if worker.node_id == busy.node_id)
         cluster.remove_node(doomed, allow_graceful=False)
-        return {actor.node_id for actor in alive}, alive[0].actor_id
+        return {actor.node_id for actor in alive}, busy.actor_id
 
     job_done = threading.Event()
     remover = _WhenReplicasWork(2, remove_a_replicas_node, job_done)
@@ -54,7 +54,7 @@ def test_replicas_spread_over_nodes_and_a_node_removed_mid_job_loses_no_row(clus
     assert remover.error is None and remover.while_running
     replica_nodes, lost_replica = remover.result
     assert replica_nodes == {worker.node_id for worker in workers}  # one replica on each worker node
-    assert _retried_calls(lost_replica) >= 1  # the lost replica's blocks ran again on the surviving node
+    assert _retried_blocks(lost_replica) >= 1  # the lost replica's blocks ran again on the surviving node
     answers = _answer_ids(output)
     assert set(answers) == ids and set(answers.values()) == {1}
     assert summary.rows == len(ids) and summary.errors == 0 and summary.generated_tokens == len(ids) * 8

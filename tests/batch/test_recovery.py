@@ -44,17 +44,25 @@ def _replicas() -> list[SimpleNamespace]:
             for actor in actors().values() if "BatchReplica" in actor["ActorClassName"]]
 
 
-def _retried_calls(actor_id: str) -> int:
-    """Calls of the replica `actor_id` that Ray ran again (attempt 1 and up): its blocks were retried."""
+def _blocks(actor_id: str) -> list:
+    """The calls by which Ray Data handed the replica `actor_id` its blocks, one a block and attempt, as the state
+    API reports them."""
+    import ray
     from ray.util.state import list_tasks
 
-    tasks = list_tasks(filters=[("actor_id", "=", actor_id)], limit=10_000, raise_on_missing_output=False)
-    return sum(task.attempt_number > 0 for task in tasks)
+    calls = list_tasks(address=ray.get_runtime_context().gcs_address,  # this cluster, not others on the machine
+                       filters=[("actor_id", "=", actor_id)], limit=10_000, raise_on_missing_output=False)
+    return [call for call in calls if call.name.endswith(".submit")]
+
+
+def _retried_blocks(actor_id: str) -> int:
+    """Blocks of the replica `actor_id` that Ray handed it again (attempt 1 and up) after it died."""
+    return sum(call.attempt_number > 0 for call in _blocks(actor_id))
 
 
 class _WhenReplicasWork(threading.Thread):
-    """Runs `action(replicas)` once `count` replicas are up (their first blocks are in flight then), and records
-    whether the job was still running when it did."""
+    """Runs `action(busy, alive)` once `count` replicas are up and one of them (`busy`) is answering a block, and
+    records whether the job was still running when it did."""
 
     def __init__(self, count: int, action, job_done: threading.Event):
         super().__init__(daemon=True)
@@ -65,8 +73,10 @@ class _WhenReplicasWork(threading.Thread):
         try:
             while not self.job_done.is_set():
                 alive = [actor for actor in _replicas() if actor.state == "ALIVE" and actor.pid]
-                if len(alive) >= self.count:
-                    self.result = self.action(alive)
+                busy = [actor for actor in alive if len(alive) >= self.count and any(
+                    call.state == "RUNNING" for call in _blocks(actor.actor_id))]
+                if busy:
+                    self.result = self.action(busy[0], alive)
                     self.while_running = not self.job_done.is_set()
                     return
                 time.sleep(0.1)
@@ -75,10 +85,18 @@ class _WhenReplicasWork(threading.Thread):
 
 
 def _run_while(action_thread: _WhenReplicasWork, job_done: threading.Event, **job):
+    """Runs a job while `action_thread` waits for its moment. Ray Data is told to start the blocks only once every
+    replica is up: otherwise, on this busy machine, one replica may answer every block before the next is up."""
+    from ray.data import DataContext
+
+    context = DataContext.get_current()
+    wait_before = context.wait_for_min_actors_s
+    context.wait_for_min_actors_s = 300
     action_thread.start()
     try:
         return run_batch(**job)
     finally:
+        context.wait_for_min_actors_s = wait_before
         job_done.set()
         action_thread.join(timeout=60)
 
@@ -99,12 +117,12 @@ def test_a_retried_write_rewrites_its_own_file_so_no_answer_is_written_twice(tmp
 @pytest.mark.usefixtures("ray_cluster")
 def test_a_replica_killed_mid_job_has_its_blocks_retried_and_every_row_is_answered_once(tiny_model_dirs,
                                                                                          tmp_path):
-    ids = _write_rows(tmp_path / "rows.jsonl", 48)
+    ids = _write_rows(tmp_path / "rows.jsonl", 64)
     output = tmp_path / "out"
 
-    def kill_a_replica(alive: list) -> str:
-        os.kill(alive[0].pid, signal.SIGKILL)
-        return alive[0].actor_id
+    def kill_a_replica(busy, alive: list) -> str:
+        os.kill(busy.pid, signal.SIGKILL)
+        return busy.actor_id
 
     job_done = threading.Event()
     killer = _WhenReplicasWork(2, kill_a_replica, job_done)
@@ -114,7 +132,7 @@ def test_a_replica_killed_mid_job_has_its_blocks_retried_and_every_row_is_answer
     assert killer.error is None and killer.while_running
     killed = next(actor for actor in _replicas() if actor.actor_id == killer.result)
     assert killed.num_restarts >= 1  # Ray Data brought the replica back ...
-    assert _retried_calls(killed.actor_id) >= 1  # ... and ran the blocks it was answering again
+    assert _retried_blocks(killed.actor_id) >= 1  # ... and ran the blocks it was answering again
     answers = _answer_ids(output)
     assert set(answers) == ids and set(answers.values()) == {1}
     assert summary.rows == len(ids) and summary.errors == 0 and summary.generated_tokens == len(ids) * 8
