@@ -1,5 +1,5 @@
-"""Batch jobs lose no row and answer none twice when replicas die: a replica's actor killed mid-job, a retried write,
-and a worker node of a multi-node cluster removed mid-job."""
+"""Batch jobs lose no row and answer none twice when replicas die: a replica's actor killed mid-job, and a write task
+run again (test_multi_node.py removes a worker node mid-job with the helpers here)."""
 
 from __future__ import annotations
 
