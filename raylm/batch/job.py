@@ -38,7 +38,8 @@ class BatchSummary:
 def replica_resources(args: BatchArgs, cluster_gpus: float) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the replica actor's Ray resources, its LLM's executor and device): a one-rank engine on a GPU runs in the
     actor (one GPU); a larger one places its ranks in a placement group of its own (Ray executor); without GPUs
-    (or with device cpu) the engine runs in the actor on its CPUs."""
+    (or with device cpu) the engine runs in the actor on its CPUs. Device auto goes by the GPUs the cluster has
+    when the job starts: on an autoscaling cluster whose GPU workers are not up yet, device cuda asks for them."""
     ranks = args.tensor_parallel_size * args.pipeline_parallel_size
     gpu = args.device == "cuda" or (args.device == "auto" and cluster_gpus > 0)
     if not gpu:

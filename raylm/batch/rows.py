@@ -83,8 +83,16 @@ def is_batch_request(row: dict) -> bool:
 
 
 class AnswersDatasink(Datasink):
-    """Writes each answer's JSON text as one line of a JSONL file per write task (the task's own name, so a retried
-    task rewrites its file); returns what it wrote for the job's summary."""
+    """Writes each answer's JSON text as one line of a JSONL file per write task; returns what it wrote for the
+    job's summary.
+
+    Every answer is written exactly once, replicas dying or not: the writes are Ray Data tasks of their own, after
+    the replicas' actor pool (Ray Data fuses no task after an actor pool), and a file is named by its write task's
+    index, fixed when the task is submitted. A block whose replica died is answered again by Ray's retry of the
+    replica's call, and its answers go to one write task like any block's; a write task whose worker or node died is
+    run again by Ray with the same index, so it replaces the file it had begun (or finished) instead of adding one.
+    On a cluster of several nodes the output must be storage every node writes to (a shared filesystem, s3://...).
+    """
 
     def __init__(self, path: str, filesystem: Any = None):
         import pyarrow.fs
