@@ -15,6 +15,7 @@
 #   bash benchmarks/h200.sh rl           # the RL loop's costs: 8B refit through bucketed CUDA IPC from a colocated
 #                                        # trainer, release / resume cycles with addresses kept (torch-memory-saver)
 #                                        # and reallocated; then release's GPU tests                   (~7 min)
+#   bash benchmarks/h200.sh batch        # raylm batch on Ray Data against LLM.generate, 8B 1000 x (1024, 1024) (~8 min)
 #   bash benchmarks/h200.sh flashinfer   # attention_backend="flashinfer": its GPU tests, then 8B latency batch 8
 #                                        # and 8B 256 x (512, 128); needs .gpu/flashinfer.tar.xz from
 #                                        # benchmarks/flashinfer_bundle.sh (its first JIT compiles take minutes)
@@ -135,6 +136,13 @@ case "${1:-}" in
     watched 170 "${refit[@]}" --set sleep_config.keep_addresses=false $(output_json rl_refit-llama-3.1-8b-reallocate) \
       2>&1 | grep -v '^ *$' | tail -8
     timeout 120 python -m pytest tests/rl_api/test_memory_gpu.py -q -p no:cacheprovider 2>&1 | tail -5
+    ;;
+  batch)
+    # raylm batch (Ray Data, one GPU replica) against LLM.generate on the same 1000 x (1024, 1024) prompts.
+    use_gemv_tuning_cache
+    watched 560 python benchmarks/batch_job.py --model "$llama" "${dummy[@]}" --num_prompts 1000 --input_len 1024 \
+      --output_len 1024 --max_batch_size 256 --replicas 1 $(output_json batch-job-llama-3.1-8b-n1000) 2>&1 \
+      | grep -E '^(engine|job|wrote)'
     ;;
   throughput)
     throughput throughput-8b-n1000 "$llama" 1000 1024 1024 256 500 --num_iters 3
