@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from raylm.batch.config import BatchArgs
@@ -59,6 +60,8 @@ def run_batch(args: BatchArgs | None = None, **fields: Any) -> BatchSummary:
     from raylm.actors.ray_executor import ensure_ray
 
     args = args if args is not None else BatchArgs(**fields)
+    if "://" not in args.input and not Path(args.input).exists():
+        raise ValueError(f"input {args.input!r} does not exist")
     begin = time.perf_counter()
     ensure_ray(num_cpus_hint=int(args.num_replicas * args.replica_cpus) + 2)
     done = written_keys(args.output)

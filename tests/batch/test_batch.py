@@ -50,6 +50,8 @@ def test_batch_args_are_checked_and_replicas_take_the_devices_their_engines_need
     assert replica_resources(args, cluster_gpus=0) == ({"num_cpus": 1.0, "num_gpus": 0},
                                                        {"executor": "local", "device": "cpu"})
     assert replica_resources(args, cluster_gpus=8)[0]["num_gpus"] == 1
+    with pytest.raises(ValueError, match="input '/nonexistent/rows.jsonl' does not exist"):
+        run_batch(input="/nonexistent/rows.jsonl", output="out")  # before any cluster starts
     tp2 = BatchArgs(input="in", output="out", tensor_parallel_size=2)
     assert replica_resources(tp2, cluster_gpus=8) == ({"num_cpus": 1.0, "num_gpus": 0},
                                                       {"executor": "ray", "device": "cuda"})
