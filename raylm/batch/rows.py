@@ -94,14 +94,8 @@ class AnswersDatasink(Datasink):
     On a cluster of several nodes the output must be storage every node writes to (a shared filesystem, s3://...).
     """
 
-    def __init__(self, path: str, filesystem: Any = None):
-        import pyarrow.fs
-
-        self.path = path.rstrip("/")
-        if filesystem is None:
-            filesystem, self.path = pyarrow.fs.FileSystem.from_uri(self.path) if "://" in self.path else (
-                pyarrow.fs.LocalFileSystem(), self.path)
-        self.filesystem = filesystem
+    def __init__(self, path: str):
+        self.filesystem, self.path = filesystem_and_path(path)
         self.run_id = uuid.uuid4().hex[:8]
 
     def on_write_start(self, schema: Any = None) -> None:
@@ -127,13 +121,22 @@ class AnswersDatasink(Datasink):
                        for key in ("rows", "errors", "input_tokens", "generated_tokens")}
 
 
+def filesystem_and_path(path: str) -> tuple[Any, str]:
+    """The pyarrow filesystem of a local path or a URI, and the path within it (no trailing slash)."""
+    import pyarrow.fs
+
+    if "://" in path:
+        filesystem, inner = pyarrow.fs.FileSystem.from_uri(path)
+        return filesystem, inner.rstrip("/")
+    return pyarrow.fs.LocalFileSystem(), path.rstrip("/")
+
+
 def written_keys(path: str) -> set[str]:
     """The keys of the answers already under `path` (a job run again with resume skips their rows)."""
     import pyarrow.fs
 
-    filesystem, root = pyarrow.fs.FileSystem.from_uri(path) if "://" in path else (pyarrow.fs.LocalFileSystem(),
-                                                                                   path)
-    selector = pyarrow.fs.FileSelector(root.rstrip("/"), allow_not_found=True)
+    filesystem, root = filesystem_and_path(path)
+    selector = pyarrow.fs.FileSelector(root, allow_not_found=True)
     keys = set()
     for info in filesystem.get_file_info(selector):
         if info.type != pyarrow.fs.FileType.File or not info.path.endswith(".jsonl"):

@@ -10,6 +10,7 @@ import asyncio
 import base64
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx2
 import pytest
@@ -110,13 +111,20 @@ def test_device_ids_are_the_engine_ranks_ids(url, async_llm):
     assert [_device(url)] == asyncio.run(async_llm.collective_rpc("report_device_id"))
 
 
-def test_pause_abort_ends_a_running_request_and_resume_lets_requests_run(url):
+@contextmanager
+def _running_stream(url: str) -> Iterator[Iterator[str]]:
+    """A long streamed greedy completion, its lines once its first chunk has come (the request runs)."""
     long = {**GREEDY, "max_tokens": 900, "stream": True}
+    with httpx2.Client(timeout=60, headers=AUTH) as http, \
+            http.stream("POST", f"{url}/v1/completions", json=long) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        yield lines
+
+
+def test_pause_abort_ends_a_running_request_and_resume_lets_requests_run(url):
     try:
-        with httpx2.Client(timeout=60, headers=AUTH) as http, \
-                http.stream("POST", f"{url}/v1/completions", json=long) as response:
-            lines = response.iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))  # the request runs
+        with _running_stream(url) as lines:
             assert _post(url, "/pause", {"mode": "abort"}).json() == {"paused": True, "mode": "abort"}
             chunks = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: {")]
     finally:
@@ -210,12 +218,8 @@ def test_only_the_released_tags_generation_needs_refuse_it(url):
 
 
 def test_release_while_a_request_runs_unpaused_is_400_and_frees_nothing(url):
-    long = {**GREEDY, "max_tokens": 900, "stream": True}
     try:
-        with httpx2.Client(timeout=60, headers=AUTH) as http, \
-                http.stream("POST", f"{url}/v1/completions", json=long) as response:
-            lines = response.iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))  # the request runs
+        with _running_stream(url) as lines:
             error = _error(_call(url, "POST", "/release", {"tags": ["kv_cache"]}), 400)
             assert "while requests run" in error["message"] and "pause_generation" in error["message"]
             assert all(entry["resident"] for entry in _memory_tags(url).values())
