@@ -87,3 +87,19 @@ def test_an_engine_left_open_stops_when_collected(tiny_model_dirs):
     del llm
     gc.collect()
     assert _wait_until(lambda: not _engine_threads())
+
+
+def test_shutdown_of_a_local_engine_lets_go_of_its_model_and_cache(tiny_model_dirs):
+    """A process that goes on after shutdown (a benchmark, a batch driver starting the next engine) gets the
+    model's and the KV cache's memory back; on a GPU the cache of the allocator is emptied too."""
+    import weakref
+
+    llm = LLM(model=str(tiny_model_dirs["llama"]), executor="local", max_seq_len=128,
+              kv_cache_config=KvCacheConfig(max_tokens=512))
+    llm.generate([[1, 2, 3]])
+    worker = llm._executor.worker
+    model, cache = weakref.ref(worker.runner.model), weakref.ref(worker.runner.kv_caches[0][0])
+    llm.shutdown()
+    gc.collect()
+    assert model() is None and cache() is None
+    assert worker.runner is None and worker.engine is None

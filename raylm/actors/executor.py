@@ -99,3 +99,6 @@ class LocalExecutor(Executor):
 
     def shutdown(self) -> None:
         self.loop.stop()
+        if not self.loop.thread.is_alive():  # a stuck step keeps its memory rather than lose it mid-kernel
+            self.loop.engine = None
+            self.worker.close()

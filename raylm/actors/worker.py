@@ -100,6 +100,21 @@ class Worker:
             self._weight_group.destroy()
             self._weight_group = None
 
+    def close(self) -> None:
+        """Lets go of the model, the KV cache and the graphs and gives their device memory back (the local
+        executor's shutdown: this process lives on, and may start another engine on the same device)."""
+        if self.runner is not None:
+            self.runner.drop_graphs()
+            self.runner.kv_caches = []
+        self.engine = self.runner = self._memory = None
+        self.destroy_weight_update_group()
+        if self.device.type == "cuda":
+            import gc
+
+            gc.collect()
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
     # ------------------------------------------------------------------ device memory by tag
 
     def release_memory(self, tags: list[str]) -> None:

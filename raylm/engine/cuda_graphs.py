@@ -90,13 +90,16 @@ class DecodeOutputs:
 class DecodeGraphs:
     def __init__(self, model, kv_caches, batch_sizes: list[int], max_blocks: int, hidden_size: int,
                  dtype: torch.dtype, device: torch.device, sliding_window: int | None, flashinfer=None,
-                 logits: bool = False):
-        """flashinfer: the FlashInfer backend's FlashInferDecodeGraphs, whose wrappers the graphs then attend
+                 logits: bool = False, stream: torch.cuda.Stream | None = None):
+        """stream: the side stream to capture on; one kept by the caller for every capture, since cuBLAS keeps a
+        workspace per stream for good (a new stream per capture grew the process by 32 MB a capture on the H200).
+        flashinfer: the FlashInfer backend's FlashInferDecodeGraphs, whose wrappers the graphs then attend
         through (planned before each replay); None for the Triton kernels (block tables and context lengths
         in static buffers). logits: whether the graphs compute the logits too, with a greedy-draw graph of
         each size beside them (the model's last stage)."""
         self.model = model
         self.with_logits = logits
+        self.stream = stream
         # The logits of every graph, in one buffer of the largest batch (allocated at the first forward): the
         # graphs' own would each hold theirs for good (~0.6 GB over the default ladder of a 128k vocabulary).
         self.logits_buffer: torch.Tensor | None = None
@@ -152,7 +155,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
+        stream = self.stream or torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for batch in reversed(self.batch_sizes):  # the largest first, so the others reuse its memory

@@ -169,14 +169,17 @@ class TaggedMemory:
             elif tag == "model":
                 self._free(tag, self._buffers, keep=True)
             elif tag == "kv_cache":
-                caches = self.runner.kv_caches
-                if caches:
-                    self._kv_layout = (caches[0][0].shape[0] - 1, caches[0][0].dtype)
+                if self.runner.kv_caches:  # no local name for them: it would hold the cache past empty_cache below
+                    first = self.runner.kv_caches[0][0]
+                    self._kv_layout = (first.shape[0] - 1, first.dtype)
+                    del first
                 self.runner.kv_caches = []
             self.released.add(tag)
         if self.device.type == "cuda":
             gc.collect()  # dropped graphs sit in reference cycles that hold their pools and the cache's tensors
             torch.cuda.synchronize(self.device)
+            if self.runner.graphs is None and hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+                torch._C._cuda_clearCublasWorkspaces()  # 32 MB a stream on Hopper; kept graphs would replay into them
             torch.cuda.empty_cache()
 
     def resume(self, tags: list[str]) -> None:

@@ -107,6 +107,7 @@ class ModelRunner:
         self.num_kv_heads = model.local_layers[0].self_attn.num_kv_heads
         self.num_local_layers = model.num_local_layers
         self.graphs = None
+        self._side_stream = None  # _capture_stream's
         # The last decode graph replay's outputs (cuda_graphs.DecodeOutputs), for the compute_outputs and _draw
         # of the same step: its logits and greedy draws are already queued.
         self._graphed = None
@@ -231,9 +232,16 @@ class ModelRunner:
             flashinfer = FlashInferDecodeGraphs(self.build_metadata, batch_sizes, max_blocks, self.block_size,
                                                 self.arch.sliding_window, self.device)
         graphs = DecodeGraphs(self.model, self.kv_caches, batch_sizes, max_blocks, self.arch.hidden_size,
-                              self.dtype, self.device, self.arch.sliding_window, flashinfer, logits=self.graph_logits)
+                              self.dtype, self.device, self.arch.sliding_window, flashinfer, logits=self.graph_logits,
+                              stream=self._capture_stream())
         graphs.capture()
         self.graphs = graphs
+
+    def _capture_stream(self) -> torch.cuda.Stream:
+        """The side stream every capture of this runner uses (DecodeGraphs' `stream`)."""
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+        return self._side_stream
 
     def drop_graphs(self) -> None:
         """Frees the decode graphs (AsyncLLM.release): they read the weights and the KV cache at the addresses
