@@ -6,7 +6,7 @@ from raylm.llm import LLM
 from raylm.outputs import CompletionOutput, Logprob, RequestOutput
 from raylm.results import GenerationResult, RequestError
 from raylm.rl_api import AsyncLLM
-from raylm.sampling_params import SamplingParams
+from raylm.sampling_params import GuidedDecodingParams, SamplingParams
 
 __version__ = "0.1.0"
 
@@ -20,6 +20,7 @@ __all__ = [
     "Logprob",
     "RequestError",
     "RequestOutput",
+    "GuidedDecodingParams",
     "SamplingParams",
     "SchedulerConfig",
     "TextPrompt",

@@ -21,6 +21,67 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+GUIDED_KINDS = ("json", "regex", "choice", "grammar", "lark", "json_object", "structural_tag")
+
+
+@dataclass
+class GuidedDecodingParams:
+    """Structured output for a request: exactly one of
+    - json: a JSON schema (a dict, its JSON text, or a pydantic model class) the output must validate against;
+    - regex: a regular expression the whole output matches;
+    - choice: a list of strings, the output being one of them;
+    - grammar: an EBNF grammar (GBNF, `root ::= ...`); lark: a Lark grammar;
+    - json_object: True for any JSON object;
+    - structural_tag: xgrammar's structural tag (a dict or its JSON text: free text with constrained segments).
+    Each is compiled with xgrammar into a token mask per step; a malformed one raises ValueError naming it."""
+
+    json: str | dict | type | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    lark: str | None = None
+    json_object: bool = False
+    structural_tag: str | dict | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, type):  # a pydantic model class
+            schema = getattr(self.json, "model_json_schema", None)
+            if schema is None:
+                raise TypeError(f"guided_decoding.json must be a JSON schema (dict or str) or a pydantic model "
+                                f"class, got the class {self.json.__name__}")
+            self.json = schema()
+        given = [kind for kind in GUIDED_KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"guided_decoding takes exactly one of {list(GUIDED_KINDS)}, got "
+                             f"{given or 'none'}")
+        if not isinstance(self.json_object, bool):
+            raise TypeError(f"guided_decoding.json_object must be a bool, got {type(self.json_object).__name__}")
+        for kind, types, names in (("json", (str, dict), "a JSON schema (dict or str)"), ("regex", str, "a string"),
+                                   ("grammar", str, "a string"), ("lark", str, "a string"),
+                                   ("structural_tag", (str, dict), "a dict or a string"),
+                                   ("choice", (list, tuple), "a list of strings")):
+            value = getattr(self, kind)
+            if value is not None and not isinstance(value, types):
+                raise TypeError(f"guided_decoding.{kind} must be {names}, got {type(value).__name__}")
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("guided_decoding.choice must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in GUIDED_KINDS if getattr(self, kind) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """What identifies the compiled grammar: (kind, canonical text)."""
+        import json
+
+        value = getattr(self, self.kind)
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        return self.kind, str(value)
+
+
 @dataclass
 class SamplingParams:
     """Decoding parameters of a request.
@@ -62,6 +123,8 @@ class SamplingParams:
     add_special_tokens: bool = True
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+
+    guided_decoding: GuidedDecodingParams | None = None
 
     # Filled from the tokenizer by the driver when end_id is not given.
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False, compare=False)
@@ -124,6 +187,14 @@ class SamplingParams:
             self._check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=20)
         if self.truncate_prompt_tokens is not None:
             self._check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, low=1)
+        if self.guided_decoding is not None:
+            if isinstance(self.guided_decoding, dict):
+                self.guided_decoding = GuidedDecodingParams(**self.guided_decoding)
+            if not isinstance(self.guided_decoding, GuidedDecodingParams):
+                raise TypeError(f"guided_decoding must be a GuidedDecodingParams, got "
+                                f"{type(self.guided_decoding).__name__}")
+            if self.use_beam_search:
+                raise ValueError("guided_decoding does not combine with use_beam_search")
         if self.use_beam_search and self.temperature is not None and self.temperature >= GREEDY_TEMPERATURE:
             raise ValueError("use_beam_search does not combine with temperature sampling; leave temperature unset")
         for f in fields(self):
