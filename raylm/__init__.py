@@ -1,9 +1,9 @@
 """raylm: a Ray-native LLM inference engine."""
 
-from raylm.config import KvCacheConfig, LlmArgs, SchedulerConfig
+from raylm.config import KvCacheConfig, LlmArgs, PoolingConfig, SchedulerConfig
 from raylm.inputs import TextPrompt, TokensPrompt
 from raylm.llm import LLM
-from raylm.outputs import CompletionOutput, Logprob, RequestOutput
+from raylm.outputs import CompletionOutput, EncoderOutput, Logprob, RequestOutput
 from raylm.results import GenerationResult, RequestError
 from raylm.rl_api import AsyncLLM
 from raylm.sampling_params import GuidedDecodingParams, SamplingParams
@@ -14,10 +14,12 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "CompletionOutput",
+    "EncoderOutput",
     "GenerationResult",
     "KvCacheConfig",
     "LlmArgs",
     "Logprob",
+    "PoolingConfig",
     "RequestError",
     "RequestOutput",
     "GuidedDecodingParams",

@@ -106,6 +106,29 @@ class KernelConfig(StrictModel):
         return "off" if value is False else value  # YAML reads a bare `off` (--set kernel_config.pdl=off) as false
 
 
+class PoolingConfig(StrictModel):
+    """How an encode_only engine turns a prompt's hidden states into one embedding. Each field left unset comes from
+    the model's sentence-transformers config (modules.json: its Pooling and Normalize modules), else from the
+    defaults: mean pooling for encoder-only models, the last token for decoders (Qwen3-Embedding style), and
+    normalized."""
+
+    pooling_type: Literal["mean", "cls", "last"] | None = Field(
+        default=None, description="mean: the average over the prompt's tokens; cls: the first token's hidden state; "
+                                  "last: the last token's.")
+    normalize: bool | None = Field(default=None, description="Scale each embedding to unit L2 norm.")
+    matryoshka_dimensions: list[int] | None = Field(
+        default=None, description="Sizes an embeddings request's `dimensions` may truncate to (Matryoshka "
+                                  "representations); null: those the model's config.json gives (matryoshka_dimensions, "
+                                  "or any size up to the hidden size where is_matryoshka is true), else none.")
+
+    @field_validator("matryoshka_dimensions")
+    @classmethod
+    def _positive_sizes(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or min(value) < 1):
+            raise ValueError(f"pooling_config.matryoshka_dimensions must be positive integers, got {value}")
+        return value
+
+
 class LlmArgs(StrictModel):
     """Arguments of `LLM(...)`; see the LLM API reference for each field."""
 
@@ -147,6 +170,13 @@ class LlmArgs(StrictModel):
     worker_extension_cls: Any = Field(
         default=None, description="A class (or 'module.Class') whose methods are mixed into every worker, "
                                   "for collective_rpc.")
+
+    encode_only: bool | None = Field(
+        default=None, description="The engine encodes prompts into embeddings (LLM.encode, /v1/embeddings) and "
+                                  "generates nothing; null: true for encoder-only architectures (BertModel).")
+    pooling_config: PoolingConfig | None = Field(
+        default=None, description="How an encode_only engine pools hidden states into embeddings (default: the "
+                                  "model's sentence-transformers config).")
 
     seed: int = Field(default=0, ge=0)
     iter_stats_max_iterations: int = Field(default=1000, ge=0)

@@ -10,8 +10,8 @@ from collections import deque
 from typing import Any
 
 from raylm.actors.executor import Executor
-from raylm.engine.messages import EngineRequest, StepOutput
-from raylm.output_processor import RequestState
+from raylm.engine.messages import EncodeRequest, EngineRequest, StepOutput
+from raylm.output_processor import EncodeState, RequestState
 from raylm.results import GenerationResult
 from raylm.sampling_params import SamplingParams
 
@@ -27,7 +27,7 @@ class EngineClient:
         self.executor = executor
         self.tokenizer = tokenizer
         self._lock = threading.Lock()
-        self._requests: dict[str, tuple[RequestState, GenerationResult]] = {}
+        self._requests: dict[str, tuple[RequestState | EncodeState, GenerationResult]] = {}
         self._stats: deque[dict] = deque(maxlen=max(1, max_stats))
         self._kv_events: deque[dict] = deque(maxlen=max(1, max_kv_events))
         self._news = threading.Condition()
@@ -58,13 +58,26 @@ class EngineClient:
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
             priority: float, cache_salt: str | None, streaming: bool) -> GenerationResult:
+        state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer, streaming)
+        return self._add(state, EngineRequest(request_id, prompt_token_ids, params, priority, cache_salt), streaming)
+
+    def add_encode(self, requests: list[tuple[str, str | None, list[int]]]) -> list[GenerationResult]:
+        """Submits prompts to encode, (request id, text, token ids) each, in one message to the engine; each
+        result's output is an EncoderOutput."""
+        results = [self._add(EncodeState(request_id, prompt, token_ids), None, False)
+                   for request_id, prompt, token_ids in requests]
+        self.executor.submit([EncodeRequest(request_id, token_ids) for request_id, _, token_ids in requests])
+        return results
+
+    def _add(self, state: RequestState | EncodeState, request: EngineRequest | None,
+             streaming: bool) -> GenerationResult:
         if self.dead_reason is not None or self._closed:
             raise EngineDeadError(f"the engine is not running: {self.dead_reason or 'shut down'}")
-        state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer, streaming)
-        result = GenerationResult(request_id, streaming, self.abort)
+        result = GenerationResult(state.request_id, streaming, self.abort)
         with self._lock:
-            self._requests[request_id] = (state, result)
-        self.executor.submit([EngineRequest(request_id, prompt_token_ids, params, priority, cache_salt)])
+            self._requests[state.request_id] = (state, result)
+        if request is not None:
+            self.executor.submit([request])
         return result
 
     def abort(self, request_id: str) -> None:

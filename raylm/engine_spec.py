@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from raylm.config import LlmArgs
 from raylm.models.source import ModelSource
+from raylm.pooling import PoolingSpec
 
 if TYPE_CHECKING:
     import torch
@@ -26,6 +27,7 @@ class WorkerSpec:
     dtype: str
     max_seq_len: int
     cpu_threads: int | None = None  # torch threads of a CPU worker (None: torch's default)
+    pooling: PoolingSpec | None = None  # set for an encode_only engine (no KV cache; engine/pooling_engine.py)
 
 
 @dataclass
@@ -39,6 +41,7 @@ class EngineInfo:
     device: str
     dtype: str
     startup_metrics: dict = field(default_factory=dict)
+    pooling: PoolingSpec | None = None  # an encode_only engine's pooling; None for one that generates
 
 
 def resolve_device(requested: str) -> str:

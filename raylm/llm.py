@@ -20,8 +20,10 @@ from raylm.engine_spec import EngineInfo, WorkerSpec, resolve_device, resolve_dt
 from raylm.inputs import PromptInputs, check_prompt_length, is_single_prompt, to_prompt_list, tokenize_prompt
 from raylm.models.arch import config_dtype
 from raylm.models.loader import load_hf_config
+from raylm.models.registry import resolve_architecture
 from raylm.models.source import ModelSource, resolve_model
-from raylm.outputs import RequestOutput
+from raylm.outputs import EncoderOutput, RequestOutput
+from raylm.pooling import PoolingSpec, resolve_pooling, sentence_transformers_max_length
 from raylm.results import GenerationResult
 from raylm.sampling_params import SamplingParams
 from raylm.tokenizer import load_tokenizer
@@ -72,7 +74,8 @@ class LLM:
     """Loads a model and generates from it.
 
     `LLM()` with no model runs the embedded default, SmolLM2-135M-Instruct. Keyword arguments are those
-    of `LlmArgs` (max_batch_size, max_num_tokens, max_seq_len, kv_cache_config, dtype, ...).
+    of `LlmArgs` (max_batch_size, max_num_tokens, max_seq_len, kv_cache_config, dtype, ...). An encode_only
+    engine (encoder-only models such as BertModel, or encode_only=True) encodes prompts into embeddings instead.
     """
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None, **kwargs: Any):
@@ -88,10 +91,12 @@ class LLM:
         hf_config = load_hf_config(source, self.args.trust_remote_code)
         self._tokenizer = load_tokenizer(self.args, source)
         self._eos_ids = _eos_token_ids(source, hf_config, self._tokenizer)
+        pooling = self._pooling(source, hf_config)
         prepared = time.perf_counter()
         device = resolve_device(self.args.device)
         dtype = resolve_dtype(self.args.dtype, device, config_dtype(hf_config))
-        spec = WorkerSpec(self.args, source, device, dtype, self._max_seq_len(hf_config))
+        spec = WorkerSpec(self.args, source, device, dtype, self._max_seq_len(source, hf_config, pooling),
+                          pooling=pooling)
         self._executor = self._create_executor(spec, device)
         self.info: EngineInfo = self._executor.info
         self._client = EngineClient(self._executor, self._tokenizer, self.args.iter_stats_max_iterations,
@@ -103,10 +108,32 @@ class LLM:
             prepared - begin)
         self._startup_metrics["total_llm_creation_seconds"] = time.perf_counter() - begin
 
-    def _max_seq_len(self, hf_config: Any) -> int:
+    def _pooling(self, source: ModelSource, hf_config: Any) -> PoolingSpec | None:
+        """The engine's pooling when it is encode_only (encode_only=True, or unset for an encoder-only model),
+        else None."""
+        args = self.args
+        entry, _ = resolve_architecture(hf_config)
+        architecture = entry.model_class.__name__
+        if entry.encoder_only and args.encode_only is False:
+            raise ValueError(f"encode_only must be true or unset for {architecture}, got False: an encoder-only "
+                             "model cannot generate")
+        if not (entry.encoder_only or args.encode_only):
+            if args.pooling_config is not None:
+                raise ValueError("pooling_config needs an encode_only engine: set encode_only=True")
+            return None
+        if args.world_size > 1:
+            raise ValueError(f"encode_only engines run on one device: tensor_parallel_size and pipeline_parallel_size "
+                             f"must be 1, got {args.tensor_parallel_size} and {args.pipeline_parallel_size}")
+        return resolve_pooling(source.config_dir, hf_config, args.pooling_config, entry.encoder_only)
+
+    def _max_seq_len(self, source: ModelSource, hf_config: Any, pooling: PoolingSpec | None) -> int:
+        """max_seq_len, else the model's positions (for encode_only, capped by the longest input its
+        sentence-transformers config was set up for)."""
         if self.args.max_seq_len is not None:
             return self.args.max_seq_len
-        return int(getattr(hf_config, "max_position_embeddings", None) or 4096)
+        positions = int(getattr(hf_config, "max_position_embeddings", None) or 4096)
+        configured = sentence_transformers_max_length(source.config_dir) if pooling is not None else None
+        return min(positions, configured) if configured else positions
 
     def _uses_ray(self) -> bool:
         from raylm.actors.ray_executor import ray_cluster_is_up
@@ -143,7 +170,14 @@ class LLM:
     def startup_metrics(self) -> dict:
         return self._startup_metrics
 
+    @property
+    def encode_only(self) -> bool:
+        """Whether this engine encodes prompts into embeddings (encode) rather than generating."""
+        return self.info.pooling is not None
+
     def get_kv_cache_capacity(self) -> dict:
+        if self.encode_only:
+            raise RuntimeError("an encode_only engine has no KV cache")
         return {
             "maxNumBlocks": self.info.num_blocks,
             "tokensPerBlock": self.info.block_size,
@@ -186,15 +220,21 @@ class LLM:
             raise ValueError(f"priority must be in [0, 1], got {priority}")
         if self._client is None:
             raise RuntimeError("the LLM is shut down")
+        if self.encode_only:
+            raise ValueError(f"model {self.args.model!r} runs encode_only: it encodes prompts into embeddings "
+                             "(encode) and cannot generate")
         text, token_ids = tokenize_prompt(prompt, self._tokenizer, params.add_special_tokens,
                                           params.truncate_prompt_tokens)
+        self._check_token_ids(token_ids)
+        self._check_fits(len(token_ids), params)
+        request_id = str(next(self._request_ids))
+        return self._client.add(request_id, text, token_ids, params, priority, cache_salt, streaming)
+
+    def _check_token_ids(self, token_ids: list[int]) -> None:
         vocab = self.info.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
-        self._check_fits(len(token_ids), params)
-        request_id = str(next(self._request_ids))
-        return self._client.add(request_id, text, token_ids, params, priority, cache_salt, streaming)
 
     def generate(
         self,
@@ -263,6 +303,70 @@ class LLM:
         if not is_single_prompt(inputs):
             raise TypeError("generate_async takes a single prompt; call it once per prompt")
         return self._submit(inputs, self._prepare_params(sampling_params), priority, streaming, cache_salt)
+
+    # ------------------------------------------------------------------ encode
+
+    def encode(
+        self,
+        inputs: PromptInputs | Sequence[PromptInputs],
+        add_special_tokens: bool = True,
+        return_raw_logits: bool = False,
+        use_tqdm: bool = True,
+    ) -> EncoderOutput | list[EncoderOutput] | Any:
+        """Encodes one prompt or a batch into embeddings, pooled as the model's sentence-transformers config (or
+        pooling_config) says. Returns one EncoderOutput for a single prompt, a list for a batch (in order), or with
+        return_raw_logits every embedding in one CPU tensor [prompts, hidden_size]. Needs an encode_only engine
+        (RuntimeError otherwise); a prompt longer than max_seq_len or max_num_tokens is a ValueError."""
+        single = is_single_prompt(inputs)
+        outputs = self._collect(self._submit_encode(to_prompt_list(inputs), add_special_tokens), use_tqdm)
+        if return_raw_logits:
+            import torch
+
+            return torch.stack([output.embedding for output in outputs])
+        return outputs[0] if single else outputs
+
+    def encode_async(self, inputs: PromptInputs, add_special_tokens: bool = True) -> GenerationResult:
+        """Submits one prompt to encode; await the result (or call its result()) for its EncoderOutput."""
+        if not is_single_prompt(inputs):
+            raise TypeError("encode_async takes a single prompt; call it once per prompt")
+        return self._submit_encode([inputs], add_special_tokens)[0]
+
+    def _submit_encode(self, prompts: list[PromptInputs], add_special_tokens: bool) -> list[GenerationResult]:
+        if self._client is None:
+            raise RuntimeError("the LLM is shut down")
+        if not self.encode_only:
+            raise RuntimeError(f"encode needs an encode_only engine, and model {self.args.model!r} runs one that "
+                               "generates: start it with LLM(model, encode_only=True)")
+        requests = []
+        for text, token_ids in self._tokenize_all(prompts, add_special_tokens):
+            self._check_encodable(token_ids)
+            requests.append((str(next(self._request_ids)), text, token_ids))
+        return self._client.add_encode(requests)
+
+    def _tokenize_all(self, prompts: list[PromptInputs],
+                      add_special_tokens: bool) -> list[tuple[str | None, list[int]]]:
+        """(text, token ids) of each prompt; the texts go through the tokenizer in one call."""
+        texts = [prompt for prompt in prompts if isinstance(prompt, str) and prompt]
+        encoded = iter(())
+        if texts and self._tokenizer is not None:
+            encoded = iter(self._tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"])
+        return [(prompt, next(encoded)) if isinstance(prompt, str) and prompt and self._tokenizer is not None
+                else tokenize_prompt(prompt, self._tokenizer, add_special_tokens) for prompt in prompts]
+
+    def _check_encodable(self, token_ids: list[int]) -> None:
+        """A prompt is encoded whole in one forward: it must fit max_seq_len (the model's positions) and the step's
+        max_num_tokens."""
+        self._check_token_ids(token_ids)
+        length, max_seq_len = len(token_ids), self.info.max_seq_len
+        max_input_len = self.args.max_input_len
+        if max_input_len is not None and length > max_input_len:
+            raise ValueError(f"prompt has {length} tokens, more than max_input_len ({max_input_len})")
+        if length > max_seq_len:
+            raise ValueError(f"prompt has {length} tokens, more than max_seq_len ({max_seq_len}), the longest input "
+                             f"this encoder takes")
+        if length > self.args.max_num_tokens:
+            raise ValueError(f"prompt has {length} tokens, more than max_num_tokens ({self.args.max_num_tokens}): an "
+                             "encoded prompt runs whole in one step; raise max_num_tokens")
 
     # ------------------------------------------------------------------ stats and events
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raylm.engine.messages import RequestDelta, SequenceDelta, TokenLogprob
-from raylm.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from raylm.outputs import CompletionOutput, EncoderOutput, Logprob, RequestOutput, TokenLogprobs
 from raylm.sampling_params import SamplingParams
 
 
@@ -213,3 +213,33 @@ class RequestState:
             if self.first_token_time is not None and generated > 1:
                 metrics["time_per_output_token"] = (self.finished_time - self.first_token_time) / (generated - 1)
         return metrics
+
+
+class EncodeState:
+    """An encode request while it runs: it ends with the one delta that carries its embedding (or its error). Folded
+    in by the engine client as a RequestState is."""
+
+    stream_each_step = False
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.embedding = None
+        self.weight_version = 0
+        self.finished = False
+        self.error: str | None = None
+
+    def apply(self, delta: RequestDelta, weight_version: int = 0) -> list[tuple[str, int]]:
+        """Folds the engine's delta in; returns no stopped sequences (an encode request generates none)."""
+        self.finished = delta.finished
+        if delta.error is not None:
+            self.error = delta.error
+        elif delta.finished and delta.embedding is None:
+            self.error = "the request ended without an embedding"
+        self.embedding = delta.embedding
+        self.weight_version = weight_version
+        return []
+
+    def snapshot(self) -> EncoderOutput:
+        return EncoderOutput(self.request_id, self.prompt, self.prompt_token_ids, self.embedding, self.weight_version)

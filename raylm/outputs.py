@@ -1,9 +1,12 @@
-"""What a request returns: RequestOutput, CompletionOutput and per-token Logprob."""
+"""What a request returns: RequestOutput, CompletionOutput and per-token Logprob; EncoderOutput for encode."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Logprob(NamedTuple):
@@ -72,3 +75,20 @@ class RequestOutput:
         """The newest weight version that produced any of its tokens (None before the first token)."""
         versions = [output.weight_version for output in self.outputs if output.weight_version is not None]
         return max(versions) if versions else None
+
+
+@dataclass
+class EncoderOutput:
+    """What encode returns for one prompt: its embedding, pooled as the engine's PoolingSpec says (a float32 CPU
+    tensor of hidden_size values, of unit norm when the pooling normalizes)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    embedding: torch.Tensor
+    weight_version: int = 0  # the weights that computed it (update_weights bumps the version)
+
+    @property
+    def finished(self) -> bool:
+        """Always true: an encode request's one output is its last."""
+        return True

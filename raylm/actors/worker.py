@@ -11,6 +11,8 @@ import torch
 
 from raylm.engine.engine_core import EngineCore, EngineLimits
 from raylm.engine.model_runner import ModelRunner
+from raylm.engine.pooling_engine import PoolingEngine
+from raylm.engine.pooling_runner import PoolingRunner
 from raylm.engine_spec import EngineInfo, WorkerSpec
 from raylm.models.loader import load_hf_config, load_model
 from raylm.models.parallel import SINGLE, ParallelContext
@@ -30,8 +32,8 @@ class Worker:
         self.device = torch.device(spec.device)
         self.dtype = _DTYPES[spec.dtype]
         self.timings: dict[str, dict[str, float]] = {"py_executor": {}}
-        self.engine: EngineCore | None = None
-        self.runner: ModelRunner | None = None
+        self.engine: EngineCore | PoolingEngine | None = None
+        self.runner: ModelRunner | PoolingRunner | None = None
         self.arch = None
         self._checkpoint_shapes: dict[str, tuple[int, ...]] | None = None  # read at the first weight update
         self._weight_group = None  # a trainer's weight-update group (actors/weight_group.py)
@@ -103,7 +105,7 @@ class Worker:
     def close(self) -> None:
         """Lets go of the model, the KV cache and the graphs and gives their device memory back (the local
         executor's shutdown: this process lives on, and may start another engine on the same device)."""
-        if self.runner is not None:
+        if isinstance(self.runner, ModelRunner):
             self.runner.drop_graphs()
             self.runner.kv_caches = []
         self.engine = self.runner = self._memory = None
@@ -169,7 +171,8 @@ class Worker:
         return self.dtype if kv_config.dtype == "auto" else _DTYPES[kv_config.dtype]
 
     def load_model(self) -> int:
-        """Loads this rank's shard of the model; returns how many KV blocks this rank can hold."""
+        """Loads this rank's shard of the model; returns how many KV blocks this rank can hold (none for an
+        encode_only engine, which has no KV cache)."""
         from raylm.engine.device_memory import fixed_addresses, move_into_region, region
 
         begin = time.perf_counter()
@@ -177,23 +180,30 @@ class Worker:
         hf_config = load_hf_config(self.spec.source, args.trust_remote_code)
         sleep = args.sleep_config
         self._fixed = fixed_addresses(sleep.keep_addresses, self.device)
+        encode_only = self.spec.pooling is not None
         with region(self._fixed, "model_weights", keep_contents=sleep.model_weights == "host_copy"):
             loaded = load_model(self.spec.source, hf_config, self.dtype, self.device, self.spec.max_seq_len,
-                                args.load_format, ctx=self.ctx, seed=args.seed)
+                                args.load_format, ctx=self.ctx, seed=args.seed, encode_only=encode_only)
         move_into_region(self._fixed, list(loaded.model.buffers()), "model", keep_contents=True)
         self.arch = loaded.arch
+        self.timings["model_loader"] = loaded.timings
+        if encode_only:
+            self.runner = PoolingRunner(loaded.model, self.device, self.spec.pooling, args.kernel_config)
+            self.timings["py_executor"]["model_engine_creation_seconds"] = time.perf_counter() - begin
+            return 0
         self.runner = ModelRunner(loaded.model, loaded.arch, self.device, self.dtype,
                                   args.kv_cache_config.tokens_per_block, seed=args.seed,
                                   attention_backend=args.attention_backend, kernel_config=args.kernel_config,
                                   capture_logits=args.cuda_graph_config is not None
                                   and args.cuda_graph_config.capture_logits)
-        self.timings["model_loader"] = loaded.timings
         self.timings["py_executor"]["model_engine_creation_seconds"] = time.perf_counter() - begin
         return self._num_blocks(self.kv_dtype)
 
     def init_cache(self, num_blocks: int) -> EngineInfo:
         from raylm.engine.device_memory import region
 
+        if self.spec.pooling is not None:  # encode_only: no KV cache, no decode steps to warm up or capture
+            return self._engine_info(0)
         begin = time.perf_counter()
         with region(self._fixed, "kv_cache"):
             self.runner.allocate_kv_cache(num_blocks, self.kv_dtype)
@@ -207,12 +217,21 @@ class Worker:
             self._tagged_memory().capture()
             self.timings.setdefault("final_model_engine", {})["gen_cuda_graph_capture_seconds"] = (
                 time.perf_counter() - begin)
-        return EngineInfo(num_blocks, self.spec.args.kv_cache_config.tokens_per_block, self.spec.max_seq_len,
-                          self.arch.vocab_size, self.spec.device, self.spec.dtype, self.timings)
+        return self._engine_info(num_blocks)
 
-    def build_engine(self, num_blocks: int, runner=None) -> EngineCore:
-        """The engine core (rank 0 only), stepping `runner` (this worker's runner unless given)."""
+    def _engine_info(self, num_blocks: int) -> EngineInfo:
+        return EngineInfo(num_blocks, self.spec.args.kv_cache_config.tokens_per_block, self.spec.max_seq_len,
+                          self.arch.vocab_size, self.spec.device, self.spec.dtype, self.timings,
+                          pooling=self.spec.pooling)
+
+    def build_engine(self, num_blocks: int, runner=None) -> EngineCore | PoolingEngine:
+        """The engine core (rank 0 only), stepping `runner` (this worker's runner unless given); an encode_only
+        engine's batches prompts into pooling forwards."""
         args = self.spec.args
+        if self.spec.pooling is not None:
+            self.engine = PoolingEngine(runner or self.runner, args.max_batch_size, args.max_num_tokens)
+            self.timings["py_executor"]["total_py_executor_creation_seconds"] = time.perf_counter() - self._begin
+            return self.engine
         kv_config = args.kv_cache_config
         self.engine = EngineCore(runner or self.runner, EngineLimits(
             max_batch_size=args.max_batch_size,

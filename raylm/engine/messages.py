@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from raylm.sampling_params import SamplingParams
 
@@ -17,6 +18,14 @@ class EngineRequest:
     sampling_params: SamplingParams
     priority: float = 0.5
     cache_salt: str | None = None
+
+
+@dataclass
+class EncodeRequest:
+    """A prompt to encode into one embedding (an encode_only engine's request)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
 
 
 @dataclass
@@ -40,6 +49,7 @@ class RequestDelta:
     prompt_logprobs: list[TokenLogprob] | None = None  # for the next prompt positions, in order
     num_cached_tokens: int = 0
     error: str | None = None
+    embedding: Any = None  # an encode request's result: a float32 CPU tensor [hidden_size]
 
 
 @dataclass

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from raylm.models.arch import ArchConfig
+from raylm.models.bert import EncoderArch
 from raylm.models.parallel import SINGLE, ParallelContext
 from raylm.models.registry import resolve_architecture
 from raylm.models.source import ModelSource
@@ -22,7 +23,7 @@ from raylm.models.source import ModelSource
 @dataclass
 class LoadedModel:
     model: nn.Module
-    arch: ArchConfig
+    arch: ArchConfig | EncoderArch
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -109,14 +110,14 @@ class DummyTensor:
         return self._full()[index]
 
 
-def _dummy_checkpoint(hf_config: Any, dtype: torch.dtype, device: torch.device,
-                      seed: int) -> Iterator[tuple[str, DummyTensor]]:
+def _dummy_checkpoint(hf_config: Any, dtype: torch.dtype, device: torch.device, seed: int,
+                      encoder_only: bool = False) -> Iterator[tuple[str, DummyTensor]]:
     """Random tensors under the checkpoint names and shapes of `hf_config` (read off transformers' model built on
-    the meta device, which allocates nothing)."""
-    from transformers import AutoModelForCausalLM
+    the meta device, which allocates nothing; its base model for an encoder)."""
+    from transformers import AutoModel, AutoModelForCausalLM
 
     with torch.device("meta"):
-        reference = AutoModelForCausalLM.from_config(hf_config)
+        reference = (AutoModel if encoder_only else AutoModelForCausalLM).from_config(hf_config)
     for name, param in reference.named_parameters():
         yield name, DummyTensor(name, tuple(param.shape), dtype, device, seed)
 
@@ -130,18 +131,20 @@ def load_model(
     load_format: str = "auto",
     ctx: ParallelContext = SINGLE,
     seed: int = 0,
+    encode_only: bool = False,
 ) -> LoadedModel:
-    """Constructs the model for `hf_config` on `device` in `dtype` and loads this rank's weights."""
+    """Constructs the model for `hf_config` on `device` in `dtype` and loads this rank's weights. An encode_only
+    engine never projects onto the vocabulary, so a checkpoint without an LM head (an embedding model's) loads."""
     start = time.perf_counter()
     entry, arch = resolve_architecture(hf_config)
     with _default_dtype(dtype), torch.device(device):
         model = entry.model_class(arch, max_positions, ctx)
     prepared = time.perf_counter()
-    checkpoint = _dummy_checkpoint(hf_config, dtype, device, seed) if load_format == "dummy" \
+    checkpoint = _dummy_checkpoint(hf_config, dtype, device, seed, entry.encoder_only) if load_format == "dummy" \
         else _iter_checkpoint(source, arch)
     loaded = model.load_weights(checkpoint)
     expected = {name for name, _ in model.named_parameters()}
-    missing = sorted(expected - loaded - ({"lm_head.weight"} if arch.tie_word_embeddings else set()))
+    missing = sorted(expected - loaded - ({"lm_head.weight"} if arch.tie_word_embeddings or encode_only else set()))
     if missing:
         raise ValueError(f"checkpoint of {source.name!r} lacks weights: {', '.join(missing[:8])}")
     populated = time.perf_counter()

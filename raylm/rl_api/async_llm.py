@@ -89,6 +89,15 @@ class AsyncLLM(LLM):
         self._require_generating()
         return super().generate(*args, **kwargs)
 
+    def encode(self, *args: Any, **kwargs: Any):
+        """LLM.encode (spec: blocking); encode_async returns an awaitable result for one prompt."""
+        self._require_generating()
+        return super().encode(*args, **kwargs)
+
+    def encode_async(self, *args: Any, **kwargs: Any):
+        self._require_generating()
+        return super().encode_async(*args, **kwargs)
+
     async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None,
                              unique_reply_rank: int | None = None,
                              target_ranks: int | list[int] | None = None) -> list[Any]:
