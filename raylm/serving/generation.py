@@ -139,6 +139,12 @@ class ServingContext:
             raise OpenAIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
                               "model", "model_not_found")
 
+    def check_generates(self) -> None:
+        """A generation route's 400 on a server whose engine encodes (encode_only) instead of generating."""
+        if self.engine.info.pooling is not None:
+            raise OpenAIError(400, f"model `{self.model_name}` is an embedding model (encode_only): it serves "
+                                   "/v1/embeddings and cannot generate", "model", "model_not_supported")
+
     def check_engine(self, request_id: str | None = None) -> None:
         reason = self.engine.dead_reason
         if reason is not None:
@@ -160,6 +166,7 @@ class ServingContext:
         stream) or answers its whole response once every request has finished."""
         body = route.body
         self.check_model(body.model)
+        self.check_generates()
         # Chat templates and tokenizers take seconds over a long input: the loop serves other requests meanwhile.
         prompts, params = await asyncio.to_thread(self._prepare, route)
         streams = await self.submit(prompts, params, body, route.response_id)
@@ -175,6 +182,7 @@ class ServingContext:
         respond would answer with an error."""
         body = route.body
         self.check_model(body.model)
+        self.check_generates()
         prompts, params = await asyncio.to_thread(self._prepare, route)
         streams = await self.submit(prompts, params, body, route.response_id)
         stream = ResponseStream(streams, self.metrics, lambda exc: self._request_failed(exc, route.response_id))

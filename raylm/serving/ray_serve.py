@@ -37,10 +37,12 @@ from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from raylm.engine_spec import resolve_device
-from raylm.inputs import PromptInputs
+from raylm.inputs import PromptInputs, TokensPrompt
+from raylm.outputs import EncoderOutput
 from raylm.sampling_params import SamplingParams
 from raylm.serving.app import build_app
 from raylm.serving.config import ServeArgs
+from raylm.serving.engine import encode_all
 from raylm.serving.engine_stream import stream_request
 from raylm.serving.remote_engine import EngineDescription, RemoteEngine
 
@@ -82,7 +84,17 @@ class EngineDeployment:
                                   **{**args.llm_kwargs(), "executor": "ray"})
 
     def describe(self) -> EngineDescription:
-        return EngineDescription(self.llm.info, self.llm.get_kv_cache_capacity(), self.llm.startup_metrics)
+        capacity = {} if self.llm.encode_only else self.llm.get_kv_cache_capacity()
+        return EngineDescription(self.llm.info, capacity, self.llm.startup_metrics)
+
+    async def embed(self, prompts: list[TokensPrompt]) -> list[EncoderOutput]:
+        """Encodes prompts (an encode_only engine); cancelling the call aborts them. They run in a task of a fresh
+        context, for the reason `stream` gives: Serve's recursive cancel would cancel their aborts too."""
+        request = contextvars.Context().run(asyncio.ensure_future, encode_all(self.llm, prompts))
+        try:
+            return await asyncio.shield(request)
+        finally:
+            request.cancel()  # aborts the prompts unless they have finished
 
     async def stream(self, inputs: PromptInputs, params: SamplingParams, priority: float,
                      cache_salt: str | None) -> AsyncIterator[Any]:

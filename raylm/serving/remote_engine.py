@@ -26,8 +26,9 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from raylm.config import LlmArgs
 from raylm.engine_client import EngineDeadError
 from raylm.engine_spec import EngineInfo
-from raylm.inputs import PromptInputs
+from raylm.inputs import PromptInputs, TokensPrompt
 from raylm.models.source import resolve_model
+from raylm.outputs import EncoderOutput
 from raylm.results import RequestError
 from raylm.sampling_params import SamplingParams
 from raylm.serving.engine_stream import Admitted, Failed, OutputChunk, Rejected
@@ -194,6 +195,20 @@ class RemoteEngine:
         handle = self._large_stream_handle if large else self._stream_handle
         call = handle.stream.remote(inputs, sampling_params, priority, cache_salt)
         return RemoteGeneration(call, self._mark_unreachable)
+
+    async def embed(self, prompts: list[TokensPrompt]) -> list[EncoderOutput]:
+        """Encodes prompts in one call to the engine deployment (cancelling it aborts them); raises what the
+        engine raised for them, EngineDeadError when the deployment cannot take the call."""
+        try:
+            return await self._handle.embed.remote(prompts)
+        except RayTaskError as exc:
+            raise _engine_error(exc) from None
+        except Exception as exc:
+            if _engine_unreachable(exc):
+                reason = f"the engine deployment failed: {_first_line(exc)}"
+                self._mark_unreachable(reason)
+                raise EngineDeadError(reason) from exc
+            raise RequestError(f"the engine deployment failed the request: {_first_line(exc)}") from exc
 
     # ------------------------------------------------------------------ state
 
