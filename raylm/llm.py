@@ -337,11 +337,17 @@ class LLM:
         if not self.encode_only:
             raise RuntimeError(f"encode needs an encode_only engine, and model {self.args.model!r} runs one that "
                                "generates: start it with LLM(model, encode_only=True)")
-        requests = []
-        for text, token_ids in self._tokenize_all(prompts, add_special_tokens):
+        tokenized = self._tokenize_all(prompts, add_special_tokens)
+        for _, token_ids in tokenized:
             self._check_encodable(token_ids)
-            requests.append((str(next(self._request_ids)), text, token_ids))
-        return self._client.add_encode(requests)
+        # Shortest first: the engine batches in arrival order, so its batches then hold prompts of similar lengths,
+        # which attention pads to the longest of each.
+        order = sorted(range(len(tokenized)), key=lambda index: len(tokenized[index][1]))
+        submitted = self._client.add_encode([(str(next(self._request_ids)), *tokenized[index]) for index in order])
+        results: list[GenerationResult] = [None] * len(order)
+        for index, result in zip(order, submitted):
+            results[index] = result
+        return results
 
     def _tokenize_all(self, prompts: list[PromptInputs],
                       add_special_tokens: bool) -> list[tuple[str | None, list[int]]]:

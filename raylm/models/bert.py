@@ -141,10 +141,10 @@ class BertModel(nn.Module):
         """input_ids, positions: [T] (positions restart at 0 for each prompt). Returns [T, hidden_size]."""
         hidden = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
                   + self.token_type_embeddings.weight[0])
-        hidden = self.embed_norm(hidden)
+        hidden = meta.pad(self.embed_norm(hidden))
         for layer in self.layers:
             hidden = layer(hidden, meta)
-        return hidden
+        return meta.unpad(hidden)
 
     @staticmethod
     def _local_name(name: str) -> tuple[str, int | None] | None:

@@ -27,3 +27,15 @@ def test_each_sequence_attends_to_itself_alone(causal, lengths):
             is_causal=causal, scale=0.3, enable_gqa=True)[0].transpose(0, 1)
         torch.testing.assert_close(out[rows], expected, atol=1e-6, rtol=1e-6)
         start += length
+
+
+def test_rows_padded_once_at_the_input_give_the_same_attention():
+    lengths = [6, 5, 6]
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(sum(lengths), 2, 4, generator=generator) for _ in range(3))
+    packed = PackedAttention.build(lengths, False, torch.device("cpu"))
+    padded = PackedAttention.build(lengths, False, torch.device("cpu"), pad_inputs_below=0.1)
+    assert not packed.rows_padded and padded.rows_padded  # one padding row in 18
+    expected = packed.attend(q, k, v, None, None, 0.5)
+    out = padded.unpad(padded.attend(padded.pad(q), padded.pad(k), padded.pad(v), None, None, 0.5))
+    torch.testing.assert_close(out, expected)

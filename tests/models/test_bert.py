@@ -19,7 +19,8 @@ def minilm(minilm_dir):
     return load_model(source, load_hf_config(source), torch.float32, torch.device("cpu"), 256).model
 
 
-def test_packed_hidden_states_equal_hf_per_prompt(minilm, minilm_dir):
+@pytest.mark.parametrize("pad_inputs_below", [0.0, 1.0])  # padding in each layer's attention, or once at the input
+def test_packed_hidden_states_equal_hf_per_prompt(minilm, minilm_dir, pad_inputs_below):
     from transformers import AutoModel, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
@@ -29,7 +30,10 @@ def test_packed_hidden_states_equal_hf_per_prompt(minilm, minilm_dir):
     input_ids = torch.tensor([token for prompt in prompts for token in prompt])
     positions = torch.cat([torch.arange(length) for length in lengths])
     with torch.no_grad():
-        hidden = minilm(input_ids, positions, PackedAttention.build(lengths, causal=False, device=torch.device("cpu")))
+        meta = PackedAttention.build(lengths, causal=False, device=torch.device("cpu"),
+                                     pad_inputs_below=pad_inputs_below)
+        assert meta.rows_padded == (pad_inputs_below == 1.0)
+        hidden = minilm(input_ids, positions, meta)
         reference = AutoModel.from_pretrained(minilm_dir, dtype=torch.float32).eval()
         start = 0
         for prompt in prompts:
