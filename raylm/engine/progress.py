@@ -129,6 +129,8 @@ class Progress:
         if item.placeholder:  # one draw, in place of the placeholder put there at launch
             position = item.start + item.num_tokens
             seq.token_ids[position] = tokens[0]
+            if seq.guide is not None:
+                seq.guide.accept(tokens[0])
             self.kv_cache.register_full_blocks(request, seq)
             self._report(request, seq, result, 0, position, delta)
             return
@@ -142,6 +144,8 @@ class Progress:
                 targets.append(child)
         for draw, target in enumerate(targets):
             target.token_ids.append(tokens[draw])
+            if target.guide is not None:
+                target.guide.accept(tokens[draw])
             self._report(request, target, result, draw, target.num_tokens - 1, delta)
 
     def _report(self, request: Request, seq: Sequence, result: SampleResult, draw: int, position: int,
