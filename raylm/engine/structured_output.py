@@ -155,9 +155,12 @@ def mask_guided_rows(logits: torch.Tensor, guides: list[tuple[int, Guide]]) -> N
     """Masks, in place, each listed row of `logits` [rows, vocab] to the tokens its guide allows next."""
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
+    on_device = logits.device.type != "cpu"
+    # Pinned on GPUs: a copy from pageable memory would wait for the step's forward, still on the device.
+    bitmask = torch.empty(xgr.get_bitmask_shape(logits.shape[0], logits.shape[-1]), dtype=xgr.bitmask_dtype,
+                          pin_memory=on_device)
     for row, guide in guides:
         guide.matcher.fill_next_token_bitmask(bitmask, row)
-    if logits.device.type != "cpu":
+    if on_device:
         bitmask = bitmask.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, indices=[row for row, _ in guides])
