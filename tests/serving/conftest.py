@@ -190,15 +190,3 @@ class RecordedEngine(LocalEngine):
         self.submitted.append(sampling_params)
         return _RecordedGeneration(self.next_output, self.tokenizer, inputs)
 
-
-def _engine_constrains_sampling() -> bool:
-    from raylm.engine import structured_output
-
-    return hasattr(structured_output, "Guide")
-
-
-# Tests of outputs decoded under guided_decoding need the engine to apply its token masks.
-needs_constrained_decoding = pytest.mark.skipif(
-    not _engine_constrains_sampling(),
-    reason="the engine does not constrain sampling with guided_decoding yet (issue 24, structured output's engine "
-           "side: raylm/engine/structured_output.py Guide)")

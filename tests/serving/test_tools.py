@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from raylm.serving import ServingConfig, build_app
-from tests.serving.conftest import MODEL, TOOLS_TEMPLATE, LocalEngine, needs_constrained_decoding, openai_client, serve
+from tests.serving.conftest import MODEL, TOOLS_TEMPLATE, LocalEngine, openai_client, serve
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -103,7 +103,6 @@ def _check_call(name: str, arguments: str, tools: list[dict]) -> None:
     jsonschema.validate(json.loads(arguments), by_name[name])
 
 
-@needs_constrained_decoding
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_gives_calls_whose_arguments_validate(client, stream):
     tools = [WEATHER, TIME]
@@ -128,7 +127,6 @@ def test_required_gives_calls_whose_arguments_validate(client, stream):
         _check_call(name, arguments, tools)
 
 
-@needs_constrained_decoding
 def test_a_named_choice_calls_that_function_with_valid_arguments(client):
     choice = client.chat.completions.create(
         model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=60, temperature=1.0, seed=3,
@@ -138,7 +136,6 @@ def test_a_named_choice_calls_that_function_with_valid_arguments(client):
     _check_call("get_time", call.function.arguments, [TIME])
 
 
-@needs_constrained_decoding
 def test_auto_reads_a_hermes_call_out_of_the_text(client):
     """The model is steered into a Hermes call with a regex (structured output), the hermes parser reads it."""
     regex = (r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", '
