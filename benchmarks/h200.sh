@@ -16,6 +16,8 @@
 #                                        # trainer, release / resume cycles with addresses kept (torch-memory-saver)
 #                                        # and reallocated; then release's GPU tests                   (~7 min)
 #   bash benchmarks/h200.sh batch        # raylm batch on Ray Data against LLM.generate, 8B 1000 x (1024, 1024) (~8 min)
+#   bash benchmarks/h200.sh structured   # structured output's cost: 8B batch 1 and 64, a JSON schema against none;
+#                                        # needs a tokenizer at .gpu/smollm2-tokenizer (save SmolLM2's there)  (~5 min)
 #   bash benchmarks/h200.sh flashinfer   # attention_backend="flashinfer": its GPU tests, then 8B latency batch 8
 #                                        # and 8B 256 x (512, 128); needs .gpu/flashinfer.tar.xz from
 #                                        # benchmarks/flashinfer_bundle.sh (its first JIT compiles take minutes)
@@ -143,6 +145,14 @@ case "${1:-}" in
     watched 560 python benchmarks/batch_job.py --model "$llama" "${dummy[@]}" --num_prompts 1000 --input_len 1024 \
       --output_len 1024 --max_batch_size 256 --replicas 1 $(output_json batch-job-llama-3.1-8b-n1000) 2>&1 \
       | grep -E '^(engine|job|wrote)'
+    ;;
+  structured)
+    # Every row of the batch under one JSON schema against the same batch free; the 8B shape with SmolLM2's
+    # tokenizer (the GPU machine has no Llama-3 tokenizer; ids past its vocabulary stay masked).
+    use_gemv_tuning_cache
+    watched 400 python benchmarks/structured_output.py --model "$llama" "${dummy[@]}" \
+      --tokenizer .gpu/smollm2-tokenizer --batch_sizes 1 64 --input_len 128 --output_len 256 \
+      $(output_json structured-output-llama-3.1-8b) 2>&1 | grep -E '^ *(batch|[0-9]+ )|wrote|Error'
     ;;
   throughput)
     throughput throughput-8b-n1000 "$llama" 1000 1024 1024 256 500 --num_iters 3

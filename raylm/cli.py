@@ -159,6 +159,10 @@ _SERVE_FLAGS: list[tuple[tuple[str, ...], str, dict, str]] = [
      "let HF transformers run the model's own code"),
     (("--served_model_name",), "served_model_name", {}, "the model name of the API (default: MODEL)"),
     (("--chat_template",), "chat_template", {}, "a Jinja chat template, or a file holding one"),
+    (("--tool_call_parser",), "tool_call_parser", {"choices": ("hermes", "llama3_json")},
+     "read the model's tool calls out of its chat answers: hermes (<tool_call> JSON) or llama3_json"),
+    (("--reasoning_parser",), "reasoning_parser", {"choices": ("deepseek_r1", "qwen3")},
+     "return a reasoning model's <think> part as reasoning_content: deepseek_r1 or qwen3"),
     (("--num_replicas",), "num_replicas", {"type": int}, "engine replicas, each with its HTTP front end (data "
                                                           "parallelism; default 1)"),
     (("--api_key",), "api_key", {}, "require 'Authorization: Bearer KEY' on every route but /health "

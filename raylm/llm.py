@@ -193,6 +193,12 @@ class LLM:
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if params.stop and (not params.detokenize or self._tokenizer is None):
             raise ValueError("stop strings need detokenize=True and a tokenizer")
+        if params.guided_decoding is not None:
+            from raylm.engine.structured_output import check_guided
+
+            if self._tokenizer is None:
+                raise ValueError("guided_decoding needs the model's tokenizer (skip_tokenizer_init is set)")
+            check_guided(params.guided_decoding)
         return dataclasses.replace(params, _eos_token_ids=self._eos_ids)
 
     def _check_fits(self, prompt_len: int, params: SamplingParams) -> None:

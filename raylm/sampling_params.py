@@ -33,7 +33,9 @@ class GuidedDecodingParams:
     - grammar: an EBNF grammar (GBNF, `root ::= ...`); lark: a Lark grammar;
     - json_object: True for any JSON object;
     - structural_tag: xgrammar's structural tag (a dict or its JSON text: free text with constrained segments).
-    Each is compiled with xgrammar into a token mask per step; a malformed one raises ValueError naming it."""
+    Each is compiled with xgrammar into a token mask per step; a malformed one raises ValueError naming it.
+    begin_after: text after which the constraint starts (a reasoning model's "</think>": the thinking is free, the
+    answer constrained); None constrains the output from its first token."""
 
     json: str | dict | type | None = None
     regex: str | None = None
@@ -42,6 +44,7 @@ class GuidedDecodingParams:
     lark: str | None = None
     json_object: bool = False
     structural_tag: str | dict | None = None
+    begin_after: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, type):  # a pydantic model class
@@ -63,6 +66,8 @@ class GuidedDecodingParams:
             value = getattr(self, kind)
             if value is not None and not isinstance(value, types):
                 raise TypeError(f"guided_decoding.{kind} must be {names}, got {type(value).__name__}")
+        if self.begin_after is not None and (not isinstance(self.begin_after, str) or not self.begin_after):
+            raise ValueError(f"guided_decoding.begin_after must be a non-empty string, got {self.begin_after!r}")
         if self.choice is not None:
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError("guided_decoding.choice must be a non-empty list of non-empty strings")

@@ -120,6 +120,8 @@ class DistributedRunner:
                                  f"{type(exc).__name__}: {exc}") from exc
 
     def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep | PipelinedStep:
+        if isinstance(previous, LaunchedStep):
+            self.runner.draw_waiting(previous)  # before this step's forward overwrites the graphs' logits
         plan = plan_step(out, self.runner.block_size)
         if self.pipelined:
             return self._launch_pipelined(out, plan)

@@ -245,9 +245,19 @@ class Worker:
             iter_stats_max_iterations=args.iter_stats_max_iterations,
             overlap_scheduling=not args.disable_overlap_scheduler,
             guarantee_no_evict=args.scheduler_config.capacity_scheduler_policy == "GUARANTEED_NO_EVICT",
-        ))
+        ), grammar_compiler=None if args.skip_tokenizer_init else self._grammar_compiler)
         self.timings["py_executor"]["total_py_executor_creation_seconds"] = time.perf_counter() - self._begin
         return self.engine
+
+    def _grammar_compiler(self):
+        """Structured output's compiler for this model's tokenizer (made at the first guided request)."""
+        from raylm.engine.structured_output import GrammarCompiler
+        from raylm.tokenizer import load_tokenizer
+
+        begin = time.perf_counter()
+        compiler = GrammarCompiler(load_tokenizer(self.spec.args, self.spec.source), self.arch.vocab_size)
+        self.timings["py_executor"]["guided_decoder_creation_seconds"] = time.perf_counter() - begin
+        return compiler
 
     def start(self) -> EngineInfo:
         """Single-process start-up: the whole model on this device."""

@@ -10,21 +10,27 @@ sequences, beam search) make the step after theirs wait for their results first.
 For RL loops generation can be paused (running requests aborted, or parked and continued after resume) while
 the workers' weights change; each new set of weights is a new weight version, which outputs report and which
 salts the prefix cache, so KV computed with older weights is never reused for requests that come after.
+
+A request with structured output (guided_decoding) waits outside the scheduler while its grammar compiles on the
+compiler's thread; then each of its sequences carries a Guide that masks its draws.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
 from raylm.engine.kv_cache import KVCacheManager, weight_version_root
 from raylm.engine.messages import EngineRequest, RequestDelta, SequenceDelta, StepOutput
 from raylm.engine.progress import Progress
-from raylm.engine.request import FinishReason, Request
+from raylm.engine.request import FinishReason, Request, RequestStatus
 from raylm.engine.scheduler import Scheduler, SchedulerOutput
 from raylm.engine.stats import iteration_stats
 from raylm.engine.step_runner import ModelOutput, RanksOutOfStep, StepRunner
+from raylm.engine.structured_output import GrammarCompiler, Guide
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +62,10 @@ class InFlight:
 
 
 class EngineCore:
-    def __init__(self, runner: StepRunner, limits: EngineLimits):
+    def __init__(self, runner: StepRunner, limits: EngineLimits,
+                 grammar_compiler: Callable[[], GrammarCompiler] | None = None):
+        """grammar_compiler: makes the compiler for structured output at the first request that needs it (it
+        loads the tokenizer); None where the engine has no tokenizer."""
         self.runner = runner
         self.limits = limits
         self.kv_cache = KVCacheManager(limits.num_blocks, limits.block_size, limits.enable_block_reuse,
@@ -73,10 +82,13 @@ class EngineCore:
         self.weight_version = 0
         self.paused = False  # pause_generation: no steps run; requests wait (new ones too) until resume
         self._control_deltas: list[RequestDelta] = []  # deltas of control calls, for the next output
+        self._make_grammar_compiler = grammar_compiler
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._compiling: list[Request] = []  # requests whose grammar is compiling, in arrival order
 
     @property
     def has_work(self) -> bool:
-        return not self.paused and (self.scheduler.has_work or self.in_flight is not None)
+        return not self.paused and (self.scheduler.has_work or self.in_flight is not None or bool(self._compiling))
 
     def add_request(self, engine_request: EngineRequest) -> None:
         if engine_request.request_id in self.requests:
@@ -89,8 +101,48 @@ class EngineCore:
             cache_salt=engine_request.cache_salt,
             hash_root=weight_version_root(self.weight_version),
         )
+        guided = engine_request.sampling_params.guided_decoding
+        if guided is not None:
+            request.grammar = self.grammar_compiler().compile(guided)
+            self.requests[request.request_id] = request
+            self._compiling.append(request)
+            return
         self.requests[request.request_id] = request
         self.scheduler.add_request(request)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        if self._grammar_compiler is None:
+            if self._make_grammar_compiler is None:
+                raise ValueError("guided_decoding needs the model's tokenizer, and this engine has none "
+                                 "(skip_tokenizer_init)")
+            self._grammar_compiler = self._make_grammar_compiler()
+        return self._grammar_compiler
+
+    def _admit_compiled(self) -> list[RequestDelta]:
+        """Requests whose grammar has compiled join the scheduler, each sequence with its Guide; those whose grammar
+        failed to compile end with its error. With nothing else to run, waits a little for a compilation."""
+        if not self.scheduler.has_work and self.in_flight is None:
+            wait([request.grammar for request in self._compiling], timeout=0.005, return_when=FIRST_COMPLETED)
+        deltas, waiting = [], []
+        for request in self._compiling:
+            future = request.grammar
+            if not future.done():
+                waiting.append(request)
+                continue
+            error = future.exception()
+            if error is not None:
+                self.requests.pop(request.request_id, None)
+                request.status = RequestStatus.FINISHED
+                deltas.append(RequestDelta(request.request_id, finished=True, error=str(error)))
+                continue
+            compiler = self.grammar_compiler()
+            guided = request.sampling_params.guided_decoding
+            stop_ids = sorted(request.stop_ids) or list(compiler.info.stop_token_ids)
+            begin_after = compiler.token_ids(guided.begin_after) if guided.begin_after else None
+            request.sequences[0].guide = Guide(future.result(), stop_ids, begin_after)
+            self.scheduler.add_request(request)
+        self._compiling = waiting
+        return deltas
 
     def abort_request(self, request_id: str, error: str | None = None,
                       reason: str | None = None) -> RequestDelta | None:
@@ -99,6 +151,8 @@ class EngineCore:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        if request in self._compiling:
+            self._compiling.remove(request)
         delta = RequestDelta(request_id, finished=True, error=error)
         for seq in request.sequences:
             if seq.finish_reason is None and reason is not None:
@@ -173,7 +227,7 @@ class EngineCore:
     def step(self) -> StepOutput:
         start = time.perf_counter()
         previous, self.in_flight = self.in_flight, None
-        deltas: list[RequestDelta] = []
+        deltas: list[RequestDelta] = self._admit_compiled() if self._compiling else []
         stats = None
         if previous is not None and not previous.overlappable:
             deltas, stats = self._finish(previous)

@@ -15,6 +15,7 @@ from torch import nn
 
 from raylm.config import KernelConfig
 from raylm.engine.messages import TokenLogprob
+from raylm.engine.request import PLACEHOLDER
 from raylm.engine.sampler import (
     PendingSamples,
     Sampler,
@@ -35,6 +36,13 @@ from raylm.models.arch import ArchConfig
 _PROMPT_LOGPROB_ROWS = 256
 
 
+def _guide_awaits_token(out: SchedulerOutput) -> bool:
+    """Whether a sequence that draws in this step follows a grammar and its last token is still being drawn (a
+    placeholder): its mask cannot be made before that token is in."""
+    return any(item.completes and item.seq.guide is not None and item.seq.token_ids[-1] == PLACEHOLDER
+               for item in out.scheduled)
+
+
 @dataclass
 class LaunchedStep:
     """A step queued on the device: its draws are on their way to the host."""
@@ -43,6 +51,9 @@ class LaunchedStep:
     positions: list[int]  # the scheduled items sampled, in the order of the sampler's rows
     samples: PendingSamples | None
     prompt_logprobs: dict[str, list[TokenLogprob]]
+    # The logits of a step whose draws wait for the draws of the step before (a grammar's mask needs them):
+    # ModelRunner.draw_waiting queues them later.
+    waiting_logits: torch.Tensor | None = None
 
     def sample_slots(self) -> dict[int, int]:
         """id(sequence) -> the entry of its (single) draw in samples.tokens."""
@@ -371,17 +382,31 @@ class ModelRunner:
         feed = (row_index(plan.feed_rows, self.device), fed) if plan.feed_rows else None
         hidden = self.forward(plan, feed=feed)
         logits, prompt_logprobs = self.compute_outputs(plan, hidden)
+        if logits is not None and _guide_awaits_token(out):
+            return LaunchedStep(out, [], None, prompt_logprobs, waiting_logits=logits)
         positions, pending = self._draw(out, logits)
         return LaunchedStep(out, positions, pending, prompt_logprobs)
+
+    def draw_waiting(self, launched: LaunchedStep) -> None:
+        """Queues the draws of a launched step that waited for the tokens of the step before it: those are
+        applied now (the engine applies a step before it launches the step after the next, or collects), so
+        each guide has accepted its sequence's last token. The device is still on this step's forward
+        meanwhile."""
+        if launched.waiting_logits is not None:
+            launched.positions, launched.samples = self._draw(launched.out, launched.waiting_logits)
+            launched.waiting_logits = None
 
     def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Queues a whole step (one rank holds the whole model) without waiting for the device. Input tokens
         that are placeholders come from `previous`, the step still in flight that samples them."""
+        if previous is not None:
+            self.draw_waiting(previous)  # before this step's forward overwrites the graphs' logits
         plan = plan_step(out, self.block_size)
         return self.launch_planned(out, plan, self.feed_tokens(out, plan, previous))
 
     def collect(self, launched: LaunchedStep) -> ModelOutput:
         """Waits for a launched step's draws."""
+        self.draw_waiting(launched)
         return ModelOutput(self._align(launched.out, launched.positions, launched.samples), launched.prompt_logprobs)
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:

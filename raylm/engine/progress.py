@@ -38,8 +38,11 @@ def _check_stop(request: Request, seq: Sequence, max_seq_len: int, position: int
 def overlap_safe(request: Request) -> bool:
     """Whether the request's next step can be scheduled before its current draw reaches the host: its
     sampling needs no output token ids (penalties), its draw does not fork it (several sequences) and no
-    beam search reorders its sequences."""
-    return request.plain_draws and (request.forked or request.sampling_params.num_sequences == 1)
+    beam search reorders its sequences. (A grammar's mask needs the token too, but only when the next step
+    draws: the runner then draws that step once the token is in, ModelRunner.launch_planned.)"""
+    params = request.sampling_params
+    return (not (params.use_beam_search or params.has_penalties)
+            and (request.forked or params.num_sequences == 1))
 
 
 class Progress:
@@ -129,6 +132,8 @@ class Progress:
         if item.placeholder:  # one draw, in place of the placeholder put there at launch
             position = item.start + item.num_tokens
             seq.token_ids[position] = tokens[0]
+            if seq.guide is not None:
+                seq.guide.accept(tokens[0])
             self.kv_cache.register_full_blocks(request, seq)
             self._report(request, seq, result, 0, position, delta)
             return
@@ -142,6 +147,8 @@ class Progress:
                 targets.append(child)
         for draw, target in enumerate(targets):
             target.token_ids.append(tokens[draw])
+            if target.guide is not None:
+                target.guide.accept(tokens[draw])
             self._report(request, target, result, draw, target.num_tokens - 1, delta)
 
     def _report(self, request: Request, seq: Sequence, result: SampleResult, draw: int, position: int,

@@ -14,6 +14,7 @@ import torch
 
 from raylm.engine.beam_search import candidates_per_beam
 from raylm.engine.sampler import SamplingRow
+from raylm.engine.structured_output import Guide
 from raylm.sampling_params import SamplingParams
 
 # The token id at a position whose token a step still in flight is sampling (overlapped scheduling).
@@ -54,6 +55,8 @@ class Sequence:
     logprob_history: list[tuple] = field(default_factory=list)
     # The sampler's view of this sequence when it never changes between steps (Request.sampling_row).
     sampling_row: SamplingRow | None = None
+    # Its place in the request's grammar (structured output), advanced by each token it accepts.
+    guide: Guide | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -104,6 +107,7 @@ class Sequence:
             num_hashed_blocks=self.num_hashed_blocks,
             last_block_hash=self.last_block_hash,
             logprob_history=list(self.logprob_history),
+            guide=self.guide.fork() if self.guide is not None else None,
         )
 
 
@@ -127,6 +131,7 @@ class Request:
     first_scheduled_time: float | None = None
     prompt_logprobs_next: int = 1  # next prompt position whose log-probability is still to be reported
     stop_ids: frozenset[int] = frozenset()
+    grammar: object | None = None  # structured output: the Future of its compiled grammar (EngineCore)
     # Whether a step of this request may be queued before its previous draw reaches the host, once it has
     # forked (see Progress.launched): no penalties (they read output tokens) and no beam search.
     plain_draws: bool = True
@@ -137,7 +142,8 @@ class Request:
     def __post_init__(self) -> None:
         params = self.sampling_params
         self.stop_ids = params.all_stop_token_ids
-        self.plain_draws = not (params.use_beam_search or params.has_penalties)
+        # A guided draw's mask needs the sequence's previous token on the host.
+        self.plain_draws = not (params.use_beam_search or params.has_penalties or params.guided_decoding)
         self.greedy_draws = (self.plain_draws and params.is_greedy and params.logprobs is None
                              and not params.min_tokens and params.num_sequences == 1)
         if not self.sequences:
@@ -183,7 +189,8 @@ class Request:
         output = seq.output_token_ids if params.min_tokens or not self.plain_draws else ()
         num_samples = params.num_sequences if not self.is_beam_search and not self.forked else 1
         beam_candidates = candidates_per_beam(params) if self.is_beam_search else 0
-        row = SamplingRow(params, self.prompt_token_ids, output, seq.generator, num_samples, beam_candidates)
+        row = SamplingRow(params, self.prompt_token_ids, output, seq.generator, num_samples, beam_candidates,
+                          seq.guide)
         if self.plain_draws and not params.min_tokens and num_samples == 1:
             seq.sampling_row = row
         return row

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from raylm.engine.structured_output import Guide, mask_guided_rows
 from raylm.sampling_params import SamplingParams
 
 _EMPTY: list = []  # shared by every SampleResult for what it does not report; never mutated
@@ -28,6 +29,7 @@ class SamplingRow:
     generator: torch.Generator | None = None
     num_samples: int = 1
     beam_candidates: int = 0  # > 0: return this many top (token, logprob) pairs for beam search instead
+    guide: Guide | None = None  # structured output: the draw is masked to what the guide allows
 
 
 class _RowKinds:
@@ -55,7 +57,7 @@ class _RowKinds:
                     params.is_greedy, params.has_penalties or bool(params.min_tokens), params.logprobs,
                     (params.effective_temperature, params.top_k, params.top_p, params.min_p))
             is_greedy, processes, logprobs, key = known
-            if processes:
+            if processes or (row.guide is not None and row.guide.active):
                 self.processes = True
             if row.beam_candidates:
                 self.has_beams = True
@@ -340,8 +342,13 @@ class Sampler:
 
     @staticmethod
     def _process(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Logits after penalties and min_tokens masking (the input itself when no row needs either)."""
+        """Logits after penalties, min_tokens masking and structured output's masks (the input itself when no
+        row needs any)."""
         processed = None
+        guided = [(i, row.guide) for i, row in enumerate(rows) if row.guide is not None and row.guide.active]
+        if guided:
+            processed = logits.clone()
+            mask_guided_rows(processed, guided)
         for i, row in enumerate(rows):
             params = row.params
             masks_stops = params.min_tokens and len(row.output_token_ids) < params.min_tokens

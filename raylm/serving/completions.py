@@ -1,4 +1,5 @@
-"""POST /v1/completions: text or token-id prompts (one or many), n / best_of, echo, logprobs, streaming.
+"""POST /v1/completions: text or token-id prompts (one or many), n / best_of, echo, logprobs, streaming, and
+structured output (guided_decoding.py: the whole text is constrained; no reasoning is split off here).
 
 echo with max_tokens=0 returns the prompt alone (with its logprobs when asked, as lm-eval's loglikelihood
 needs): the engine generates one token, which the response leaves out.
@@ -12,6 +13,7 @@ from raylm.inputs import PromptInputs
 from raylm.outputs import CompletionOutput, Logprob, RequestOutput
 from raylm.sampling_params import SamplingParams
 from raylm.serving.generation import GenerationRoute, ServingContext, chunk_events, finish_reason
+from raylm.serving.guided_decoding import guided_decoding, request_constraints
 from raylm.serving.logprobs import token_text, top_ranked
 from raylm.serving.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from raylm.serving.response_stream import ChoiceDelta, RequestProgress, ResponseStream
@@ -36,7 +38,8 @@ class CompletionRoute(GenerationRoute):
         body = self.body
         return body.sampling_params(1 if self.prompt_only else self.max_tokens, best_of=body.best_of,
                                     logprobs=body.logprobs, prompt_logprobs=body.logprobs if body.echo else None,
-                                    add_special_tokens=body.add_special_tokens)
+                                    add_special_tokens=body.add_special_tokens,
+                                    guided_decoding=guided_decoding(request_constraints(body)))
 
     def response(self, outputs: list[RequestOutput], usage: Usage) -> CompletionResponse:
         choices = [self._choice(index, output, completion, with_prompt=True)

@@ -52,6 +52,20 @@ class ServerOptions(StrictModel):
     chat_template: str | None = Field(
         default=None, description="A Jinja chat template that replaces the tokenizer's for chat and responses.",
     )
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        default=None,
+        description="How the model writes tool calls, to read them out of its text into the tool_calls of a chat "
+                    "answer (tool_choice 'auto'): 'hermes' for <tool_call>{...}</tool_call> (Hermes, Qwen2.5, "
+                    "Qwen3), 'llama3_json' for Llama 3's JSON calls. Without it, chat requests may still demand a "
+                    "call (tool_choice 'required' or a named function), which structured output enforces.",
+    )
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        default=None,
+        description="How a reasoning model writes its thinking (<think>...</think>), to return it as a chat "
+                    "answer's reasoning_content apart from its content; structured output then constrains the "
+                    "answer only. 'deepseek_r1': the output starts thinking, with or without <think>; 'qwen3': it "
+                    "thinks when it opens with <think> (or the prompt left one open).",
+    )
     enable_profiling_endpoints: bool = Field(
         default=False,
         description="Serve /start_profile and /stop_profile, a torch.profiler window over the server's process "

@@ -150,9 +150,11 @@ class ServingContext:
         if reason is not None:
             raise server_error(503, "the engine is not running", reason, request_id, "engine_unavailable")
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> TokensPrompt:
-        """A conversation rendered by the chat template, as the prompt to submit."""
-        text, token_ids = render_chat(self.tokenizer, messages, self.config.chat_template, add_generation_prompt)
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> TokensPrompt:
+        """A conversation (and the tools offered, if any) rendered by the chat template, as the prompt to submit."""
+        text, token_ids = render_chat(self.tokenizer, messages, self.config.chat_template, add_generation_prompt,
+                                      tools)
         return TokensPrompt(prompt_token_ids=token_ids, prompt=text)
 
     def max_tokens(self, requested: int | None, prompt: TokensPrompt) -> int:

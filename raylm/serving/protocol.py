@@ -4,8 +4,8 @@ Requests are strict: a number is never a string or a bool, and a field the model
 error (400), so nothing that would change the output is dropped silently. Three kinds of declared fields:
 - implemented: mapped onto SamplingParams or the prompt;
 - ignored: OpenAI fields that do not change the output (user, metadata, store, ...), accepted and unused;
-- unsupported: OpenAI fields raylm does not implement yet (tools, response_format, logit_bias, ...),
-  answered 400 unless they hold a value that changes nothing (null, [], {}, {"type": "text"}, ...).
+- unsupported: OpenAI fields raylm does not implement yet (logit_bias, audio, ...), answered 400 unless they
+  hold a value that changes nothing (null, [], {}, "none", ...).
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from raylm.sampling_params import SamplingParams
 
 # Values of unsupported fields that ask for nothing beyond what raylm does anyway.
 _NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},),
-    "text": ({"format": {"type": "text"}},),
     "tool_choice": ("none",),
     "modalities": (["text"],),
     "truncation": ("disabled",),
@@ -105,7 +103,7 @@ class SamplingFields(RequestModel):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # chat reads it with tool_choice "required" (tools.py)
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
@@ -116,6 +114,26 @@ class SamplingFields(RequestModel):
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
         )
+
+
+class JsonSchemaFormat(RequestModel):
+    """response_format's json_schema: the schema the output must validate against."""
+
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None  # raylm always decodes under the schema
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and allowed only with it")
+        return self
 
 
 class SamplingRequest(SamplingFields):
@@ -129,6 +147,13 @@ class SamplingRequest(SamplingFields):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: Any = None
+    # Structured output (guided_decoding.py): at most one of them.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
     _unsupported = reject_unsupported("logit_bias")
 
@@ -248,17 +273,63 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+_TOOL_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"
+
+
+class FunctionCall(RequestModel):
+    name: str = Field(min_length=1)
+    arguments: str  # a JSON object's text, as OpenAI sends it
+
+
+class ToolCallParam(RequestModel):
+    """A tool call of an earlier assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: Any = None
-    tool_call_id: Any = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
     function_call: Any = None
     audio: Any = None
     refusal: Any = None
+    reasoning_content: str | None = None  # an earlier answer's thinking; chat templates drop or keep it
 
-    _unsupported = reject_unsupported("tool_calls", "tool_call_id", "function_call", "audio", "refusal")
+    _unsupported = reject_unsupported("function_call", "audio", "refusal")
+
+    @model_validator(mode="after")
+    def _tool_fields_by_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not to {self.role!r} ones")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a message of role 'tool' needs tool_call_id (the call it answers), and only it takes one")
+        return self
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(pattern=_TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # raylm decodes under the schema when tool_choice demands a call (tools.py)
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -270,9 +341,8 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -283,9 +353,18 @@ class ChatCompletionRequest(SamplingRequest):
     verbosity: Any = None
 
     _unsupported = reject_unsupported(
-        "logit_bias", "response_format", "tools", "tool_choice", "functions", "function_call", "audio",
-        "modalities", "prediction", "reasoning_effort", "web_search_options", "verbosity",
+        "logit_bias", "functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort",
+        "web_search_options", "verbosity",
     )
+
+    @field_validator("tool_choice", mode="wrap")
+    @classmethod
+    def _tool_choice_shape(cls, value: Any, handler: Any) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                             '{"name": NAME}}') from None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -312,9 +391,22 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
     refusal: str | None = None
 
 
@@ -338,7 +430,7 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatStreamChoice(BaseModel):
     index: int
-    delta: dict[str, str]  # {"role": ..., "content": ...}, only the keys that changed
+    delta: dict[str, Any]  # {"role", "content", "reasoning_content", "tool_calls"}: only those with news
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -367,6 +459,29 @@ class ResponseInputMessage(RequestModel):
     status: str | None = None  # ignored
 
 
+class ResponseTextFormat(RequestModel):
+    """The Responses API's text.format: OpenAI's response_format with the json_schema fields inline."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(default=None, min_length=1, max_length=64)
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseTextFormat:
+        if (self.type == "json_schema") != (self.schema_ is not None):
+            raise ValueError("schema is required with type 'json_schema', and allowed only with it")
+        return self
+
+
+class ResponseTextConfig(RequestModel):
+    format: ResponseTextFormat | None = None
+    verbosity: Any = None
+
+    _unsupported = reject_unsupported("verbosity")
+
+
 class ResponsesRequest(SamplingFields):
     """POST /v1/responses (stateless: no stored conversations, no tools)."""
 
@@ -376,7 +491,7 @@ class ResponsesRequest(SamplingFields):
     stream: bool = False
     tools: Any = None
     tool_choice: Any = None
-    text: Any = None
+    text: ResponseTextConfig | None = None
     reasoning: Any = None
     previous_response_id: Any = None
     conversation: Any = None
@@ -389,7 +504,7 @@ class ResponsesRequest(SamplingFields):
     stream_options: Any = None
 
     _unsupported = reject_unsupported(
-        "tools", "tool_choice", "text", "reasoning", "previous_response_id", "conversation", "prompt", "background",
+        "tools", "tool_choice", "reasoning", "previous_response_id", "conversation", "prompt", "background",
         "include", "truncation", "top_logprobs", "max_tool_calls", "stream_options",
     )
 

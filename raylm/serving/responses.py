@@ -1,4 +1,5 @@
-"""POST /v1/responses: OpenAI's Responses API, stateless and text only.
+"""POST /v1/responses: OpenAI's Responses API, stateless and text only; text.format json_schema / json_object
+decodes the output under structured output (guided_decoding.py), as response_format does for chat.
 
 The input (a string or a list of messages) and the instructions are rendered by the chat template; the
 output is one assistant message. Streaming sends the API's events in order: response.created,
@@ -19,6 +20,7 @@ from raylm.sampling_params import SamplingParams
 from raylm.serving.chat import message_dicts
 from raylm.serving.errors import OpenAIError
 from raylm.serving.generation import GenerationRoute, ServingContext, finish_reason, random_id, sse
+from raylm.serving.guided_decoding import Constraint, guided_decoding
 from raylm.serving.protocol import (
     PromptTokensDetails,
     ResponseObject,
@@ -52,7 +54,17 @@ class ResponsesRoute(GenerationRoute):
 
     def sampling_params(self, prompts: list[PromptInputs]) -> SamplingParams:
         return SamplingParams(max_tokens=self.context.max_tokens(self.body.max_output_tokens, prompts[0]),
-                              **self.body.sampling_kwargs())
+                              guided_decoding=guided_decoding(self._constraints()), **self.body.sampling_kwargs())
+
+    def _constraints(self) -> list[Constraint]:
+        """What text.format asks for. The text is not split into reasoning and answer here, so the whole of it is
+        constrained."""
+        text_format = self.body.text.format if self.body.text is not None else None
+        if text_format is None or text_format.type == "text":
+            return []
+        if text_format.type == "json_object":
+            return [("text.format", {"json_object": True})]
+        return [("text.format.schema", {"json": text_format.schema_})]
 
     def _object(self, status: str, output: list[ResponseOutputMessage], usage: ResponseUsage | None = None,
                 incomplete_reason: str | None = None) -> ResponseObject:
@@ -63,6 +75,7 @@ class ResponsesRoute(GenerationRoute):
             instructions=body.instructions, max_output_tokens=body.max_output_tokens, output=output,
             temperature=1.0 if body.temperature is None else body.temperature, top_p=body.top_p,
             metadata=body.metadata, usage=usage,
+            **({"text": body.text.model_dump(by_alias=True, exclude_none=True)} if body.text is not None else {}),
         )
 
     def _message(self, text: str, status: str) -> ResponseOutputMessage:

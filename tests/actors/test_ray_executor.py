@@ -390,3 +390,20 @@ def test_a_step_failing_on_rank_0_after_its_plan_went_out_stops_the_engine(ray_c
     finally:
         llm.shutdown()
     _assert_workers_and_groups_gone(ray_cluster)
+
+
+def test_structured_output_at_tp2_matches_one_rank(ray_cluster, tiny_model_dirs):
+    import re
+
+    from raylm import GuidedDecodingParams
+
+    path = tiny_model_dirs["llama"]
+    if not (path / "tokenizer.json").exists():
+        pytest.skip("the tiny models have no tokenizer without the embedded SmolLM2")
+    pattern = "[a-z]{3}-[0-9]{3}"
+    params = SamplingParams(max_tokens=16, guided_decoding=GuidedDecodingParams(regex=pattern))
+    with LLM(str(path), tensor_parallel_size=2, kv_cache_config=KV) as llm:
+        two = [o.outputs[0].text for o in llm.generate(["Code:", "Id:"], params)]
+    with LLM(str(path), executor="local", kv_cache_config=KV) as llm:
+        one = [o.outputs[0].text for o in llm.generate(["Code:", "Id:"], params)]
+    assert two == one and all(re.fullmatch(pattern, text) for text in two)

@@ -25,6 +25,9 @@ class _EagerGraphs:
     def fits(self, num_seqs: int, max_blocks: int) -> bool:
         return True
 
+    def free(self) -> None:  # nothing of its own on a device
+        self.runner = None
+
     def run_step(self, input_ids, positions, slot_mapping, contexts, feed=None, greedy=False) -> DecodeOutputs:
         self.steps += 1
         self.greedy_steps += greedy

@@ -16,7 +16,7 @@ import openai
 import pytest
 import uvicorn
 
-from raylm import LLM, KvCacheConfig, RequestOutput, SamplingParams
+from raylm import LLM, CompletionOutput, KvCacheConfig, RequestOutput, SamplingParams
 from raylm.serving import LocalEngine, ServingConfig, build_app
 from raylm.serving.engine_stream import ChunkEncoder, OutputChunk, outputs_only_grow
 
@@ -113,3 +113,80 @@ class _RunsCommand:
 def code_running_payload(command: str) -> str:
     """A base64 weight payload whose unpickling would run the shell command: the workers must refuse it."""
     return base64.b64encode(pickle.dumps(_RunsCommand(command))).decode("ascii")
+
+
+# A chat template in the Hermes / Qwen2.5 form that renders the tools offered, earlier tool calls and tool results
+# (SmolLM2's own template renders none of them).
+TOOLS_TEMPLATE = """
+{%- if tools %}<|im_start|>system
+You may call these functions:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call one as <tool_call>{"name": <name>, "arguments": <arguments>}</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{{ message.content or "" }}
+{%- for call in message.tool_calls %}
+<tool_call>
+{{ {"name": call.function.name, "arguments": call.function.arguments} | tojson }}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+class _RecordedGeneration:
+    """A recorded output, sent one token per chunk as the engine would (so chunks end inside tags)."""
+
+    def __init__(self, text: str, tokenizer, prompt: dict):
+        self._ids = tokenizer.encode(text, add_special_tokens=False)
+        self._tokenizer = tokenizer
+        self._prompt = prompt
+
+    async def admitted(self) -> None:
+        pass
+
+    async def _chunks(self):
+        for position, token in enumerate(self._ids):
+            text = self._tokenizer.decode(self._ids[:position + 1])[len(self._tokenizer.decode(self._ids[:position])):]
+            last = position == len(self._ids) - 1
+            first = position == 0
+            yield OutputChunk(
+                request_id="recorded", finished=last, num_cached_tokens=0, metrics={}, first=first,
+                completions=[CompletionOutput(index=0, text=text, token_ids=[token],
+                                              finish_reason="stop" if last else None)],
+                prompt=self._prompt.get("prompt") if first else None,
+                prompt_token_ids=self._prompt["prompt_token_ids"] if first else None)
+
+    def __aiter__(self):
+        return self._chunks()
+
+    def abort(self) -> None:
+        pass
+
+
+class RecordedEngine(LocalEngine):
+    """The engine of an LLM whose generation answers with `next_output` instead (a model output recorded in the
+    form a tool-calling or reasoning model writes it); keeps the sampling parameters it was given."""
+
+    def __init__(self, llm: LLM):
+        super().__init__(llm)
+        self.next_output = ""
+        self.submitted: list[SamplingParams] = []
+
+    def stream(self, inputs, sampling_params, priority, cache_salt):
+        self.submitted.append(sampling_params)
+        return _RecordedGeneration(self.next_output, self.tokenizer, inputs)
+

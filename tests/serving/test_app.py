@@ -73,15 +73,19 @@ BAD_REQUESTS = [
     ("/v1/completions", {**COMPLETION, "frobnicate": 1}, 400, "frobnicate", "unknown_parameter"),
     ("/v1/completions", {**COMPLETION, "model": "gpt-4o"}, 404, "model", "model_not_found"),
     ("/v1/completions", {"prompt": "Hello"}, 400, "model", "missing_required_parameter"),
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format",
-     "unsupported_parameter"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
-     "unsupported_parameter"),
-    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice", "unsupported_parameter"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "yaml"}}, 400, "response_format.type",
+     "invalid_value"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools.0.function",
+     "missing_required_parameter"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "tool_choice", "invalid_value"),  # 'auto' on a server without a tool_call_parser
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice", "invalid_value"),
     ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, 400, "functions", "unsupported_parameter"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages", "invalid_value"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "1"}]}, 400, "messages.0.role",
-     "unsupported_parameter"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "tool", "content": "1"}]}, 400, "messages.0",
+     "invalid_value"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "function", "name": "f", "content": "1"}]}, 400,
+     "messages.0.role", "unsupported_parameter"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages.0.content.0.type",
      "unsupported_parameter"),
@@ -91,8 +95,8 @@ BAD_REQUESTS = [
     ("/v1/responses", {**RESPONSE, "previous_response_id": "resp_1"}, 400, "previous_response_id",
      "unsupported_parameter"),
     ("/v1/responses", {**RESPONSE, "tools": [{"type": "web_search"}]}, 400, "tools", "unsupported_parameter"),
-    ("/v1/responses", {**RESPONSE, "text": {"format": {"type": "json_object"}}}, 400, "text",
-     "unsupported_parameter"),
+    ("/v1/responses", {**RESPONSE, "text": {"format": {"type": "json_schema"}}}, 400, "text.format",
+     "invalid_value"),
 ]
 
 
@@ -161,8 +165,8 @@ def test_tokenizer_info_reports_the_special_tokens_lengths_and_chat_template(bas
 
 def test_server_keeps_serving_after_bad_requests_and_unsupported_options_raise_in_the_client(client, base_url):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL, messages=CHAT["messages"], response_format={"type": "json_object"})
-    assert "response_format" in info.value.message
+        client.chat.completions.create(model=MODEL, messages=CHAT["messages"], logit_bias={"42": -100})
+    assert "logit_bias" in info.value.message
     assert "max_seq_len" in _error(_post(base_url, "/v1/completions", {**COMPLETION, "max_tokens": 5000}), 400)[
         "message"]
     assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2).usage.completion_tokens == 2
