@@ -44,7 +44,7 @@ class FailingEngine:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.info = SimpleNamespace(max_seq_len=1024)
+        self.info = SimpleNamespace(max_seq_len=1024, pooling=None)  # a generating engine
         self.dead_reason = None
         self.startup_metrics = {}
 
