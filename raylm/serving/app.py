@@ -33,13 +33,13 @@ from raylm.serving.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
-    ResponsesRequest,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfo,
 )
 from raylm.serving.request_body import BodySizeLimit, json_body
 from raylm.serving.responses import ResponsesRoute
+from raylm.serving.responses_protocol import ResponsesRequest
 from raylm.serving.rl_routes import add_rl_routes
 
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings")

@@ -10,7 +10,8 @@ import jinja2
 
 from raylm.inputs import apply_chat_template
 from raylm.serving.errors import bad_request
-from raylm.serving.protocol import ChatMessage, ContentPart, ResponseInputMessage, ToolCallParam
+from raylm.serving.protocol import ChatMessage, ContentPart, ToolCallParam
+from raylm.serving.responses_protocol import ResponseInputMessage
 
 # Part types whose text is the content: chat's "text", the Responses API's input and replayed output text.
 _TEXT_PART_TYPES = ("text", "input_text", "output_text")

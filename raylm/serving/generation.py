@@ -33,8 +33,9 @@ from raylm.serving.config import ServingConfig
 from raylm.serving.engine import GenerationStream, ServingEngine
 from raylm.serving.errors import OpenAIError, from_engine_error, server_error
 from raylm.serving.metrics import ServingMetrics
-from raylm.serving.protocol import ResponsesRequest, SamplingRequest, Usage
+from raylm.serving.protocol import SamplingRequest, Usage
 from raylm.serving.response_stream import ChoiceDelta, ResponseStream
+from raylm.serving.responses_protocol import ResponsesRequest
 
 T = TypeVar("T")
 

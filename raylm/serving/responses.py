@@ -21,16 +21,15 @@ from raylm.serving.chat import message_dicts
 from raylm.serving.errors import OpenAIError
 from raylm.serving.generation import GenerationRoute, ServingContext, finish_reason, random_id, sse
 from raylm.serving.guided_decoding import Constraint, guided_decoding
-from raylm.serving.protocol import (
-    PromptTokensDetails,
+from raylm.serving.protocol import PromptTokensDetails, Usage
+from raylm.serving.response_stream import ResponseStream
+from raylm.serving.responses_protocol import (
     ResponseObject,
     ResponseOutputMessage,
     ResponseOutputText,
     ResponsesRequest,
     ResponseUsage,
-    Usage,
 )
-from raylm.serving.response_stream import ResponseStream
 
 
 class ResponsesRoute(GenerationRoute):
