@@ -105,6 +105,8 @@ class AutoscalingConfig(StrictModel):
     upscale_delay_s: float = Field(default=30.0, ge=0, description="Load must stay high this long to add replicas.")
     downscale_delay_s: float = Field(default=600.0, ge=0,
                                      description="Load must stay low this long to remove replicas.")
+    look_back_period_s: float = Field(default=30.0, gt=0,
+                                      description="The load is averaged over this window, in seconds.")
 
     @model_validator(mode="after")
     def _check_bounds(self) -> AutoscalingConfig:
@@ -134,6 +136,24 @@ class ServeArgs(LlmArgs, ServerOptions):
     autoscaling_config: AutoscalingConfig | None = Field(
         default=None, description="Scale the replicas with the load instead of running num_replicas.",
     )
+    request_router: Literal["prefix_aware", "pow2"] | None = Field(
+        default=None,
+        description="How a request picks its engine replica. 'prefix_aware': prompts that share a prefix go to the "
+                    "replica whose KV cache likely holds it, unless its queue is longer than the shortest by more "
+                    "than prefix_routing_max_imbalance (prefix_router.py); 'pow2': the shorter queue of two random "
+                    "replicas (Ray Serve's default). Default: prefix_aware when more than one replica may run and "
+                    "kv_cache_config.enable_block_reuse is on, else pow2.",
+    )
+    prefix_routing_max_imbalance: int = Field(
+        default=16, ge=0,
+        description="prefix_aware routing: requests in flight by which a replica holding a prompt's prefix may "
+                    "exceed the least loaded replica and still take the prompt; beyond it, load decides.",
+    )
+    graceful_shutdown_timeout_s: float = Field(
+        default=300.0, gt=0,
+        description="A replica being stopped (scaled down, redeployed, shut down) takes no new requests and waits "
+                    "this long for those in flight to finish before it is killed.",
+    )
     log_level: Literal["error", "warning", "info", "debug"] = Field(
         default="warning", description="Log level of the server's processes.",
     )
@@ -155,6 +175,26 @@ class ServeArgs(LlmArgs, ServerOptions):
             raise ValueError(f"num_replicas ({self.num_replicas}) and autoscaling_config exclude each other: "
                              "set one of them")
         return self
+
+    @model_validator(mode="after")
+    def _check_request_router(self) -> ServeArgs:
+        if self.request_router == "prefix_aware" and not self.kv_cache_config.enable_block_reuse:
+            raise ValueError("request_router 'prefix_aware' routes by the engines' prefix caches: it needs "
+                             "kv_cache_config.enable_block_reuse=true (or request_router 'pow2')")
+        return self
+
+    @property
+    def max_replicas(self) -> int:
+        """The most engine replicas that may run."""
+        scaling = self.autoscaling_config
+        return scaling.max_replicas if scaling is not None else self.num_replicas or 1
+
+    @property
+    def routing_policy(self) -> Literal["prefix_aware", "pow2"]:
+        """request_router, or its default."""
+        if self.request_router is not None:
+            return self.request_router
+        return "prefix_aware" if self.max_replicas > 1 and self.kv_cache_config.enable_block_reuse else "pow2"
 
     @property
     def model_name(self) -> str:

@@ -32,6 +32,7 @@ from ray import serve
 from ray.exceptions import TaskCancelledError
 from ray.serve import Application
 from ray.serve._private.constants import SERVE_LOGGER_NAME
+from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import RequestCancelledError
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -44,6 +45,7 @@ from raylm.serving.app import build_app
 from raylm.serving.config import ServeArgs
 from raylm.serving.engine import encode_all
 from raylm.serving.engine_stream import stream_request
+from raylm.serving.prefix_router import PrefixAwareRouter
 from raylm.serving.remote_engine import EngineDescription, RemoteEngine
 
 logger = logging.getLogger(__name__)
@@ -55,6 +57,8 @@ CONTROL_CALLS = 16
 # HTTP requests an ingress replica takes besides generation requests (models, metrics, health, ...), so that
 # Serve hands every request to the app, which answers 429 beyond max_queue, rather than queueing it.
 OTHER_ROUTES = 64
+# How often a replica being stopped checks whether its requests in flight have finished.
+DRAIN_POLL_S = 0.5
 # A replica whose constructor fails (a bad model path, say) is retried this often before the deploy fails.
 CONSTRUCTOR_RETRIES = 2
 # By default Serve runs a replica's code on an event loop in a thread of its own, apart from the replica's loop,
@@ -82,6 +86,13 @@ class EngineDeployment:
         self.llm = await AsyncLLM(placement_groups=[group],
                                   placement_bundle_indices=[list(range(1, args.world_size + 1))],
                                   **{**args.llm_kwargs(), "executor": "ray"})
+
+    def record_routing_stats(self) -> dict[str, int]:
+        """What the request router learns of this replica (Serve polls it): how many tokens its KV cache holds, which
+        bounds the prompts prefix-aware routing remembers for it (prefix_router.py)."""
+        if self.llm.encode_only:
+            return {}
+        return {"kv_cache_tokens": self.llm.get_kv_cache_capacity()["maxNumTokens"]}
 
     def describe(self) -> EngineDescription:
         capacity = {} if self.llm.encode_only else self.llm.get_kv_cache_capacity()
@@ -206,15 +217,31 @@ class OpenAIIngress:
 
 
 def _replica_options(args: ServeArgs) -> dict[str, Any]:
+    # A replica being stopped drains: Serve stops routing to it, then waits (polling every wait loop) until its
+    # requests in flight have finished, up to the timeout. Both deployments drain, so a scale-down fails no stream.
+    draining = {"graceful_shutdown_timeout_s": args.graceful_shutdown_timeout_s,
+                "graceful_shutdown_wait_loop_s": DRAIN_POLL_S}
     scaling = args.autoscaling_config
     if scaling is None:
-        return {"num_replicas": args.num_replicas or 1}
-    return {"autoscaling_config": {
+        return {"num_replicas": args.num_replicas or 1, **draining}
+    return {**draining, "autoscaling_config": {
         "min_replicas": scaling.min_replicas, "max_replicas": scaling.max_replicas,
         "initial_replicas": scaling.initial_replicas,
         "target_ongoing_requests": scaling.target_ongoing_requests or args.max_batch_size,
         "upscale_delay_s": scaling.upscale_delay_s, "downscale_delay_s": scaling.downscale_delay_s,
+        "look_back_period_s": scaling.look_back_period_s,
     }}
+
+
+def _request_router_options(args: ServeArgs) -> dict[str, Any]:
+    """The engine deployment's request router: every handle to it (the ingress replicas') routes with it."""
+    if args.routing_policy != "prefix_aware":
+        return {}
+    return {"request_router_config": RequestRouterConfig(
+        request_router_class=PrefixAwareRouter,
+        request_router_kwargs={"block_size": args.kv_cache_config.tokens_per_block,
+                               "max_imbalance": args.prefix_routing_max_imbalance},
+    )}
 
 
 def _one_loop_runtime_env() -> dict[str, Any]:
@@ -242,6 +269,7 @@ def build_openai_app(config: ServeArgs) -> Application:
         ray_actor_options=actor_options,
         max_ongoing_requests=args.max_queue + CONTROL_CALLS,
         health_check_period_s=5,
+        **_request_router_options(args),
         **shared,
     ).bind(args)
     return OpenAIIngress.options(
@@ -287,8 +315,7 @@ def start_server(config: ServeArgs, app_name: str = "raylm",
     owns_cluster = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
     if owns_cluster:  # the new cluster's proxy listens on this machine
         check_port_free(config.host, config.port)
-    scaling = config.autoscaling_config
-    replicas = scaling.max_replicas if scaling is not None else config.num_replicas or 1
+    replicas = config.max_replicas
     level = getattr(logging, config.log_level.upper())
     progress("starting a local Ray cluster" if owns_cluster else "connecting to the Ray cluster")
     ensure_ray(replicas * (config.world_size + 2), logging_level=level)

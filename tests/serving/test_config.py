@@ -21,7 +21,8 @@ def test_the_shipped_schema_equals_the_generated_one():
 def test_the_schema_describes_llm_args_and_server_fields_and_rejects_unknown_ones():
     schema = serve_args_schema()
     assert set(LlmArgs.model_fields) | {"served_model_name", "api_key", "max_queue", "host", "port",
-                                        "num_replicas", "autoscaling_config"} <= set(schema["properties"])
+                                        "num_replicas", "autoscaling_config", "request_router",
+                                        "graceful_shutdown_timeout_s"} <= set(schema["properties"])
     assert schema["additionalProperties"] is False
     assert schema["$defs"]["KvCacheConfig"]["additionalProperties"] is False
 
@@ -43,6 +44,21 @@ def test_num_replicas_and_autoscaling_exclude_each_other_and_bounds_are_checked(
         ServeArgs(autoscaling_config={"min_replicas": 3, "max_replicas": 2})
     with pytest.raises(ValidationError, match="port"):
         ServeArgs(port=70000)
+
+
+def test_prefix_aware_routing_is_the_default_when_several_replicas_may_run_and_needs_block_reuse():
+    assert ServeArgs().routing_policy == "pow2"
+    assert ServeArgs(num_replicas=2).routing_policy == "prefix_aware"
+    assert ServeArgs(autoscaling_config={"max_replicas": 3}).routing_policy == "prefix_aware"
+    assert ServeArgs(num_replicas=2, request_router="pow2").routing_policy == "pow2"
+    no_reuse = {"enable_block_reuse": False}
+    assert ServeArgs(num_replicas=2, kv_cache_config=no_reuse).routing_policy == "pow2"
+    with pytest.raises(ValidationError, match="needs kv_cache_config.enable_block_reuse"):
+        ServeArgs(num_replicas=2, request_router="prefix_aware", kv_cache_config=no_reuse)
+    with pytest.raises(ValidationError, match="request_router"):
+        ServeArgs(request_router="round_robin")
+    with pytest.raises(ValidationError, match="prefix_routing_max_imbalance"):
+        ServeArgs(prefix_routing_max_imbalance=-1)
 
 
 def test_chat_template_is_read_from_a_file_or_taken_as_given(tmp_path):
