@@ -13,12 +13,15 @@ as the engine evicts its least recently freed blocks.
 
 Every ingress replica routes with a router of its own. A prompt none of its replicas is known to hold goes where
 rendezvous hashing of its first blocks points, so that the routers place a new prefix on the same replica without
-talking to each other; its load bounds that choice as it bounds a match.
+talking to each other; but past a replica already holding more than PLACEMENT_SLACK times its share of the
+prefixes placed, to the next replica of the ranking (consistent hashing with bounded loads), so that a few hot
+prefixes spread evenly. Its queue bounds that choice as it bounds a match.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from collections import OrderedDict
 from typing import Any
@@ -33,6 +36,8 @@ DEFAULT_TABLE_BLOCKS = 65536
 # The first blocks of a prompt that decide where a prefix nobody holds goes (rendezvous hashing): enough to tell
 # system prompts apart past a chat template's common opening, few enough to be shared by every user of one.
 PLACEMENT_BLOCKS = 2
+# A replica takes a new prefix while it holds fewer than this times its share of the placed prefixes.
+PLACEMENT_SLACK = 1.25
 # Routed prompts whose block chains are kept between choosing a replica and hearing where the request went.
 PENDING_CHAINS = 4096
 # The engine deployment's method that carries prompts (EngineDeployment.stream); its first argument is the prompt,
@@ -51,6 +56,11 @@ def prompt_block_chain(token_ids: list[int], block_size: int, salt: str | None =
         parent = hash((parent, *token_ids[start:start + block_size]))
         chain.append(parent)
     return chain
+
+
+def placement_key(chain: list[int]) -> int:
+    """The key of a prompt's first blocks, which places a prefix no replica holds."""
+    return chain[min(len(chain), PLACEMENT_BLOCKS) - 1]
 
 
 def stable_hash(text: str) -> int:
@@ -79,9 +89,11 @@ class RoutedPrefixes:
     def __init__(self):
         self._blocks: dict[ReplicaID, OrderedDict[int, None]] = {}
         self._holders: dict[int, set[ReplicaID]] = {}
+        self._placed: dict[ReplicaID, set[int]] = {}  # the placement keys among a replica's blocks
 
     def add(self, replica_id: ReplicaID, chain: list[int], capacity: int) -> None:
         """Records that replica_id took a prompt of this chain; drops its oldest keys beyond capacity."""
+        self._placed.setdefault(replica_id, set()).add(placement_key(chain))
         blocks = self._blocks.setdefault(replica_id, OrderedDict())
         for key in chain:
             if key in blocks:
@@ -102,9 +114,14 @@ class RoutedPrefixes:
             depth, best = index + 1, holders
         return depth, best
 
+    def num_placed(self, replica_id: ReplicaID) -> int:
+        """How many distinct prefixes (placement keys) the replica holds."""
+        return len(self._placed.get(replica_id, ()))
+
     def remove_replica(self, replica_id: ReplicaID) -> None:
         for key in self._blocks.pop(replica_id, {}):
             self._drop(replica_id, key)
+        self._placed.pop(replica_id, None)
 
     def replica_ids(self) -> set[ReplicaID]:
         return set(self._blocks)
@@ -113,6 +130,7 @@ class RoutedPrefixes:
         return len(self._blocks.get(replica_id, ()))
 
     def _drop(self, replica_id: ReplicaID, key: int) -> None:
+        self._placed.get(replica_id, set()).discard(key)
         holders = self._holders.get(key)
         if holders is not None:
             holders.discard(replica_id)
@@ -178,11 +196,20 @@ class PrefixAwareRouter(RequestRouter):
         if holders:
             choice = min(holders, key=lambda replica_id: (loads[replica_id], replica_id.unique_id))
         else:
-            key = chain[min(len(chain), PLACEMENT_BLOCKS) - 1]
-            choice = max(by_id, key=lambda replica_id: stable_hash(f"{key}:{replica_id.unique_id}"))
+            choice = self.placement(chain, list(by_id))
         if loads[choice] > min(loads.values()) + self.max_imbalance:
             return None
         return by_id[choice]
+
+    def placement(self, chain: list[int], replica_ids: list[ReplicaID]) -> ReplicaID:
+        """Where a prefix that no replica holds goes: the first replica in its rendezvous ranking that holds fewer
+        than PLACEMENT_SLACK times its share of the prefixes placed."""
+        key = placement_key(chain)
+        ranking = sorted(replica_ids, key=lambda replica_id: stable_hash(f"{key}:{replica_id.unique_id}"),
+                         reverse=True)
+        placed = {replica_id: self.prefixes.num_placed(replica_id) for replica_id in replica_ids}
+        bound = math.ceil(PLACEMENT_SLACK * (sum(placed.values()) + 1) / len(replica_ids))
+        return next((replica_id for replica_id in ranking if placed[replica_id] < bound), ranking[0])
 
     def queue_length(self, replica: RunningReplica) -> int:
         """Requests in flight on the replica, as Serve last heard (0 before it has)."""

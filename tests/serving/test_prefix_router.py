@@ -119,6 +119,17 @@ def test_separate_routers_place_a_new_prefix_on_the_same_replica():
     asyncio.run(run())
 
 
+def test_few_hot_prefixes_spread_evenly_over_the_replicas():
+    async def run():
+        for seed in range(10):  # replica ids change the ranking, not the balance
+            replicas = [StandInReplica(f"s{seed}-r0"), StandInReplica(f"s{seed}-r1")]
+            router = _router(replicas, max_imbalance=100)
+            placed = [await _route(router, replicas, _request([seed * 100 + system] * 8)) for system in range(8)]
+            assert sorted(placed.count(replica.replica_id.unique_id) for replica in replicas) in ([4, 4], [3, 5])
+
+    asyncio.run(run())
+
+
 def test_calls_without_a_prompt_and_short_prompts_go_by_load():
     async def run():
         replicas = [StandInReplica("r0"), StandInReplica("r1"), StandInReplica("r2")]
