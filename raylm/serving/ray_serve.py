@@ -57,6 +57,8 @@ CONTROL_CALLS = 16
 # HTTP requests an ingress replica takes besides generation requests (models, metrics, health, ...), so that
 # Serve hands every request to the app, which answers 429 beyond max_queue, rather than queueing it.
 OTHER_ROUTES = 64
+# Serve's default period of load reports for autoscaling.
+METRICS_INTERVAL_S = 10.0
 # How often a replica being stopped checks whether its requests in flight have finished.
 DRAIN_POLL_S = 0.5
 # A replica whose constructor fails (a bad model path, say) is retried this often before the deploy fails.
@@ -230,6 +232,8 @@ def _replica_options(args: ServeArgs) -> dict[str, Any]:
         "target_ongoing_requests": scaling.target_ongoing_requests or args.max_batch_size,
         "upscale_delay_s": scaling.upscale_delay_s, "downscale_delay_s": scaling.downscale_delay_s,
         "look_back_period_s": scaling.look_back_period_s,
+        # Replicas and handles report their load this often: Serve's 10 s, or twice per window when it is shorter.
+        "metrics_interval_s": min(METRICS_INTERVAL_S, scaling.look_back_period_s / 2),
     }}
 
 
