@@ -3,8 +3,9 @@ few shared system prompts x many users (each request: one of the system prompts,
 by streaming clients; per request router, the prefix-cache hit rate (cached prompt tokens / prompt tokens, as the
 engines report them in each response's usage) and TTFT.
 
-The KV cache of each replica should hold about half of the system prompts: then routing can keep every prompt
-cached on the replica that serves it, while a router blind to prefixes sends every prompt to every replica.
+The KV cache of each replica should hold its share of the system prompts (by default: as many as prefix-aware
+routing may place on one replica, and the requests in flight): then routing can keep every prompt cached on the
+replica that serves it, while a router blind to prefixes sends every prompt to every replica.
 
     python benchmarks/prefix_routing.py --num_replicas 2 --num_prefixes 8 --prefix_len 256 --num_requests 256
 """
@@ -25,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import add_model_args, llm_options, write_result  # noqa: E402
+from raylm.serving.prefix_router import PLACEMENT_SLACK  # noqa: E402
 
 POLICIES = ("prefix_aware", "pow2")
 
@@ -143,9 +145,10 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     parser.set_defaults(max_batch_size=32)
     args = parser.parse_args()
-    if args.kv_cache_max_tokens is None:  # about half the system prompts, plus the requests in flight
+    if args.kv_cache_max_tokens is None:  # a replica's share of the system prompts, plus the requests in flight
+        share = math.ceil(PLACEMENT_SLACK * args.num_prefixes / args.num_replicas)
         in_flight = args.max_concurrency * (args.suffix_len + args.output_len + args.tokens_per_block)
-        args.kv_cache_max_tokens = args.num_prefixes // 2 * args.prefix_len + in_flight
+        args.kv_cache_max_tokens = share * args.prefix_len + in_flight
 
     from raylm.serving.config import ServeArgs
 
