@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+import yaml
+
+from raylm.serving.config import ServeArgs
 from raylm.serving.config_sources import ConfigError, config_paths, layer_serve_args, parse_assignment
 
 
@@ -120,3 +124,12 @@ def test_bad_lists_of_models_are_rejected_naming_the_source_and_path(tmp_path, t
     with pytest.raises(ConfigError) as info:
         layer_serve_args(_file(tmp_path, text), flags, assignments)
     assert message in str(info.value)
+
+
+def test_the_example_configs_are_valid():
+    examples = Path(__file__).parents[2] / "examples" / "serving"
+    assert layer_serve_args(examples / "config.yaml").model_name == "smollm2"
+    names = [model.model_name for model in layer_serve_args(examples / "two_models.yaml").served_models()]
+    assert names == ["smollm2", "smollm2-long"]
+    serve_args = yaml.safe_load((examples / "serve_config.yaml").read_text())["applications"][0]["args"]
+    assert ServeArgs.model_validate(serve_args).model_name == "smollm2"

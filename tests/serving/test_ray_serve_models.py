@@ -14,6 +14,10 @@ from raylm.serving.config import ServeArgs
 from raylm.serving.ray_serve import start_server
 from tests.serving.conftest import openai_client
 
+# A Ray cluster, Serve and two engine deployments take well over 30 s to start on the CI machine; the routing
+# itself is tested in process (test_model_router.py).
+pytestmark = pytest.mark.slow
+
 PROMPT = "The capital of France is"
 # A prompt of about 300 tokens: longer than qwen's max_seq_len, shorter than llama's.
 LONG_PROMPT = "hello " * 300
