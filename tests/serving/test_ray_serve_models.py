@@ -11,12 +11,12 @@ import pytest
 
 from raylm import LLM, SamplingParams
 from raylm.serving.config import ServeArgs
-from raylm.serving.ray_serve import start_server
+from raylm.serving.ray_serve import build_openai_app, start_server
 from tests.serving.conftest import openai_client
 
-# A Ray cluster, Serve and two engine deployments take well over 30 s to start on the CI machine; the routing
-# itself is tested in process (test_model_router.py).
-pytestmark = pytest.mark.slow
+# A Ray cluster, Serve and two engine deployments take well over 30 s to start on the CI machine, so the tests of
+# the running app are slow ones; the routing itself is tested in process (test_model_router.py).
+slow = pytest.mark.slow
 
 PROMPT = "The capital of France is"
 # A prompt of about 300 tokens: longer than qwen's max_seq_len, shorter than llama's.
@@ -59,6 +59,7 @@ def client(base_url) -> openai.OpenAI:
     return openai_client(base_url)
 
 
+@slow
 def test_each_model_answers_under_its_name_from_its_own_engine(client, config):
     greedy = dict(prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
     texts = {name: client.completions.create(model=name, **greedy) for name in ("llama", "qwen")}
@@ -72,6 +73,7 @@ def test_each_model_answers_under_its_name_from_its_own_engine(client, config):
     assert chat.model == "llama" and chat.usage.completion_tokens <= 3
 
 
+@slow
 def test_each_engine_runs_its_own_settings(client):
     assert {card.id: card.model_extra["max_model_len"] for card in client.models.list().data} == {
         "llama": 512, "qwen": 256}
@@ -81,6 +83,7 @@ def test_each_engine_runs_its_own_settings(client):
     assert info.value.body["param"] == "prompt" and "max_seq_len is 256" in info.value.body["message"]
 
 
+@slow
 def test_an_unknown_model_is_a_404_and_health_covers_both(client, base_url):
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="gpt-4o", prompt="Hi", max_tokens=1)
@@ -91,8 +94,16 @@ def test_an_unknown_model_is_a_404_and_health_covers_both(client, base_url):
         "llama": 2048, "qwen": 2048}
 
 
+@slow
 def test_each_model_is_an_engine_deployment_of_its_own():
     from ray import serve
 
     deployments = serve.status().applications["raylm"].deployments
     assert set(deployments) == {"OpenAIIngress", "RaylmEngine-0-llama", "RaylmEngine-1-qwen"}
+
+
+def test_a_model_on_the_local_executor_is_refused_naming_it():
+    config = ServeArgs(models=[{"model": "a", "served_model_name": "a"},
+                               {"model": "b", "served_model_name": "b", "executor": "local"}])
+    with pytest.raises(ValueError, match="got 'local' \\(model 'b'\\)"):
+        build_openai_app(config)
