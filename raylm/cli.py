@@ -183,6 +183,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "serve", help="serve MODEL over an OpenAI-compatible HTTP API with Ray Serve",
         description="Serve MODEL over an OpenAI-compatible HTTP API with Ray Serve, in the foreground until Ctrl-C. "
                     "Settings come from, lowest precedence first: the defaults, --config, the flags below, --set. "
+                    "A --config file may list several models under `models` instead of MODEL; the engine flags "
+                    "and --set then give every model's defaults, which a model's own entry overrides. "
                     "It starts a local Ray cluster unless RAY_ADDRESS names one.",
     )
     parser.add_argument("model", nargs="?", default=None,
@@ -245,7 +247,9 @@ def serve(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(config.log_level.upper())
     from raylm.models.source import resolve_model
 
-    resolve_model(config.model, config.revision)  # a bad MODEL fails here, before any cluster starts
+    models = config.served_models()
+    for model in models:  # a bad MODEL fails here, before any cluster starts
+        resolve_model(model.model, model.revision)
     with _needs_the_serve_extra():
         from raylm.serving.ray_serve import start_server
 
@@ -256,7 +260,9 @@ def serve(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"raylm serve: error: {exc}", file=sys.stderr)
         return 1
-    print(f"raylm serve: ready: {config.model_name} is served at {server.url}/v1 (Ctrl-C to stop)", flush=True)
+    names = ", ".join(model.model_name for model in models)
+    print(f"raylm serve: ready: {names} {'is' if len(models) == 1 else 'are'} served at {server.url}/v1 "
+          "(Ctrl-C to stop)", flush=True)
     try:
         _wait_for_interrupt()
     finally:

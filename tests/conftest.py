@@ -173,6 +173,15 @@ def per_expert(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.T
     return split
 
 
+def cluster_placement_groups() -> list:
+    """The placement groups of the Ray cluster this process joined (the state API asked at its GCS address: with
+    no address it refuses to choose when other processes on the machine run clusters of their own)."""
+    import ray
+    from ray.util.state import list_placement_groups
+
+    return list_placement_groups(address=ray.get_runtime_context().gcs_address)
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A local Ray cluster for one test module, shut down after it so later modules run without Ray. It is the

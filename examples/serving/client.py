@@ -19,7 +19,7 @@ def main() -> None:
     parser.add_argument("--base_url", default="http://localhost:8000/v1")
     parser.add_argument("--api_key", default=os.environ.get("RAYLM_API_KEY", "unused"),
                         help="the server's API key (default: $RAYLM_API_KEY)")
-    parser.add_argument("--model", default=None, help="served model name (default: the server's only model)")
+    parser.add_argument("--model", default=None, help="served model name (default: the first one /v1/models lists)")
     parser.add_argument("--max_tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     args = parser.parse_args()

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
+from raylm.engine.generation_control import GenerationControl
 from raylm.engine.kv_cache import KVCacheManager, weight_version_root
 from raylm.engine.messages import EngineRequest, RequestDelta, SequenceDelta, StepOutput
 from raylm.engine.progress import Progress
@@ -61,7 +62,7 @@ class InFlight:
     start: float
 
 
-class EngineCore:
+class EngineCore(GenerationControl):
     def __init__(self, runner: StepRunner, limits: EngineLimits,
                  grammar_compiler: Callable[[], GrammarCompiler] | None = None):
         """grammar_compiler: makes the compiler for structured output at the first request that needs it (it
@@ -170,16 +171,10 @@ class EngineCore:
         on after resume. Requests that arrive meanwhile wait. Returns how many requests were aborted."""
         if self.in_flight is not None:
             raise RuntimeError("pause needs the step in flight applied first (drain)")
-        self.paused = True
-        if not abort:
-            return 0
-        aborted = [delta for request_id in list(self.requests)
-                   if (delta := self.abort_request(request_id, reason="generation paused")) is not None]
-        self._control_deltas.extend(aborted)
-        return len(aborted)
+        return super().pause(abort)
 
-    def resume_generation(self) -> None:
-        self.paused = False
+    def request_ids(self) -> list[str]:
+        return list(self.requests)
 
     def new_weight_version(self) -> int:
         """The workers hold new weights: outputs from now on report the next version, and requests admitted from
@@ -203,11 +198,6 @@ class EngineCore:
             self.scheduler.preempt(request)
         self.kv_cache.forget_cached_prefixes()
         return len(parked)
-
-    def take_control_deltas(self) -> list[RequestDelta]:
-        """Deltas that control calls produced (pause's aborts), for the driver."""
-        deltas, self._control_deltas = self._control_deltas, []
-        return deltas
 
     def stop_sequence(self, request_id: str, index: int) -> RequestDelta | None:
         """Ends one sequence of a request (the driver saw a stop string); the request ends with its last."""

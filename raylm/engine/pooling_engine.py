@@ -14,13 +14,14 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from raylm.engine.generation_control import GenerationControl
 from raylm.engine.messages import EncodeRequest, RequestDelta, StepOutput
 from raylm.engine.pooling_runner import PoolingRunner
 
 logger = logging.getLogger(__name__)
 
 
-class PoolingEngine:
+class PoolingEngine(GenerationControl):
     def __init__(self, runner: PoolingRunner, max_batch_size: int, max_num_tokens: int):
         self.runner = runner
         self.max_batch_size = max_batch_size
@@ -93,18 +94,8 @@ class PoolingEngine:
 
     # ------------------------------------------------------------------ control (ENGINE_CONTROLS)
 
-    def pause(self, abort: bool) -> int:
-        """Stops running steps until resume_generation; with `abort`, every waiting request fails now."""
-        self.paused = True
-        if not abort:
-            return 0
-        aborted = [delta for request_id in list(self._ids)
-                   if (delta := self.abort_request(request_id, reason="generation paused")) is not None]
-        self._control_deltas.extend(aborted)
-        return len(aborted)
-
-    def resume_generation(self) -> None:
-        self.paused = False
+    def request_ids(self) -> list[str]:
+        return list(self._ids)
 
     def new_weight_version(self) -> int:
         self.weight_version += 1
@@ -113,6 +104,3 @@ class PoolingEngine:
     def forget_kv(self) -> int:
         return 0  # no KV cache
 
-    def take_control_deltas(self) -> list[RequestDelta]:
-        deltas, self._control_deltas = self._control_deltas, []
-        return deltas

@@ -4,6 +4,15 @@ ServingConfig is what the OpenAI-compatible HTTP layer needs besides the engine.
 `raylm serve` and the Ray Serve application take: the LlmArgs fields plus the server's own, flat, so that one
 YAML file (`raylm serve --config`, or the `args:` of a Ray Serve config) sets both. Its JSON schema ships as
 config_schema.json next to this file.
+
+A server of several models lists them under `models`, each entry a ModelArgs (LlmArgs, the served name, the
+model's chat settings and its replicas), the server's own settings staying at the top level:
+
+    port: 8000
+    dtype: float32                  # a default of every entry
+    models:
+      - {model: /models/llama, served_model_name: llama, num_replicas: 2}
+      - {model: /models/qwen, served_model_name: qwen, max_batch_size: 16, tool_call_parser: hermes}
 """
 
 from __future__ import annotations
@@ -13,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from raylm.config import LlmArgs, StrictModel
 
@@ -30,7 +39,29 @@ def _default_api_key() -> str | None:
     return os.environ.get(API_KEY_ENV) or None
 
 
-class ServerOptions(StrictModel):
+class ModelOptions(StrictModel):
+    """Settings of the HTTP front end that belong to one model: how its chat prompts and answers are read."""
+
+    chat_template: str | None = Field(
+        default=None, description="A Jinja chat template that replaces the tokenizer's for chat and responses.",
+    )
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
+        default=None,
+        description="How the model writes tool calls, to read them out of its text into the tool_calls of a chat "
+                    "answer (tool_choice 'auto'): 'hermes' for <tool_call>{...}</tool_call> (Hermes, Qwen2.5, "
+                    "Qwen3), 'llama3_json' for Llama 3's JSON calls. Without it, chat requests may still demand a "
+                    "call (tool_choice 'required' or a named function), which structured output enforces.",
+    )
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
+        default=None,
+        description="How a reasoning model writes its thinking (<think>...</think>), to return it as a chat "
+                    "answer's reasoning_content apart from its content; structured output then constrains the "
+                    "answer only. 'deepseek_r1': the output starts thinking, with or without <think>; 'qwen3': it "
+                    "thinks when it opens with <think> (or the prompt left one open).",
+    )
+
+
+class ServerOptions(ModelOptions):
     """Settings of the HTTP front end shared by every way of running it."""
 
     api_key: str | None = Field(
@@ -48,23 +79,6 @@ class ServerOptions(StrictModel):
                     "parsed. The default, 16 MiB, holds a prompt as long as a 128k-token context many times over "
                     "(about 0.5-2 MB as text, 1 MB as token ids), batches of long prompts too, while it bounds the "
                     "time parsing and tokenizing one body takes from the server.",
-    )
-    chat_template: str | None = Field(
-        default=None, description="A Jinja chat template that replaces the tokenizer's for chat and responses.",
-    )
-    tool_call_parser: Literal["hermes", "llama3_json"] | None = Field(
-        default=None,
-        description="How the model writes tool calls, to read them out of its text into the tool_calls of a chat "
-                    "answer (tool_choice 'auto'): 'hermes' for <tool_call>{...}</tool_call> (Hermes, Qwen2.5, "
-                    "Qwen3), 'llama3_json' for Llama 3's JSON calls. Without it, chat requests may still demand a "
-                    "call (tool_choice 'required' or a named function), which structured output enforces.",
-    )
-    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = Field(
-        default=None,
-        description="How a reasoning model writes its thinking (<think>...</think>), to return it as a chat "
-                    "answer's reasoning_content apart from its content; structured output then constrains the "
-                    "answer only. 'deepseek_r1': the output starts thinking, with or without <think>; 'qwen3': it "
-                    "thinks when it opens with <think> (or the prompt left one open).",
     )
     enable_profiling_endpoints: bool = Field(
         default=False,
@@ -118,20 +132,17 @@ class AutoscalingConfig(StrictModel):
         return self
 
 
-class ServeArgs(LlmArgs, ServerOptions):
-    """Arguments of `raylm serve` and of the Ray Serve app builder: LlmArgs plus the server's settings."""
+class ModelArgs(LlmArgs, ModelOptions):
+    """One served model: its engine (the LlmArgs fields), the name clients call it by, how its chat is read, and its
+    replicas."""
 
     served_model_name: str | None = Field(
         default=None, min_length=1, description="The model name clients send and /v1/models lists (default: model).",
     )
-    host: str = Field(default="localhost", min_length=1,
-                      description="Address the HTTP server binds (raylm serve; a Ray Serve config sets its own).")
-    port: int = Field(default=8000, ge=1, le=65535,
-                      description="Port of the HTTP server (raylm serve; a Ray Serve config sets its own).")
     num_replicas: int | None = Field(
         default=None, ge=1,
-        description="Data parallelism: engine replicas, each with tp x pp ranks and its own HTTP front end "
-                    "(default 1; leave unset with autoscaling_config).",
+        description="Data parallelism: engine replicas, each with tp x pp ranks (default 1; leave unset with "
+                    "autoscaling_config). With one model each replica has an HTTP front end of its own.",
     )
     autoscaling_config: AutoscalingConfig | None = Field(
         default=None, description="Scale the replicas with the load instead of running num_replicas.",
@@ -149,14 +160,6 @@ class ServeArgs(LlmArgs, ServerOptions):
         description="prefix_aware routing: requests in flight by which a replica holding a prompt's prefix may "
                     "exceed the least loaded replica and still take the prompt; beyond it, load decides.",
     )
-    graceful_shutdown_timeout_s: float = Field(
-        default=300.0, gt=0,
-        description="A replica being stopped (scaled down, redeployed, shut down) takes no new requests and waits "
-                    "this long for those in flight to finish before it is killed.",
-    )
-    log_level: Literal["error", "warning", "info", "debug"] = Field(
-        default="warning", description="Log level of the server's processes.",
-    )
 
     @field_validator("chat_template")
     @classmethod
@@ -170,22 +173,26 @@ class ServeArgs(LlmArgs, ServerOptions):
             return value
 
     @model_validator(mode="after")
-    def _check_replicas(self) -> ServeArgs:
+    def _check_replicas(self) -> ModelArgs:
         if self.num_replicas is not None and self.autoscaling_config is not None:
             raise ValueError(f"num_replicas ({self.num_replicas}) and autoscaling_config exclude each other: "
                              "set one of them")
         return self
 
     @model_validator(mode="after")
-    def _check_request_router(self) -> ServeArgs:
+    def _check_request_router(self) -> ModelArgs:
         if self.request_router == "prefix_aware" and not self.kv_cache_config.enable_block_reuse:
             raise ValueError("request_router 'prefix_aware' routes by the engines' prefix caches: it needs "
                              "kv_cache_config.enable_block_reuse=true (or request_router 'pow2')")
         return self
 
     @property
-    def max_replicas(self) -> int:
-        """The most engine replicas that may run."""
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    @property
+    def most_replicas(self) -> int:
+        """The replicas this model runs at most."""
         scaling = self.autoscaling_config
         return scaling.max_replicas if scaling is not None else self.num_replicas or 1
 
@@ -194,20 +201,111 @@ class ServeArgs(LlmArgs, ServerOptions):
         """request_router, or its default."""
         if self.request_router is not None:
             return self.request_router
-        return "prefix_aware" if self.max_replicas > 1 and self.kv_cache_config.enable_block_reuse else "pow2"
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.model
+        return "prefix_aware" if self.most_replicas > 1 and self.kv_cache_config.enable_block_reuse else "pow2"
 
     def llm_kwargs(self) -> dict[str, Any]:
         """The LlmArgs fields, as keyword arguments of LLM(...) / AsyncLLM(...)."""
         return {name: getattr(self, name) for name in LlmArgs.model_fields}
 
+
+# A model's identity, which a `models` entry sets for itself: the top level may not set it for all of them.
+_MODEL_IDENTITY = ("model", "served_model_name")
+# The replica settings exclude each other, so an entry that sets one inherits neither from the top level.
+_REPLICA_FIELDS = ("num_replicas", "autoscaling_config")
+
+
+class ServeArgs(ModelArgs, ServerOptions):
+    """Arguments of `raylm serve` and of the Ray Serve app builder: one model's ModelArgs plus the server's
+    settings, flat; or, with `models`, several models, each an entry of ModelArgs.
+
+    With `models`, every ModelArgs field set at the top level (by the file, a flag or --set) is the default of
+    each entry, and an entry's own value wins (a mapping such as kv_cache_config is replaced whole, as --set
+    replaces it); `model` and `served_model_name` name one model, so only entries set them.
+    """
+
+    host: str = Field(default="localhost", min_length=1,
+                      description="Address the HTTP server binds (raylm serve; a Ray Serve config sets its own).")
+    port: int = Field(default=8000, ge=1, le=65535,
+                      description="Port of the HTTP server (raylm serve; a Ray Serve config sets its own).")
+    log_level: Literal["error", "warning", "info", "debug"] = Field(
+        default="warning", description="Log level of the server's processes.",
+    )
+    graceful_shutdown_timeout_s: float = Field(
+        default=300.0, gt=0,
+        description="A replica being stopped (scaled down, redeployed, shut down) takes no new requests and waits "
+                    "this long for those in flight to finish before it is killed.",
+    )
+    models: list[ModelArgs] | None = Field(
+        default=None, min_length=1,
+        description="Several models in one server, each with its own engine settings and replicas; a request's "
+                    "`model` picks one by its served_model_name (default: its model). ModelArgs fields set at the "
+                    "top level are every entry's defaults; the server's own settings (host, port, api_key, "
+                    "max_queue, ...) are set at the top level only.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _entries_inherit_the_top_level(cls, data: Any) -> Any:
+        """Each `models` entry takes the ModelArgs fields the top level sets and the entry does not."""
+        if not isinstance(data, dict) or not isinstance(data.get("models"), list):
+            return data
+        for name in _MODEL_IDENTITY:
+            if data.get(name) is not None:
+                where = "at the top level (raylm serve's MODEL argument sets model there)" if name == "model" \
+                    else "at the top level"
+                raise ValueError(f"{name} and models exclude each other: with models, each entry names its own "
+                                 f"model and served_model_name, got {name}={data[name]!r} {where}")
+        shared = {name: value for name, value in data.items() if name in ModelArgs.model_fields}
+        entries = []
+        for index, entry in enumerate(data["models"]):
+            if isinstance(entry, BaseModel):
+                entry = {name: getattr(entry, name) for name in entry.model_fields_set}
+            if not isinstance(entry, dict):
+                entries.append(entry)  # pydantic rejects it, naming the entry
+                continue
+            server_wide = sorted(set(entry) & SERVER_FIELDS)
+            if server_wide:
+                raise ValueError(f"models[{index}].{server_wide[0]} is a setting of the whole server: set it at the "
+                                 f"top level, not in an entry of models")
+            own_replicas = any(name in entry for name in _REPLICA_FIELDS)
+            inherited = {name: value for name, value in shared.items()
+                         if not (own_replicas and name in _REPLICA_FIELDS)}
+            entries.append({**inherited, **entry})
+        return {**data, "models": entries}
+
+    @model_validator(mode="after")
+    def _check_models(self) -> ServeArgs:
+        if self.models is None:
+            return self
+        first_index: dict[str, int] = {}
+        for index, entry in enumerate(self.models):
+            name = entry.model_name
+            if name in first_index:
+                raise ValueError(f"models[{first_index[name]}] and models[{index}] are both served as {name!r}: "
+                                 "give each entry a distinct served_model_name")
+            first_index[name] = index
+        if self.enable_rl_endpoints and len(self.models) > 1:
+            raise ValueError(f"enable_rl_endpoints drives one engine, so it needs a server of one model, got "
+                             f"{len(self.models)} under models")
+        return self
+
+    def served_models(self) -> list[ServeArgs]:
+        """Each served model's ServeArgs, of that model alone with the server's settings: this one without
+        `models`, else one for each entry."""
+        if self.models is None:
+            return [self]
+        server = {name: getattr(self, name) for name in self.model_fields_set & SERVER_FIELDS}
+        return [ServeArgs.model_validate({**server, **{name: getattr(entry, name) for name in entry.model_fields_set}})
+                for entry in self.models]
+
     def serving_config(self) -> ServingConfig:
-        """The settings of the HTTP front end."""
+        """The settings of the HTTP front end (of this model alone; see served_models)."""
         options = {name: getattr(self, name) for name in ServerOptions.model_fields}
         return ServingConfig(served_model_name=self.model_name, **options)
+
+
+# The server's own settings: set once, at the top level, for every model it serves.
+SERVER_FIELDS = frozenset(ServeArgs.model_fields) - frozenset(ModelArgs.model_fields) - {"models"}
 
 
 def serve_args_schema() -> dict[str, Any]:

@@ -6,6 +6,10 @@ A path names a field with dots for nesting (`kv_cache_config.max_tokens`); a val
 finite numbers, strings, lists, string-keyed mappings). An assignment replaces exactly the addressed value, a
 mapping or list entirely. Of duplicate --set paths the last wins; a --set path and one of its descendants
 conflict. An unknown path is rejected with the valid paths at that level.
+
+A file may list several models under `models` (config.py): each entry's paths are checked as ModelArgs', named
+`models[1].max_batch_size` in messages. --set addresses no list item; the ModelArgs fields it sets at the top
+level are the default of every entry (an entry's own value wins), and `--set models=[...]` replaces the list.
 """
 
 from __future__ import annotations
@@ -30,14 +34,28 @@ class ConfigError(ValueError):
     """A configuration source is malformed; the message names the source, the path and what is allowed."""
 
 
+def _options(annotation: Any) -> tuple[Any, ...]:
+    """The types an annotation allows: each of a union's, else itself."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return typing.get_args(annotation)
+    return (annotation,)
+
+
 def _nested_model(model: type[BaseModel], name: str) -> type[BaseModel] | None:
     """The model class of field `name` when it holds a model (or an optional one), else None."""
-    annotation = model.model_fields[name].annotation
-    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
-        else (annotation,)
-    for option in options:
+    for option in _options(model.model_fields[name].annotation):
         if isinstance(option, type) and issubclass(option, BaseModel):
             return option
+    return None
+
+
+def _item_model(model: type[BaseModel], name: str) -> type[BaseModel] | None:
+    """The model class of the items of field `name` when it holds a list of models (`models`), else None."""
+    for option in _options(model.model_fields[name].annotation):
+        if typing.get_origin(option) is list:
+            (item,) = typing.get_args(option)
+            if isinstance(item, type) and issubclass(item, BaseModel):
+                return item
     return None
 
 
@@ -52,19 +70,20 @@ def config_paths(model: type[BaseModel] = ServeArgs, prefix: str = "") -> list[s
     return sorted(paths)
 
 
-def check_path(path: str, source: str, model: type[BaseModel] = ServeArgs) -> None:
-    """Raises ConfigError unless `path` names a field, listing the valid paths where it went wrong."""
+def check_path(path: str, source: str, model: type[BaseModel] = ServeArgs, shown: str = "") -> None:
+    """Raises ConfigError unless `path` names a field of `model`, listing the valid paths where it went wrong;
+    messages show paths after `shown` (`models[1].` for a path inside an entry of models)."""
     parts = path.split(".")
     for depth, part in enumerate(parts):
-        parent = ".".join(parts[:depth])
+        parent = shown + ".".join(parts[:depth])
         if part not in model.model_fields:
-            where = f"under {parent!r}" if parent else "at the top level"
-            valid = ", ".join(config_paths(model, f"{parent}." if parent else ""))
-            raise ConfigError(f"{source}: unknown config path {path!r}; valid paths {where}: {valid}")
+            where = f"under {parent.rstrip('.')!r}" if parent else "at the top level"
+            valid = ", ".join(config_paths(model, f"{parent.rstrip('.')}." if parent else ""))
+            raise ConfigError(f"{source}: unknown config path {shown + path!r}; valid paths {where}: {valid}")
         nested = _nested_model(model, part)
         if nested is None and depth < len(parts) - 1:
-            raise ConfigError(f"{source}: {'.'.join(parts[:depth + 1])!r} is a value, not a mapping; "
-                              f"{path!r} cannot address inside it")
+            raise ConfigError(f"{source}: {shown + '.'.join(parts[:depth + 1])!r} is a value, not a mapping; "
+                              f"{shown + path!r} cannot address inside it")
         model = nested
 
 
@@ -89,20 +108,26 @@ def _check_values(value: Any, where: str) -> None:
                       f"{type(value).__name__} ({value!r}); quote it to pass a string")
 
 
-def _model_at(path: str) -> type[BaseModel] | None:
-    """The model class a (checked) path holds, or None when it holds a plain value."""
-    model: type[BaseModel] | None = ServeArgs
-    for part in path.split("."):
-        model = _nested_model(model, part)
-    return model
-
-
-def _check_tree(values: Mapping[str, Any], source: str, prefix: str = "") -> None:
+def _check_tree(values: Mapping[str, Any], source: str, model: type[BaseModel] = ServeArgs, shown: str = "") -> None:
+    """Checks every path of a mapping of `model`'s fields, those inside nested models and entries of models too."""
     for key, value in values.items():
-        path = prefix + str(key)
-        check_path(path, source)
-        if isinstance(value, dict) and _model_at(path) is not None:
-            _check_tree(value, source, path + ".")
+        check_path(str(key), source, model, shown)
+        nested, item = _nested_model(model, key), _item_model(model, key)
+        if isinstance(value, dict) and nested is not None:
+            _check_tree(value, source, nested, f"{shown}{key}.")
+        if isinstance(value, list) and item is not None:
+            for index, entry in enumerate(value):
+                if isinstance(entry, dict):
+                    _check_tree(entry, source, item, f"{shown}{key}[{index}].")
+
+
+def _check_value(path: str, value: Any, source: str) -> None:
+    """Checks the paths inside a (checked) path's new value."""
+    *parents, leaf = path.split(".")
+    model = ServeArgs
+    for part in parents:
+        model = _nested_model(model, part)
+    _check_tree({leaf: value}, source, model, "".join(f"{part}." for part in parents))
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
@@ -140,8 +165,7 @@ def parse_assignment(text: str) -> tuple[str, Any]:
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: the value is not valid YAML: {exc}") from exc
     _check_values(value, source)
-    if isinstance(value, dict) and _model_at(path) is not None:
-        _check_tree(value, source, path + ".")
+    _check_value(path, value, source)
     return path, value
 
 
@@ -166,7 +190,7 @@ def _assign(tree: dict[str, Any], path: str, value: Any) -> None:
 
 
 def _describe(error: Mapping[str, Any]) -> str:
-    path = ".".join(str(part) for part in error.get("loc", ()))
+    path = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in error.get("loc", ())).lstrip(".")
     message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
     value = error.get("input")
     shown = "" if error.get("type") == "missing" or isinstance(value, dict) else f" (got {value!r})"

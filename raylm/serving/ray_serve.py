@@ -11,6 +11,14 @@ group: bundle 0 is the replica, bundles 1..world its ranks. OpenAIIngress serves
 RemoteEngine, the engine deployment seen through its DeploymentHandle. num_replicas (or autoscaling_config)
 applies to both, so each engine has an HTTP front end of its own: that is data parallelism.
 
+Several models (ServeArgs.models) are one engine deployment each (RaylmEngine-<index>-<name>), with that model's
+engine settings and its own num_replicas or autoscaling_config, behind one OpenAIIngress that holds a RemoteEngine
+per model and routes each request by its `model` (build_models_app, model_router.py). One ingress rather than an
+app per model, because OpenAI clients reach every model at one base URL and list them with one /v1/models: a
+per-model app would need a route prefix per model, or a proxy in front that reads every body twice. The ingress
+runs as many replicas as the model that runs the most, so it never bounds one model's scale-out; its replicas
+hold no engine, only the tokenizers, so a fixed count costs a CPU each.
+
 A Ray Serve config file deploys the same app with `import_path: raylm.serving.ray_serve:app_builder` and
 ServeArgs fields as its `args` (examples/serving/serve_config.yaml).
 """
@@ -22,6 +30,7 @@ import contextvars
 import errno
 import logging
 import os
+import re
 import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -41,7 +50,7 @@ from raylm.engine_spec import resolve_device
 from raylm.inputs import PromptInputs, TokensPrompt
 from raylm.outputs import EncoderOutput
 from raylm.sampling_params import SamplingParams
-from raylm.serving.app import build_app
+from raylm.serving.app import build_models_app
 from raylm.serving.config import ServeArgs
 from raylm.serving.engine import encode_all
 from raylm.serving.engine_stream import stream_request
@@ -200,33 +209,31 @@ class CancelledReceiveIsDisconnect:
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress()
 class OpenAIIngress:
-    """The HTTP front end: build_app's FastAPI app over the engine deployment."""
+    """The HTTP front end: build_models_app's FastAPI app over the engine deployments, one per served model."""
 
-    async def __init__(self, engine: DeploymentHandle, args: ServeArgs):
-        _set_log_level(args)
-        self.engine = await RemoteEngine.connect(engine, args)
-        self.config = args.serving_config()
+    async def __init__(self, engines: list[DeploymentHandle], models: list[ServeArgs]):
+        _set_log_level(models[0])
+        self.engines: list[RemoteEngine] = []
+        for engine, args in zip(engines, models, strict=True):
+            self.engines.append(await RemoteEngine.connect(engine, args))
+        self.configs = [args.serving_config() for args in models]
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        app = build_app(self.engine, self.config)
+        app = build_models_app(list(zip(self.engines, self.configs, strict=True)))
         app.add_middleware(CancelledReceiveIsDisconnect)
         return app
 
     def __del__(self) -> None:
-        engine = getattr(self, "engine", None)
-        if engine is not None:
+        for engine in getattr(self, "engines", ()):
             engine.shutdown()
 
 
 def _replica_options(args: ServeArgs) -> dict[str, Any]:
-    # A replica being stopped drains: Serve stops routing to it, then waits (polling every wait loop) until its
-    # requests in flight have finished, up to the timeout. Both deployments drain, so a scale-down fails no stream.
-    draining = {"graceful_shutdown_timeout_s": args.graceful_shutdown_timeout_s,
-                "graceful_shutdown_wait_loop_s": DRAIN_POLL_S}
+    """The replica settings of a model's engine deployment (and of the ingress of a server of that model alone)."""
     scaling = args.autoscaling_config
     if scaling is None:
-        return {"num_replicas": args.num_replicas or 1, **draining}
-    return {**draining, "autoscaling_config": {
+        return {"num_replicas": args.num_replicas or 1}
+    return {"autoscaling_config": {
         "min_replicas": scaling.min_replicas, "max_replicas": scaling.max_replicas,
         "initial_replicas": scaling.initial_replicas,
         "target_ongoing_requests": scaling.target_ongoing_requests or args.max_batch_size,
@@ -257,33 +264,55 @@ def _one_loop_runtime_env() -> dict[str, Any]:
     return {**job_env, "env_vars": {**ONE_LOOP_ENV, **(job_env.get("env_vars") or {})}}
 
 
+def _ingress_replicas(models: list[ServeArgs]) -> int:
+    """Replicas of the ingress at most: as many as the model that runs the most."""
+    return max(args.most_replicas for args in models)
+
+
+def _engine_deployment_name(index: int, args: ServeArgs, several: bool) -> str:
+    """RaylmEngine for a server of one model; with several, the model's index and served name (the characters
+    Serve allows in a name, others as '_') tell the deployments apart in `serve status`."""
+    return f"RaylmEngine-{index}-{re.sub(r'[^A-Za-z0-9._-]', '_', args.model_name)}" if several else "RaylmEngine"
+
+
 def build_openai_app(config: ServeArgs) -> Application:
-    """The Serve application of the OpenAI-compatible server: run it with serve.run or a Serve config file."""
-    if config.executor == "local":
-        raise ValueError("executor must be 'auto' or 'ray' under Ray Serve: the engine's ranks are Ray actors in "
-                         "the replica's placement group, got 'local'")
-    args = config.model_copy(update={"device": resolve_device(config.device)})
-    rank_bundle = {"GPU": 1.0} if args.device == "cuda" else {"CPU": 1.0}
+    """The Serve application of the OpenAI-compatible server: run it with serve.run or a Serve config file. With
+    `models`, one engine deployment per model behind one ingress."""
+    models = []
+    for args in config.served_models():
+        if args.executor == "local":
+            raise ValueError(f"executor must be 'auto' or 'ray' under Ray Serve: the engine's ranks are Ray actors "
+                             f"in the replica's placement group, got 'local' (model {args.model_name!r})")
+        models.append(args.model_copy(update={"device": resolve_device(args.device)}))
     actor_options = {"num_cpus": 1, "runtime_env": _one_loop_runtime_env()}
-    shared = {"logging_config": {"log_level": args.log_level.upper()},
-              "max_constructor_retry_count": CONSTRUCTOR_RETRIES, **_replica_options(args)}
-    engine = EngineDeployment.options(
-        placement_group_bundles=[{"CPU": 1.0}] + [dict(rank_bundle) for _ in range(args.world_size)],
-        placement_group_strategy="PACK",
-        ray_actor_options=actor_options,
-        max_ongoing_requests=args.max_queue + CONTROL_CALLS,
-        health_check_period_s=5,
-        **_request_router_options(args),
-        **shared,
-    ).bind(args)
+    # A replica being stopped drains: Serve stops routing to it, then waits (polling every DRAIN_POLL_S) until its
+    # requests in flight have finished, up to the timeout. Both deployments drain, so a scale-down fails no stream.
+    shared = {"logging_config": {"log_level": config.log_level.upper()},
+              "max_constructor_retry_count": CONSTRUCTOR_RETRIES,
+              "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
+              "graceful_shutdown_wait_loop_s": DRAIN_POLL_S}
+    engines = []
+    for index, args in enumerate(models):
+        rank_bundle = {"GPU": 1.0} if args.device == "cuda" else {"CPU": 1.0}
+        engines.append(EngineDeployment.options(
+            name=_engine_deployment_name(index, args, len(models) > 1),
+            placement_group_bundles=[{"CPU": 1.0}] + [dict(rank_bundle) for _ in range(args.world_size)],
+            placement_group_strategy="PACK",
+            ray_actor_options=actor_options,
+            max_ongoing_requests=args.max_queue + CONTROL_CALLS,
+            health_check_period_s=5,
+            **shared, **_replica_options(args), **_request_router_options(args),
+        ).bind(args))
+    ingress_replicas = _replica_options(models[0]) if len(models) == 1 else {"num_replicas": _ingress_replicas(models)}
     return OpenAIIngress.options(
-        ray_actor_options=actor_options, max_ongoing_requests=args.max_queue + OTHER_ROUTES, **shared,
-    ).bind(engine, args)
+        ray_actor_options=actor_options, max_ongoing_requests=config.max_queue + OTHER_ROUTES, **shared,
+        **ingress_replicas,
+    ).bind(engines, models)
 
 
 def app_builder(args: dict[str, Any]) -> Application:
     """The application of a Ray Serve config (`import_path: raylm.serving.ray_serve:app_builder`); its `args`
-    are ServeArgs fields."""
+    are ServeArgs fields (`models` among them, for several models)."""
     return build_openai_app(ServeArgs.model_validate(args or {}))
 
 
@@ -319,20 +348,23 @@ def start_server(config: ServeArgs, app_name: str = "raylm",
     owns_cluster = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
     if owns_cluster:  # the new cluster's proxy listens on this machine
         check_port_free(config.host, config.port)
-    replicas = config.max_replicas
+    models = config.served_models()
     level = getattr(logging, config.log_level.upper())
     progress("starting a local Ray cluster" if owns_cluster else "connecting to the Ray cluster")
-    ensure_ray(replicas * (config.world_size + 2), logging_level=level)
+    # A CPU for each ingress replica, and for each engine replica one plus a bundle per rank.
+    ensure_ray(_ingress_replicas(models) + sum(args.most_replicas * (args.world_size + 1) for args in models),
+               logging_level=level)
     logging.getLogger(SERVE_LOGGER_NAME).setLevel(level)
     server = RunningServer(f"http://{config.host}:{config.port}", app_name, owns_cluster)
     try:
         serve.start(http_options={"host": config.host, "port": config.port},
                     logging_config={"log_level": config.log_level.upper()})
         server.url = _http_url(config)
-        on_gpus = resolve_device(config.device) == "cuda"
+        on_gpus = any(resolve_device(args.device) == "cuda" for args in models)
         warm_up = "compiling its kernels and capturing CUDA graphs" if on_gpus else "warming up"
-        progress(f"loading {config.model_name} on {replicas} replica(s) of {config.world_size} rank(s), then "
-                 f"{warm_up}")
+        loads = ", ".join(f"{args.model_name} on {args.most_replicas} replica(s) of {args.world_size} rank(s)"
+                          for args in models)
+        progress(f"loading {loads}, then {warm_up}")
         serve.run(build_openai_app(config), name=app_name, route_prefix="/")
     except BaseException:
         server.stop()

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from raylm import LLM, KvCacheConfig, SamplingParams, TokensPrompt
-from tests.conftest import hf_greedy, hf_model
+from tests.conftest import cluster_placement_groups, hf_greedy, hf_model
 
 PROMPTS = [[504, 3575, 282, 4649, 314], [19556, 28, 957, 1462, 314, 1133, 2040], [2, 9, 77, 1203, 11, 8, 3, 40] * 3]
 NEW_TOKENS = 16
@@ -161,13 +161,12 @@ def test_collective_rpc_target_ranks_and_unique_reply(ray_cluster, tiny_model_di
 def _alive_workers(ray_module) -> list:
     from ray.util.state import list_actors
 
-    return [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name == "RayWorker"]
+    return [a for a in list_actors(address=ray_module.get_runtime_context().gcs_address,
+                                   filters=[("state", "=", "ALIVE")]) if a.class_name == "RayWorker"]
 
 
 def _live_groups() -> list:
-    from ray.util.state import list_placement_groups
-
-    return [g for g in list_placement_groups() if g.state != "REMOVED"]
+    return [g for g in cluster_placement_groups() if g.state != "REMOVED"]
 
 
 def _assert_workers_and_groups_gone(ray_module, timeout: float = 10.0) -> None:

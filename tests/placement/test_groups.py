@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from raylm.placement import resolve_placement
+from tests.conftest import cluster_placement_groups
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +53,10 @@ def test_gpu_share_must_be_in_zero_one(groups, share):
 
 
 def test_owned_group_is_created_packed_and_removed(ray_cluster):
-    from ray.util.state import list_placement_groups
-
     placement = resolve_placement(2, False)
     [group] = placement.owned_groups
     assert placement.bundles == [(group, 0), (group, 1)]
     assert group.bundle_specs == [{"CPU": 1.0}, {"CPU": 1.0}]
     placement.remove_owned()
-    states = [g.state for g in list_placement_groups() if g.placement_group_id == group.id.hex()]
+    states = [g.state for g in cluster_placement_groups() if g.placement_group_id == group.id.hex()]
     assert states == ["REMOVED"]

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from raylm import AsyncLLM, KvCacheConfig, SamplingParams
+from tests.conftest import cluster_placement_groups
 
 KV = KvCacheConfig(max_tokens=1024, tokens_per_block=16)
 
@@ -80,9 +81,7 @@ def test_async_llm_runs_on_exactly_the_given_bundles(ray_cluster, tiny_model_dir
     assert layers == [2] and scaled == [15]
     assert len(output.outputs[0].token_ids) == 4
     # The caller's placement group outlives the engine.
-    from ray.util.state import list_placement_groups
-
-    assert [g.state for g in list_placement_groups() if g.placement_group_id == group.id.hex()] == ["CREATED"]
+    assert [g.state for g in cluster_placement_groups() if g.placement_group_id == group.id.hex()] == ["CREATED"]
     remove_placement_group(group)
 
 

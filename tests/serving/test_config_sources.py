@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+import yaml
+
+from raylm.serving.config import ServeArgs
 from raylm.serving.config_sources import ConfigError, config_paths, layer_serve_args, parse_assignment
 
 
@@ -92,3 +96,40 @@ def test_engine_settings_come_from_the_config_file_and_set(tmp_path):
             "disable_pipeline_overlap", "scheduler_config.capacity_scheduler_policy"} <= set(config_paths())
     with pytest.raises(ConfigError, match="kernel_config.pdl"):
         layer_serve_args(None, {}, ["kernel_config.pdl=sometimes"])
+
+
+def test_a_file_of_several_models_with_flags_and_set_as_every_models_defaults(tmp_path):
+    config = _file(tmp_path, "port: 9000\nmodels:\n  - model: /models/llama\n    served_model_name: llama\n"
+                             "  - model: /models/qwen\n    served_model_name: qwen\n    max_batch_size: 2\n")
+    args = layer_serve_args(config, {"model": None, "max_batch_size": 8}, ["kv_cache_config.max_tokens=4096"])
+    llama, qwen = args.served_models()
+    assert (llama.model_name, llama.max_batch_size, llama.kv_cache_config.max_tokens) == ("llama", 8, 4096)
+    assert (qwen.model_name, qwen.max_batch_size, qwen.kv_cache_config.max_tokens) == ("qwen", 2, 4096)
+    assert llama.port == qwen.port == 9000
+
+
+@pytest.mark.parametrize(("text", "flags", "assignments", "message"), [
+    ("models:\n  - model: a\n    max_batch_sizes: 3\n", {}, [],
+     "unknown config path 'models[0].max_batch_sizes'; valid paths under 'models[0]': models[0].attention_backend"),
+    ("models:\n  - model: a\n    kv_cache_config: {max_tokenz: 3}\n", {}, [],
+     "unknown config path 'models[0].kv_cache_config.max_tokenz'"),
+    ("models:\n  - model: a\n  - model: b\n    max_batch_size: 0\n", {}, [],
+     "models[1].max_batch_size: Input should be greater than or equal to 1 (got 0)"),
+    ("models:\n  - model: a\n", {"model": "/models/x"}, [], "raylm serve's MODEL argument sets model there"),
+    ("models:\n  - model: a\n", {}, ["models.0.max_batch_size=2"], "'models' is a value, not a mapping"),
+    ("", {}, ["models=[{model: a, served_model_name: x}, {model: b, served_model_name: x}]"],
+     "both served as 'x'"),
+])
+def test_bad_lists_of_models_are_rejected_naming_the_source_and_path(tmp_path, text, flags, assignments, message):
+    with pytest.raises(ConfigError) as info:
+        layer_serve_args(_file(tmp_path, text), flags, assignments)
+    assert message in str(info.value)
+
+
+def test_the_example_configs_are_valid():
+    examples = Path(__file__).parents[2] / "examples" / "serving"
+    assert layer_serve_args(examples / "config.yaml").model_name == "smollm2"
+    names = [model.model_name for model in layer_serve_args(examples / "two_models.yaml").served_models()]
+    assert names == ["smollm2", "smollm2-long"]
+    serve_args = yaml.safe_load((examples / "serve_config.yaml").read_text())["applications"][0]["args"]
+    assert ServeArgs.model_validate(serve_args).model_name == "smollm2"
