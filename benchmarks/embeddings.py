@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import write_result  # noqa: E402
+from benchmarks.latency import measure  # noqa: E402
 
 WORDS = ("the a of to and in is was for on that with as by at from it an be this are which or have one had not but "
          "what all were when we there can more if no out so said time up about than into them only new some could "
@@ -42,19 +43,6 @@ def texts(num: int, min_words: int, max_words: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))).capitalize() + "."
             for _ in range(num)]
-
-
-def measure(runners: dict, iters: int, warmup: int) -> dict[str, list[float]]:
-    for _ in range(warmup):
-        for run in runners.values():
-            run()
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(iters):
-        for name, run in runners.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def main() -> None:
@@ -87,11 +75,15 @@ def main() -> None:
 
     outputs: dict[str, torch.Tensor] = {}
 
-    def raylm_run() -> None:
+    def raylm_run() -> float:
+        start = time.perf_counter()
         outputs["raylm"] = llm.encode(prompts, return_raw_logits=True, use_tqdm=False)
+        return time.perf_counter() - start
 
-    def peer_run() -> None:
+    def peer_run() -> float:
+        start = time.perf_counter()
         outputs["sentence-transformers"] = peer.encode(prompts, batch_size=args.batch_size, convert_to_tensor=True)
+        return time.perf_counter() - start
 
     times = measure({"raylm": raylm_run, "sentence-transformers": peer_run}, args.num_iters, args.num_iters_warmup)
     llm.shutdown()
