@@ -75,6 +75,11 @@ def check_guided(guided: GuidedDecodingParams) -> None:
         _CHECKED.popitem(last=False)
 
 
+def tokenizer_vocab_size(tokenizer) -> int:
+    """How many ids the tokenizer can produce: its vocabulary and added tokens, up to the largest id."""
+    return max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
+
+
 class GrammarCompiler:
     """Compiles requests' grammars for one tokenizer on a thread of its own, keeping the latest `cache_size`
     by their text: a schema that many requests share compiles once."""
@@ -83,8 +88,10 @@ class GrammarCompiler:
         import xgrammar as xgr
 
         self.tokenizer = tokenizer
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self.vocab_size = vocab_size
+        # The grammar sees the tokenizer's own ids; the model's padding rows past them (a 49K tokenizer on a 128K
+        # embedding costs xgrammar 20x per mask and per token) are masked by one slice (mask_guided_rows).
+        self.vocab_size = min(vocab_size, tokenizer_vocab_size(tokenizer))
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size)
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raylm-grammar")
         self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()
@@ -120,6 +127,7 @@ class Guide:
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
+        self.vocab_size = compiled.tokenizer_info.vocab_size  # the ids its mask covers; no later id is allowed
         self.begin_after = begin_after or None
         self._recent: list[int] = []  # the last tokens, to find begin_after in
         self.broken = False  # a token the mask did not allow was accepted: the guide stands aside
@@ -145,6 +153,7 @@ class Guide:
     def fork(self) -> Guide:
         twin = Guide.__new__(Guide)
         twin.matcher = self.matcher.fork()
+        twin.vocab_size = self.vocab_size
         twin.begin_after = self.begin_after
         twin._recent = list(self._recent)
         twin.broken = self.broken
@@ -156,11 +165,19 @@ def mask_guided_rows(logits: torch.Tensor, guides: list[tuple[int, Guide]]) -> N
     import xgrammar as xgr
 
     on_device = logits.device.type != "cpu"
+    vocab_size = guides[0][1].vocab_size  # one tokenizer per engine
     # Pinned on GPUs: a copy from pageable memory would wait for the step's forward, still on the device.
-    bitmask = torch.empty(xgr.get_bitmask_shape(logits.shape[0], logits.shape[-1]), dtype=xgr.bitmask_dtype,
+    bitmask = torch.empty(xgr.get_bitmask_shape(logits.shape[0], vocab_size), dtype=xgr.bitmask_dtype,
                           pin_memory=on_device)
     for row, guide in guides:
         guide.matcher.fill_next_token_bitmask(bitmask, row)
     if on_device:
         bitmask = bitmask.to(logits.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=[row for row, _ in guides])
+    rows = [row for row, _ in guides]
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
+    if vocab_size < logits.shape[-1]:  # the model's padding ids
+        padding = logits[:, vocab_size:]
+        if len(rows) == logits.shape[0]:
+            padding.fill_(float("-inf"))
+        else:
+            padding.index_fill_(0, torch.tensor(rows).to(logits.device, non_blocking=True), float("-inf"))

@@ -51,8 +51,10 @@ class ServingEngine(Protocol):
         """Why the engine cannot serve requests, or None while it can."""
 
     def stream(self, inputs: PromptInputs, sampling_params: SamplingParams, priority: float,
-               cache_salt: str | None) -> GenerationStream:
-        """Submits one prompt. Errors in it are raised here or by the stream's admitted()."""
+               cache_salt: str | None, each_step: bool = True) -> GenerationStream:
+        """Submits one prompt. Errors in it are raised here or by the stream's admitted(). Without `each_step`
+        the stream holds one chunk, the request's last: a response that is not streamed costs the engine's
+        process no per-step work for it."""
 
     async def embed(self, prompts: list[TokensPrompt]) -> list[EncoderOutput]:
         """Encodes prompts (an encode_only engine), one output each in order; raises ValueError or TypeError for bad
@@ -146,8 +148,8 @@ class LocalEngine:
         return self.llm.dead_reason
 
     def stream(self, inputs: PromptInputs, sampling_params: SamplingParams, priority: float,
-               cache_salt: str | None) -> LocalGeneration:
-        result = self.llm.generate_async(inputs, sampling_params, streaming=True, priority=priority,
+               cache_salt: str | None, each_step: bool = True) -> LocalGeneration:
+        result = self.llm.generate_async(inputs, sampling_params, streaming=each_step, priority=priority,
                                          cache_salt=cache_salt)
         return LocalGeneration(result, sampling_params)
 

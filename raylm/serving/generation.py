@@ -225,7 +225,8 @@ class ServingContext:
         try:
             with _field_errors(body), _released_memory_is_unavailable():
                 for prompt in prompts:
-                    streams.append(self.engine.stream(prompt, params, body.priority, body.cache_salt))
+                    streams.append(self.engine.stream(prompt, params, body.priority, body.cache_salt,
+                                                      each_step=body.stream))
                 for stream in streams:  # all are on their way: awaiting them in turn costs the slowest
                     await stream.admitted()
         except RuntimeError as exc:

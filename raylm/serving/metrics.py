@@ -127,6 +127,10 @@ class RequestTimer:
         """Takes note of the request's progress each time it has changed."""
         now = time.perf_counter()
         if self.first_token is None and any(request.generated_lengths):
-            self.first_token = now
+            # A response that is not streamed gets its request's last output only: the engine's own times say
+            # how long before it the first token came.
+            finished, first = request.metrics.get("finished_time"), request.metrics.get("first_token_time")
+            earlier = finished - first if request.finished and finished and first else 0.0
+            self.first_token = max(self.submitted, now - earlier)
         if request.finished:
             self.metrics.record_request(request, self.submitted, self.first_token or now, now)

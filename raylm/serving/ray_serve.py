@@ -119,7 +119,7 @@ class EngineDeployment:
             request.cancel()  # aborts the prompts unless they have finished
 
     async def stream(self, inputs: PromptInputs, params: SamplingParams, priority: float,
-                     cache_salt: str | None) -> AsyncIterator[Any]:
+                     cache_salt: str | None, each_step: bool = True) -> AsyncIterator[Any]:
         """Streams one request's messages (engine_stream); cancelling the call aborts the request.
 
         Serve cancels a call with ray.cancel(recursive=True), which also cancels every Ray call made from the
@@ -131,7 +131,7 @@ class EngineDeployment:
 
         async def relay() -> None:
             try:
-                async for message in stream_request(self.llm, inputs, params, priority, cache_salt):
+                async for message in stream_request(self.llm, inputs, params, priority, cache_salt, each_step):
                     messages.put_nowait(message)
                 messages.put_nowait(_END)
             except Exception as exc:

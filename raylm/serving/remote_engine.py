@@ -189,11 +189,11 @@ class RemoteEngine:
     # ------------------------------------------------------------------ requests
 
     def stream(self, inputs: PromptInputs, sampling_params: SamplingParams, priority: float,
-               cache_salt: str | None) -> RemoteGeneration:
+               cache_salt: str | None, each_step: bool = True) -> RemoteGeneration:
         """Submits one prompt; errors the engine finds in it surface from the stream's admitted()."""
         large = _request_bytes(inputs, sampling_params) > GRPC_REQUEST_BYTES
         handle = self._large_stream_handle if large else self._stream_handle
-        call = handle.stream.remote(inputs, sampling_params, priority, cache_salt)
+        call = handle.stream.remote(inputs, sampling_params, priority, cache_salt, each_step)
         return RemoteGeneration(call, self._mark_unreachable)
 
     async def embed(self, prompts: list[TokensPrompt]) -> list[EncoderOutput]:

@@ -172,3 +172,29 @@ def test_an_invalid_schema_is_refused_at_submission_and_the_engine_goes_on(smoll
     with pytest.raises(ValueError, match="guided_decoding.json is not valid"):
         smollm2.generate(["x"], SamplingParams(guided_decoding=GuidedDecodingParams(json={"type": "objekt"})))
     assert smollm2.generate(["The capital of France is"], SamplingParams(max_tokens=3))[0].outputs[0].text
+
+
+def test_a_model_vocabulary_padded_past_the_tokenizer_masks_the_padding(smollm2):
+    """An embedding larger than the tokenizer (padding rows): the grammar covers the tokenizer's ids, and every
+    padding id stays masked however high its logit."""
+    import torch
+
+    from raylm.engine.structured_output import GrammarCompiler, Guide, mask_guided_rows, tokenizer_vocab_size
+
+    tokenizer = smollm2.tokenizer
+    own = tokenizer_vocab_size(tokenizer)
+    compiler = GrammarCompiler(tokenizer, vocab_size=own + 1000)
+    assert compiler.vocab_size == own
+    guided = GuidedDecodingParams(choice=["yes", "no"])
+    compiled = compiler.compile(guided).result()
+    guides = [Guide(compiled, [tokenizer.eos_token_id]) for _ in range(2)]
+    logits = torch.zeros(3, own + 1000)
+    logits[:, own:] = 100.0  # the padding would win every unmasked draw
+    mask_guided_rows(logits, [(0, guides[0]), (2, guides[1])])
+    allowed = {tokenizer.encode(word, add_special_tokens=False)[0] for word in ("yes", "no")}
+    for row in (0, 2):
+        assert torch.isinf(logits[row, own:]).all()
+        assert set(torch.nonzero(torch.isfinite(logits[row])).flatten().tolist()) <= allowed | {
+            t for t in range(own) if tokenizer.decode([t]) in ("y", "ye", "n")}
+    assert (logits[1, own:] == 100.0).all()  # an unguided row is left alone
+    compiler.shutdown()

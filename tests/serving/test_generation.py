@@ -70,3 +70,32 @@ def test_fifty_concurrent_streaming_clients_get_the_greedy_reference_outputs(cli
     outputs = asyncio.run(stream_all())
     assert [text for text, _ in outputs] == [references[prompt] for prompt in prompts]
     assert all(reason in ("stop", "length") for _, reason in outputs)
+
+
+def test_a_response_that_is_not_streamed_takes_one_chunk_from_the_engine(llm):
+    """Only a streamed response reads every step: the other gets the request's last output alone, the same
+    tokens and text, with the engine's first-token time behind it."""
+    from raylm import SamplingParams
+    from raylm.serving.engine import LocalEngine
+    from raylm.serving.metrics import RequestTimer, ServingMetrics
+    from raylm.serving.response_stream import RequestProgress
+
+    engine = LocalEngine(llm)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    async def chunks(each_step: bool) -> list:
+        return [chunk async for chunk in engine.stream({"prompt": PROMPTS[0]}, params, 0.0, None, each_step)]
+
+    steps = asyncio.run(chunks(True))
+    timer = RequestTimer(ServingMetrics(MODEL))
+    last = asyncio.run(chunks(False))
+    assert len(steps) > 1 and len(last) == 1 and last[0].finished
+    assert last[0].completions[0].token_ids == [t for chunk in steps for t in chunk.completions[0].token_ids]
+    assert last[0].completions[0].text == "".join(chunk.completions[0].text for chunk in steps)
+
+    progress = RequestProgress(0)
+    progress.add(last[0])
+    timer.observe(progress)
+    metrics = last[0].metrics
+    assert timer.submitted <= timer.first_token
+    assert time.perf_counter() - timer.first_token >= metrics["finished_time"] - metrics["first_token_time"] - 1e-3
