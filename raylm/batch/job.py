@@ -22,6 +22,7 @@ class BatchSummary:
     generated_tokens: int
     skipped: int
     seconds: float
+    peak_rows_in_flight: int = 0  # the most rows one replica's engine answered at once
 
     @property
     def generated_tokens_per_s(self) -> float:
@@ -30,7 +31,8 @@ class BatchSummary:
     def __str__(self) -> str:
         return (f"{self.rows} rows answered ({self.errors} with errors, {self.skipped} already answered) in "
                 f"{self.seconds:.1f} s: {self.input_tokens} prompt tokens, {self.generated_tokens} generated "
-                f"({self.generated_tokens_per_s:.1f} tokens/s)")
+                f"({self.generated_tokens_per_s:.1f} tokens/s; at most {self.peak_rows_in_flight} rows at once in a "
+                f"replica)")
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "generated_tokens_per_s": self.generated_tokens_per_s}
@@ -81,12 +83,16 @@ def run_batch(args: BatchArgs | None = None, **fields: Any) -> BatchSummary:
                                "chat_template": args.chat_template, "defaults": args.sampling},
         batch_size=args.rows_per_block,
         batch_format="numpy",
+        # Threads (true multi-threading: without it Ray Data runs one call per actor at a time) hand every block
+        # in flight to the one engine, which batches their rows together.
         compute=ray.data.ActorPoolStrategy(**size, max_tasks_in_flight_per_actor=args.blocks_in_flight,
-                                           max_concurrent_calls_per_actor=args.blocks_in_flight),
+                                           max_concurrent_calls_per_actor=args.blocks_in_flight,
+                                           enable_true_multi_threading=True),
         max_restarts=-1, max_task_retries=-1,  # a replica that dies comes back; its blocks run again
         **actor_resources,
     )
     sink = AnswersDatasink(args.output)
     answers.write_datasink(sink)
-    totals = getattr(sink, "totals", {"rows": 0, "errors": 0, "input_tokens": 0, "generated_tokens": 0})
+    totals = getattr(sink, "totals", {"rows": 0, "errors": 0, "input_tokens": 0, "generated_tokens": 0,
+                                      "peak_rows_in_flight": 0})
     return BatchSummary(**totals, skipped=len(done), seconds=time.perf_counter() - begin)

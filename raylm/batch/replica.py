@@ -48,18 +48,28 @@ class BatchReplica:
         self.context = ServingContext(LocalEngine(self.llm), config, ServingMetrics(served_model_name))
         self.defaults = dict(defaults)
         self.request_fields = _request_fields()
+        self._rows_in_flight = 0  # rows of all the blocks the engine is answering now
+        self._lock = threading.Lock()
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="batch-replica-loop", daemon=True).start()
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         keys, lines = list(batch[KEY]), list(batch[LINE])
-        answers = asyncio.run_coroutine_threadsafe(self._answer_all(keys, lines), self.loop).result()
+        with self._lock:
+            self._rows_in_flight += len(keys)
+            in_flight = self._rows_in_flight
+        try:
+            answers = asyncio.run_coroutine_threadsafe(self._answer_all(keys, lines), self.loop).result()
+        finally:
+            with self._lock:
+                self._rows_in_flight -= len(keys)
         return {
             KEY: keys,
             LINE: [json.dumps(json_safe(answer), ensure_ascii=False) for answer, _ in answers],
             "failed": [usage is None for _, usage in answers],
             "input_tokens": [usage[0] if usage else 0 for _, usage in answers],
             "generated_tokens": [usage[1] if usage else 0 for _, usage in answers],
+            "rows_in_flight": [in_flight] * len(keys),  # the job's summary reports the most
         }
 
     async def _answer_all(self, keys: list[str], lines: list[str]) -> list[tuple[dict, tuple[int, int] | None]]:

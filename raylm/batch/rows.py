@@ -102,7 +102,7 @@ class AnswersDatasink(Datasink):
         self.filesystem.create_dir(self.path, recursive=True)
 
     def write(self, blocks: Iterable[pa.Table], ctx: Any) -> dict[str, int]:
-        counts = {"rows": 0, "errors": 0, "input_tokens": 0, "generated_tokens": 0}
+        counts = {"rows": 0, "errors": 0, "input_tokens": 0, "generated_tokens": 0, "peak_rows_in_flight": 0}
         name = f"{self.path}/answers-{self.run_id}-{ctx.task_idx:06d}.jsonl"
         with self.filesystem.open_output_stream(name) as out:
             for block in blocks:
@@ -114,11 +114,15 @@ class AnswersDatasink(Datasink):
                     counts["errors"] += int(failed)
                     counts["input_tokens"] += input_tokens
                     counts["generated_tokens"] += generated
+                counts["peak_rows_in_flight"] = max(counts["peak_rows_in_flight"],
+                                                    max(block.column("rows_in_flight").to_pylist(), default=0))
         return counts
 
     def on_write_complete(self, write_result: Any) -> None:
         self.totals = {key: sum(counts[key] for counts in write_result.write_returns)
                        for key in ("rows", "errors", "input_tokens", "generated_tokens")}
+        self.totals["peak_rows_in_flight"] = max((counts["peak_rows_in_flight"]
+                                                  for counts in write_result.write_returns), default=0)
 
 
 def filesystem_and_path(path: str) -> tuple[Any, str]:

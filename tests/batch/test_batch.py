@@ -137,6 +137,15 @@ class TestJobs:
         assert sorted(a["row_id"] for a in answers if "row_id" in a) == sorted(str(i) for i in range(10))
         assert summary.rows == 22 and summary.errors == 0 and summary.generated_tokens == 22 * 6
 
+    def test_a_replica_answers_the_rows_of_several_blocks_at_once(self, tiny_model_dirs, tmp_path):
+        """Blocks in flight run together in the one engine (not one block after another)."""
+        _write_jsonl(tmp_path / "rows.jsonl", [{"prompt": f"Row {i} says"} for i in range(16)])
+        summary = run_batch(input=str(tmp_path / "rows.jsonl"), output=str(tmp_path / "out"),
+                            model=str(tiny_model_dirs["llama"]), rows_per_block=2, blocks_in_flight=4,
+                            sampling={"max_tokens": 48, "temperature": 0, "ignore_eos": True}, max_seq_len=128)
+        assert summary.rows == 16 and summary.errors == 0
+        assert summary.peak_rows_in_flight > 2, summary
+
     def test_resume_skips_answered_rows_and_an_answered_output_is_not_overwritten(self, tiny_model_dirs,
                                                                                     tmp_path):
         inputs, output = tmp_path / "in" / "rows.jsonl", tmp_path / "out"
