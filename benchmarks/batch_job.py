@@ -1,9 +1,10 @@
 """A batch job (raylm batch, Ray Data) against the engine called directly on the same prompts, like `vllm bench
 throughput`: random token-id prompts of --input_len, --output_len tokens each (greedy, EOS ignored).
 
-The job runs with each --replicas count, start-up included (Ray Data starts the replicas; their load is part of a
-job's time); the engine's peer is LLM.generate in this process, timed without its start-up and with it. Ratios
-say what Ray Data costs and what more replicas buy.
+The job runs with each --replicas count, timed whole (Ray Data starts the replicas; their load is part of a job's
+time) and over its answering alone (from the first block a replica took to the last it answered); the engine's
+peer is LLM.generate in this process, timed without its start-up and with it. Ratios say what Ray Data costs and
+what more replicas buy.
 
     python benchmarks/batch_job.py --num_prompts 512 --input_len 32 --output_len 32 --replicas 1 2
     python benchmarks/batch_job.py --model benchmarks/configs/llama-3.1-8b --load_format dummy \\
@@ -78,9 +79,13 @@ def main() -> None:
             run = job_run(args, rows_file, replicas, workdir)
             run["vs_engine"] = run["tok_s"] / result["engine"]["tok_s"]
             run["vs_engine_with_start"] = run["tok_s"] / result["engine"]["tok_s_with_start"]
+            run["answering_vs_engine"] = run["answering_tokens_per_s"] / result["engine"]["tok_s"]
             result[f"job_{replicas}_replicas"] = run
-            print(f"job, {replicas} replica(s): {run['tok_s']:.1f} tok/s, {run['vs_engine']:.3f} of the engine's "
-                  f"({run['vs_engine_with_start']:.3f} of its rate with start-up), {run['errors']} errors", flush=True)
+            print(f"job, {replicas} replica(s): {run['tok_s']:.1f} tok/s whole, {run['vs_engine']:.3f} of the "
+                  f"engine's ({run['vs_engine_with_start']:.3f} of its rate with start-up); answering "
+                  f"{run['answering_tokens_per_s']:.1f} tok/s over {run['answering_seconds']:.1f} s of "
+                  f"{run['seconds']:.1f}, {run['answering_vs_engine']:.3f} of the engine's; {run['errors']} errors",
+                  flush=True)
     name = f"batch-job-{Path(args.model or 'smollm2').name}-n{args.num_prompts}-i{args.input_len}-o{args.output_len}"
     print(f"wrote {write_result(name, args, result)}")
 

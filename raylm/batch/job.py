@@ -23,19 +23,27 @@ class BatchSummary:
     skipped: int
     seconds: float
     peak_rows_in_flight: int = 0  # the most rows one replica's engine answered at once
+    answering_seconds: float = 0.0  # from the first block a replica took to the last it answered
 
     @property
     def generated_tokens_per_s(self) -> float:
         return self.generated_tokens / self.seconds if self.seconds else 0.0
 
+    @property
+    def answering_tokens_per_s(self) -> float:
+        """Generated tokens a second while the replicas answered: the job's rate without its start-up."""
+        return self.generated_tokens / self.answering_seconds if self.answering_seconds else 0.0
+
     def __str__(self) -> str:
         return (f"{self.rows} rows answered ({self.errors} with errors, {self.skipped} already answered) in "
                 f"{self.seconds:.1f} s: {self.input_tokens} prompt tokens, {self.generated_tokens} generated "
-                f"({self.generated_tokens_per_s:.1f} tokens/s; at most {self.peak_rows_in_flight} rows at once in a "
+                f"({self.generated_tokens_per_s:.1f} tokens/s; {self.answering_tokens_per_s:.1f} over the "
+                f"{self.answering_seconds:.1f} s of answering; at most {self.peak_rows_in_flight} rows at once in a "
                 f"replica)")
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "generated_tokens_per_s": self.generated_tokens_per_s}
+        return {**asdict(self), "generated_tokens_per_s": self.generated_tokens_per_s,
+                "answering_tokens_per_s": self.answering_tokens_per_s}
 
 
 def replica_resources(args: BatchArgs, cluster_gpus: float) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -93,6 +101,5 @@ def run_batch(args: BatchArgs | None = None, **fields: Any) -> BatchSummary:
     )
     sink = AnswersDatasink(args.output)
     answers.write_datasink(sink)
-    totals = getattr(sink, "totals", {"rows": 0, "errors": 0, "input_tokens": 0, "generated_tokens": 0,
-                                      "peak_rows_in_flight": 0})
+    totals = getattr(sink, "totals", {"rows": 0, "errors": 0, "input_tokens": 0, "generated_tokens": 0})
     return BatchSummary(**totals, skipped=len(done), seconds=time.perf_counter() - begin)

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -55,6 +56,7 @@ class BatchReplica:
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
         keys, lines = list(batch[KEY]), list(batch[LINE])
+        started = time.time()
         with self._lock:
             self._rows_in_flight += len(keys)
             in_flight = self._rows_in_flight
@@ -63,13 +65,17 @@ class BatchReplica:
         finally:
             with self._lock:
                 self._rows_in_flight -= len(keys)
+        finished = time.time()
         return {
             KEY: keys,
             LINE: [json.dumps(json_safe(answer), ensure_ascii=False) for answer, _ in answers],
             "failed": [usage is None for _, usage in answers],
             "input_tokens": [usage[0] if usage else 0 for _, usage in answers],
             "generated_tokens": [usage[1] if usage else 0 for _, usage in answers],
-            "rows_in_flight": [in_flight] * len(keys),  # the job's summary reports the most
+            # For the job's summary: the most rows answered at once, and when the replicas were answering.
+            "rows_in_flight": [in_flight] * len(keys),
+            "started": [started] * len(keys),
+            "finished": [finished] * len(keys),
         }
 
     async def _answer_all(self, keys: list[str], lines: list[str]) -> list[tuple[dict, tuple[int, int] | None]]:

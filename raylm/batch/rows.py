@@ -101,8 +101,9 @@ class AnswersDatasink(Datasink):
     def on_write_start(self, schema: Any = None) -> None:
         self.filesystem.create_dir(self.path, recursive=True)
 
-    def write(self, blocks: Iterable[pa.Table], ctx: Any) -> dict[str, int]:
-        counts = {"rows": 0, "errors": 0, "input_tokens": 0, "generated_tokens": 0, "peak_rows_in_flight": 0}
+    def write(self, blocks: Iterable[pa.Table], ctx: Any) -> dict[str, float]:
+        counts = {"rows": 0, "errors": 0, "input_tokens": 0, "generated_tokens": 0, "peak_rows_in_flight": 0,
+                  "answering_from": float("inf"), "answering_until": 0.0}
         name = f"{self.path}/answers-{self.run_id}-{ctx.task_idx:06d}.jsonl"
         with self.filesystem.open_output_stream(name) as out:
             for block in blocks:
@@ -114,15 +115,19 @@ class AnswersDatasink(Datasink):
                     counts["errors"] += int(failed)
                     counts["input_tokens"] += input_tokens
                     counts["generated_tokens"] += generated
-                counts["peak_rows_in_flight"] = max(counts["peak_rows_in_flight"],
-                                                    max(block.column("rows_in_flight").to_pylist(), default=0))
+                for key, most, column in (("peak_rows_in_flight", max, "rows_in_flight"),
+                                          ("answering_from", min, "started"), ("answering_until", max, "finished")):
+                    counts[key] = most(counts[key], most(block.column(column).to_pylist(), default=counts[key]))
         return counts
 
     def on_write_complete(self, write_result: Any) -> None:
-        self.totals = {key: sum(counts[key] for counts in write_result.write_returns)
+        returns = write_result.write_returns
+        self.totals = {key: sum(counts[key] for counts in returns)
                        for key in ("rows", "errors", "input_tokens", "generated_tokens")}
-        self.totals["peak_rows_in_flight"] = max((counts["peak_rows_in_flight"]
-                                                  for counts in write_result.write_returns), default=0)
+        self.totals["peak_rows_in_flight"] = max((counts["peak_rows_in_flight"] for counts in returns), default=0)
+        begin = min((counts["answering_from"] for counts in returns), default=0.0)
+        end = max((counts["answering_until"] for counts in returns), default=0.0)
+        self.totals["answering_seconds"] = max(0.0, end - begin)
 
 
 def filesystem_and_path(path: str) -> tuple[Any, str]:

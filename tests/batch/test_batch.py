@@ -145,6 +145,7 @@ class TestJobs:
                             sampling={"max_tokens": 48, "temperature": 0, "ignore_eos": True}, max_seq_len=128)
         assert summary.rows == 16 and summary.errors == 0
         assert summary.peak_rows_in_flight > 2, summary
+        assert 0 < summary.answering_seconds < summary.seconds
 
     def test_resume_skips_answered_rows_and_an_answered_output_is_not_overwritten(self, tiny_model_dirs,
                                                                                     tmp_path):

@@ -106,7 +106,7 @@ def test_a_retried_write_rewrites_its_own_file_so_no_answer_is_written_twice(tmp
     sink.on_write_start()
     block = pa.table({KEY: ["row:a", "row:b"], LINE: ['{"row_id": "a"}', '{"row_id": "b"}'],
                       "failed": [False, False], "input_tokens": [3, 4], "generated_tokens": [1, 2],
-                      "rows_in_flight": [2, 2]})
+                      "rows_in_flight": [2, 2], "started": [1.0, 1.0], "finished": [2.0, 2.0]})
     task = SimpleNamespace(task_idx=5)
     sink.write([block], task)
     sink.write([block], task)  # the same write task run again (Ray retried it after its worker died)
