@@ -168,12 +168,37 @@ class Workload:
     prompts: list[list[int]]
 
 
-async def measure(send: Send, args: argparse.Namespace, workload: Workload) -> dict:
+async def measure(send: Send, args: argparse.Namespace, workload: Workload,
+                  hops: Callable[[], Awaitable[dict[str, list[float]]]] | None = None) -> dict:
+    """The workload's summary; with `hops` (the server's hop histograms: sum and count by hop), the mean time the
+    measured requests' messages spent on each hop between the server and its engine."""
     for prompt in workload.warmup:
         await send(prompt)
+    before = await hops() if hops else {}
     records, duration = await run_workload(send, workload.prompts, args.request_rate, args.max_concurrency,
                                            args.seed)
-    return summarize(records, duration)
+    summary = summarize(records, duration)
+    if hops:
+        after = await hops()
+        summary["hop_mean_ms"] = {}
+        for hop, (total, count) in after.items():
+            earlier_total, earlier_count = before.get(hop, [0.0, 0])
+            if count > earlier_count:
+                summary["hop_mean_ms"][hop] = (total - earlier_total) / (count - earlier_count) * 1000
+    return summary
+
+
+async def server_hops(session, base_url: str) -> dict[str, list[float]]:
+    """[sum, count] of each hop of the server's raylm_request_hop_seconds histogram (its /prometheus/metrics)."""
+    async with session.get(f"{base_url}/prometheus/metrics") as response:
+        text = await response.text()
+    hops: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        for position, suffix in enumerate(("_sum{", "_count{")):
+            if line.startswith(f"raylm_request_hop_seconds{suffix}"):
+                hop = line.split('hop="', 1)[1].split('"', 1)[0]
+                hops.setdefault(hop, [0.0, 0])[position] += float(line.rsplit(" ", 1)[1])
+    return hops
 
 
 # ---------------------------------------------------------------------------------------------- runs
@@ -196,7 +221,8 @@ async def _over_http(base_url: str, model: str, api_key: str | None, args, workl
 
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
-        return await measure(openai_sender(session, base_url, model, api_key, args.output_len), args, workload)
+        return await measure(openai_sender(session, base_url, model, api_key, args.output_len), args, workload,
+                             hops=lambda: server_hops(session, base_url))
 
 
 def run_serve(args: argparse.Namespace, config, workload: Workload) -> dict:
@@ -295,6 +321,10 @@ def main() -> None:
         print(f"Serve hop (serve - engine): TTFT mean {hop['ttft_ms']['mean']:+.1f} ms, median "
               f"{hop['ttft_ms']['median']:+.1f} ms; ITL mean {hop['itl_ms']['mean']:+.1f} ms, median "
               f"{hop['itl_ms']['median']:+.1f} ms")
+    for label, result in results.items():
+        if result.get("hop_mean_ms"):
+            print(f"{label}: mean time between server and engine: " + ", ".join(
+                f"{hop} {ms:.2f} ms" for hop, ms in sorted(result["hop_mean_ms"].items())))
     print(f"wrote {path}")
 
 

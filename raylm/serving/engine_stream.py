@@ -74,6 +74,7 @@ class OutputChunk:
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: TokenLogprobs | None = None  # entries new since the previous chunk
     first: bool = False  # the request's first chunk
+    sent_at: float | None = None  # when the engine deployment sent it (time.time()), to time the hop
 
 
 def outputs_only_grow(params: SamplingParams | None) -> bool:
@@ -115,6 +116,44 @@ class ChunkEncoder:
             chunk.prompt, chunk.prompt_token_ids = output.prompt, output.prompt_token_ids
             self._first = False
         return chunk
+
+
+def merge_chunks(chunks: list[OutputChunk]) -> OutputChunk:
+    """One chunk saying what `chunks`, successive chunks of one request, say together: the engine deployment sends
+    the chunks that queued up behind a slow send as one message (and the ingress writes one event for them)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    first, last = chunks[0], chunks[-1]
+    if last.whole:  # whole outputs: the last says everything
+        prompt_logprobs = next((chunk.prompt_logprobs for chunk in reversed(chunks)
+                                if chunk.prompt_logprobs is not None), None)
+        completions = last.completions
+    else:
+        prompt_logprobs = None
+        joined: dict[int, CompletionOutput] = {}
+        for chunk in chunks:
+            if chunk.prompt_logprobs is not None:
+                prompt_logprobs = (prompt_logprobs or []) + list(chunk.prompt_logprobs)
+            for part in chunk.completions:
+                sofar = joined.get(part.index)
+                if sofar is None:
+                    joined[part.index] = CompletionOutput(
+                        index=part.index, text=part.text, token_ids=list(part.token_ids),
+                        cumulative_logprob=part.cumulative_logprob,
+                        logprobs=list(part.logprobs) if part.logprobs is not None else None,
+                        finish_reason=part.finish_reason, stop_reason=part.stop_reason,
+                        weight_versions=part.weight_versions)
+                    continue
+                sofar.text += part.text
+                sofar.token_ids.extend(part.token_ids)
+                if part.logprobs is not None:
+                    sofar.logprobs = (sofar.logprobs or []) + list(part.logprobs)
+                sofar.cumulative_logprob, sofar.weight_versions = part.cumulative_logprob, part.weight_versions
+                sofar.finish_reason, sofar.stop_reason = part.finish_reason, part.stop_reason
+        completions = list(joined.values())
+    return OutputChunk(request_id=last.request_id, finished=last.finished, num_cached_tokens=last.num_cached_tokens,
+                       metrics=last.metrics, completions=completions, whole=last.whole, prompt=first.prompt,
+                       prompt_token_ids=first.prompt_token_ids, prompt_logprobs=prompt_logprobs, first=first.first)
 
 
 async def output_chunks(result: GenerationResult, params: SamplingParams | None) -> AsyncIterator[OutputChunk]:

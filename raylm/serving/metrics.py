@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
+    from raylm.serving.engine_stream import OutputChunk
     from raylm.serving.response_stream import RequestProgress
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+_HOP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
 _PER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -49,6 +51,12 @@ class MetricFamilies:
                                             buckets=_PER_TOKEN_BUCKETS)
         self.e2e_latency = family(Histogram, "raylm_e2e_request_latency_seconds",
                                   "Time from submission to the last output.", buckets=_LATENCY_BUCKETS)
+        self.hop_time = Histogram(
+            "raylm_request_hop_seconds",
+            "Time a request's messages spend between the HTTP server and its engine: hop=to_engine from the "
+            "server's submission to the engine's arrival, hop=from_engine from the engine deployment's send of an "
+            "output to its arrival at the server (Ray Serve only; wall clocks, so across nodes their skew counts).",
+            ["model_name", "hop"], registry=self.registry, buckets=_HOP_BUCKETS)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -71,6 +79,8 @@ class ServingMetrics:
         self.time_to_first_token = families.time_to_first_token.labels(**labels)
         self.time_per_output_token = families.time_per_output_token.labels(**labels)
         self.e2e_latency = families.e2e_latency.labels(**labels)
+        self.to_engine = families.hop_time.labels(hop="to_engine", **labels)
+        self.from_engine = families.hop_time.labels(hop="from_engine", **labels)
         self.requests_finished = families.requests_finished
         self._iteration_stats: deque[dict] = deque(maxlen=max_iteration_stats)
 
@@ -121,7 +131,18 @@ class RequestTimer:
     def __init__(self, metrics: ServingMetrics):
         self.metrics = metrics
         self.submitted = time.perf_counter()
+        self.submitted_at = time.time()  # the wall clock, to compare with the engine's
         self.first_token: float | None = None
+
+    def observe_chunk(self, chunk: OutputChunk) -> None:
+        """Times the hops of a chunk just received: the request's way to the engine (its first chunk), and the
+        chunk's way back from the engine deployment."""
+        now = time.time()
+        arrival = chunk.metrics.get("arrival_time")
+        if chunk.first and arrival is not None:
+            self.metrics.to_engine.observe(max(0.0, arrival - self.submitted_at))
+        if chunk.sent_at is not None:
+            self.metrics.from_engine.observe(max(0.0, now - chunk.sent_at))
 
     def observe(self, request: RequestProgress) -> None:
         """Takes note of the request's progress each time it has changed."""

@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +54,7 @@ from raylm.sampling_params import SamplingParams
 from raylm.serving.app import build_models_app
 from raylm.serving.config import ServeArgs
 from raylm.serving.engine import encode_all
-from raylm.serving.engine_stream import stream_request
+from raylm.serving.engine_stream import OutputChunk, merge_chunks, stream_request
 from raylm.serving.prefix_router import PrefixAwareRouter
 from raylm.serving.remote_engine import EngineDescription, RemoteEngine
 
@@ -81,6 +82,17 @@ ONE_LOOP_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RU
 
 def _set_log_level(args: ServeArgs) -> None:
     logging.getLogger("raylm").setLevel(args.log_level.upper())
+
+
+def _queued_chunks(message: Any, messages: asyncio.Queue) -> tuple[list[OutputChunk], Any]:
+    """(`message` and the output chunks queued behind it, the first other message or None when the queue ran out):
+    chunks that queued up while the previous message was being sent go as one, so under load a request costs a
+    message per send the replica gets to, not one per engine step; alone, each chunk goes as soon as it comes."""
+    chunks: list[OutputChunk] = []
+    while isinstance(message, OutputChunk):
+        chunks.append(message)
+        message = None if messages.empty() else messages.get_nowait()
+    return chunks, message
 
 
 @serve.deployment(name="RaylmEngine")
@@ -139,10 +151,18 @@ class EngineDeployment:
 
         request = contextvars.Context().run(asyncio.ensure_future, relay())
         try:
-            while (message := await messages.get()) is not _END:
+            while True:
+                chunks, message = _queued_chunks(await messages.get(), messages)
+                if chunks:
+                    chunk = merge_chunks(chunks)
+                    chunk.sent_at = time.time()
+                    yield chunk
+                if message is _END:
+                    break
                 if isinstance(message, Exception):
                     raise message
-                yield message
+                if message is not None:
+                    yield message
         finally:
             request.cancel()  # aborts the request in the engine unless it has finished
 

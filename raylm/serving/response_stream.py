@@ -159,6 +159,7 @@ class ResponseStream:
                     raise self._failure(item)
                 else:
                     deltas = self.requests[index].add(item)
+                    timers[index].observe_chunk(item)
                     timers[index].observe(self.requests[index])
                     for delta in deltas:
                         yield delta

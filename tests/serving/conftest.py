@@ -61,14 +61,15 @@ def used_blocks(llm: LLM) -> int:
 def check_long_stream_sends_only_new_parts(client: openai.OpenAI, model: str, max_tokens: int = 256) -> None:
     """A long greedy completion, streamed: its chunks' texts concatenate to the non-streamed text, and each chunk
     carries only its new text and tokens. A server that sent whole texts again, or diffed what was already a
-    diff, would fail one or the other."""
+    diff, would fail one or the other. (A chunk may carry several tokens: the engine deployment merges those that
+    queue up behind a slow send.)"""
     kwargs = dict(model=model, prompt="Count to one thousand:", max_tokens=max_tokens, temperature=0, logprobs=1,
                   extra_body={"ignore_eos": True})
     whole = client.completions.create(**kwargs).choices[0]
     choices = [chunk.choices[0] for chunk in client.completions.create(stream=True, **kwargs)]
     assert "".join(choice.text for choice in choices) == whole.text and len(whole.text) > 200
     tokens = [len(choice.logprobs.tokens) for choice in choices]
-    assert sum(tokens) == max_tokens and max(tokens) <= 4
+    assert sum(tokens) == max_tokens and len(choices) > 1
     assert [token for choice in choices for token in choice.logprobs.tokens] == whole.logprobs.tokens
 
 

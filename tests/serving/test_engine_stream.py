@@ -11,6 +11,7 @@ from raylm.serving.engine_stream import (
     Failed,
     OutputChunk,
     Rejected,
+    merge_chunks,
     output_chunks,
     outputs_only_grow,
     stream_request,
@@ -73,3 +74,48 @@ def test_closing_the_stream_early_aborts_the_request_and_frees_its_blocks(llm):
     messages = _messages(llm, "Count to one thousand:", SamplingParams(max_tokens=900, ignore_eos=True), keep=3)
     assert len(messages) == 3 and not messages[-1].finished
     assert used_blocks(llm) == 0
+
+
+def _followed(chunks: list[OutputChunk]):
+    from raylm.serving.response_stream import RequestProgress
+
+    progress = RequestProgress(0)
+    for chunk in chunks:
+        progress.add(chunk)
+    return progress.output()
+
+
+def test_merged_chunks_say_what_the_chunks_said(llm):
+    """However a request's chunks are grouped into messages, the output followed from them is the same."""
+    for params in (SamplingParams(max_tokens=7, n=2, seed=3, ignore_eos=True, logprobs=1, prompt_logprobs=1),
+                   SamplingParams(max_tokens=5, n=2, use_beam_search=True)):
+        _, chunks = encoded(llm, "Once upon a time", params)
+        expected = _followed(chunks)
+        for groups in ([chunks], [chunks[:1], chunks[1:4], chunks[4:]], [chunks[:3], chunks[3:]]):
+            merged = [merge_chunks(group) for group in groups if group]
+            assert merged[0].first and merged[-1].finished
+            followed = _followed(merged)
+            assert followed.outputs == expected.outputs
+            assert followed.prompt_logprobs == expected.prompt_logprobs
+            assert followed.prompt_token_ids == expected.prompt_token_ids
+
+
+def test_the_engine_deployment_sends_queued_chunks_as_one_message(llm):
+    from raylm.serving.ray_serve import _END, _queued_chunks
+
+    _, chunks = encoded(llm, "Hello", SamplingParams(max_tokens=4, ignore_eos=True))
+
+    def queue_of(*items) -> asyncio.Queue:
+        queue = asyncio.Queue()
+        for item in items:
+            queue.put_nowait(item)
+        return queue
+
+    admitted, failed = Admitted("r"), Failed("boom")
+    assert _queued_chunks(admitted, queue_of(*chunks)) == ([], admitted)
+    queue = queue_of(*chunks[1:], _END)
+    assert _queued_chunks(chunks[0], queue) == (chunks, _END) and queue.empty()
+    assert _queued_chunks(chunks[0], queue_of(chunks[1], failed, chunks[2])) == (chunks[:2], failed)
+    assert _queued_chunks(chunks[0], queue_of()) == (chunks[:1], None)
+    merged = merge_chunks(chunks)
+    assert merged.completions[0].token_ids == [t for chunk in chunks for t in chunk.completions[0].token_ids]

@@ -151,6 +151,9 @@ def test_metrics_and_prometheus_metrics_parse(client, base_url):
     assert families["raylm_time_to_first_token_seconds"].type == "histogram"
     assert families["raylm_kv_cache_usage_ratio"].type == "gauge"
     assert sum(s.value for s in families["raylm_generation_tokens"].samples if s.name.endswith("_total")) >= 3
+    hops = {sample.labels["hop"]: sample.value for sample in families["raylm_request_hop_seconds"].samples
+            if sample.name.endswith("_count")}
+    assert hops["to_engine"] >= 1 and hops["from_engine"] >= 1  # the ways to and from the engine deployment, timed
     info = _get(base_url, "/server_info").json()
     assert info["max_seq_len"] == 1024 and info["kv_cache"]["maxNumTokens"] == 8192
 
