@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from raylm import LLM, KvCacheConfig, LlmArgs, QuantConfig, SamplingParams, TokensPrompt
 from raylm.kernels.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
+from raylm.kernels.linear import linear
 from raylm.models import moe
 from raylm.models.loader import load_hf_config, load_model
 from raylm.models.parallel import SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear
@@ -359,3 +360,38 @@ def test_update_weights_in_the_models_dtype_are_quantized_on_the_way_in(tmp_path
     with pytest.raises(ValueError, match=re.escape("is torch.bfloat16, the engine's weights are torch.float32")):
         check_update([(name, tensor.bfloat16()) for name, tensor in named[:1]], checkpoint_shapes(hf_config),
                      torch.float32, "Qwen3MoeForCausalLM")
+
+
+# ------------------------------------------------------------------ tensor parallelism
+
+def _row_parallel_in_halves(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor:
+    """RowParallelLinear.forward of one rank computing what two ranks do: each half of the input columns quantized
+    per token on its own, times its half of the weight, the partial sums added."""
+    halves = zip(x.chunk(2, dim=-1), self.weight.chunk(2, dim=-1))
+    out = sum(linear(part, weight, None, self.kernels, self.weight_scale) for part, weight in halves)
+    return out if self.bias is None else out + self.bias
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_fp8_at_tensor_parallel_size_2_equals_one_rank_quantizing_each_ranks_half(ray_cluster, tiny_model_dirs,
+                                                                                  arch, monkeypatch):
+    """Two ranks over gloo, against one rank whose row-parallel layers (o, down, the experts' down) quantize each
+    half of their input apart, as the two ranks each quantize theirs: equal up to the order of the partial sums."""
+    path = tiny_model_dirs[arch]
+    two = _generate(path, quant_config=FP8, tensor_parallel_size=2)
+    expert_linear = moe.linear
+    moe_intermediate = 32
+
+    def experts_in_halves(x, weight, bias, policy, scale):
+        if x.shape[-1] != moe_intermediate:  # gate_up: every rank quantizes the whole hidden state
+            return expert_linear(x, weight, bias, policy, scale)
+        return sum(expert_linear(part, half, None, policy, scale)
+                   for part, half in zip(x.chunk(2, dim=-1), weight.chunk(2, dim=-1)))
+
+    monkeypatch.setattr(RowParallelLinear, "forward", _row_parallel_in_halves)
+    monkeypatch.setattr(moe, "linear", experts_in_halves)
+    one = _generate(path, quant_config=FP8, executor="local")
+    assert [tokens for tokens, _ in two] == [tokens for tokens, _ in one]
+    gaps = [abs(a - b) for (_, ours), (_, theirs) in zip(two, one) for a, b in zip(ours, theirs)]
+    assert max(gaps) < 1e-4
