@@ -345,6 +345,28 @@ def test_fp8_smollm2_still_answers_paris():
         assert llm.generate("The capital of France is", params).outputs[0].text.startswith(" Paris.")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_fp8_on_gpu_through_scaled_mm_matches_the_reference_path(tiny_model_dirs, arch, monkeypatch):
+    """bfloat16 on the GPU: torch._scaled_mm against the float32 reference, the same FP8 operands in both."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs compute capability 8.9+ (FP8 matmuls)")
+    from raylm.kernels import fp8 as fp8_kernels
+
+    path = tiny_model_dirs[arch]
+    calls = []
+    scaled_mm = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kw: calls.append(1) or scaled_mm(*args, **kw))
+    options = dict(quant_config=FP8, device="cuda", dtype="bfloat16", executor="local")
+    fast = _generate(path, **options)
+    assert calls  # the FP8 matmul ran
+    monkeypatch.setattr(fp8_kernels, "scaled_mm_applies", lambda x, weight: False)
+    reference = _generate(path, **options)
+    gaps = torch.tensor([abs(a - b) for (_, ours), (_, theirs) in zip(fast, reference) for a, b in zip(ours, theirs)])
+    assert gaps.mean() < 0.02, gaps
+
+
 # ------------------------------------------------------------------ update_weights
 
 
