@@ -1,6 +1,6 @@
 """raylm: a Ray-native LLM inference engine."""
 
-from raylm.config import KvCacheConfig, LlmArgs, PoolingConfig, SchedulerConfig
+from raylm.config import KvCacheConfig, LlmArgs, PoolingConfig, QuantConfig, SchedulerConfig
 from raylm.inputs import TextPrompt, TokensPrompt
 from raylm.llm import LLM
 from raylm.outputs import CompletionOutput, EncoderOutput, Logprob, RequestOutput
@@ -20,6 +20,7 @@ __all__ = [
     "LlmArgs",
     "Logprob",
     "PoolingConfig",
+    "QuantConfig",
     "RequestError",
     "RequestOutput",
     "GuidedDecodingParams",

@@ -129,6 +129,31 @@ class PoolingConfig(StrictModel):
         return value
 
 
+class QuantConfig(StrictModel):
+    """Quantization of the model (the LLM API's QuantConfig). quant_algo="FP8" stores each linear weight of the
+    decoder layers as float8_e4m3fn with a float32 scale per output row and quantizes activations per token at run
+    time; embeddings, the LM head, norms and biases stay in the model's dtype. A checkpoint already in FP8 (its
+    config.json's quantization_config) implies it (models/quantization.py)."""
+
+    quant_algo: Literal["FP8"] | None = Field(
+        default=None, description="FP8: weights in float8_e4m3fn, quantized as they load unless the checkpoint holds "
+                                  "them so already; null: the checkpoint's own (in the model's dtype unless "
+                                  "quantized).")
+    kv_cache_quant_algo: Literal["FP8"] | None = Field(
+        default=None, description="An FP8 KV cache: not supported yet (the KV cache takes kv_cache_config.dtype).")
+    weight_scale: Literal["per_channel", "per_tensor"] = Field(
+        default="per_channel", description="How weights quantized at load time are scaled: per_channel, by their "
+                                           "output row's amax / 448; per_tensor, by their matrix's. A checkpoint in "
+                                           "FP8 keeps its own scales.")
+
+    @field_validator("kv_cache_quant_algo")
+    @classmethod
+    def _no_fp8_kv_cache_yet(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise ValueError(f"quant_config.kv_cache_quant_algo={value!r} is not supported yet; leave it unset")
+        return value
+
+
 class LlmArgs(StrictModel):
     """Arguments of `LLM(...)`; see the LLM API reference for each field."""
 
@@ -165,6 +190,7 @@ class LlmArgs(StrictModel):
         default=False, description="Pipelines run each step through the stages in micro-batches instead of having "
                                    "the first stage work on step N+1 while the last finishes step N.")
     kernel_config: KernelConfig = Field(default_factory=KernelConfig)
+    quant_config: QuantConfig = Field(default_factory=QuantConfig)
     sleep_config: SleepConfig = Field(default_factory=SleepConfig)
 
     worker_extension_cls: Any = Field(

@@ -16,6 +16,8 @@ from raylm.pooling import PoolingSpec
 if TYPE_CHECKING:
     import torch
 
+    from raylm.models.quantization import Fp8Weights
+
 
 @dataclass
 class WorkerSpec:
@@ -28,6 +30,7 @@ class WorkerSpec:
     max_seq_len: int
     cpu_threads: int | None = None  # torch threads of a CPU worker (None: torch's default)
     pooling: PoolingSpec | None = None  # set for an encode_only engine (no KV cache; engine/pooling_engine.py)
+    fp8: Fp8Weights | None = None  # FP8 linear weights (models/quantization.py), from quant_config and the checkpoint
 
 
 @dataclass

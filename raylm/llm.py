@@ -20,6 +20,7 @@ from raylm.engine_spec import EngineInfo, WorkerSpec, resolve_device, resolve_dt
 from raylm.inputs import PromptInputs, check_prompt_length, is_single_prompt, to_prompt_list, tokenize_prompt
 from raylm.models.arch import config_dtype
 from raylm.models.loader import load_hf_config
+from raylm.models.quantization import resolve_fp8_weights
 from raylm.models.registry import resolve_architecture
 from raylm.models.source import ModelSource, resolve_model
 from raylm.outputs import EncoderOutput, RequestOutput
@@ -96,7 +97,7 @@ class LLM:
         device = resolve_device(self.args.device)
         dtype = resolve_dtype(self.args.dtype, device, config_dtype(hf_config))
         spec = WorkerSpec(self.args, source, device, dtype, self._max_seq_len(source, hf_config, pooling),
-                          pooling=pooling)
+                          pooling=pooling, fp8=resolve_fp8_weights(self.args.quant_config, hf_config))
         self._executor = self._create_executor(spec, device)
         self.info: EngineInfo = self._executor.info
         self._client = EngineClient(self._executor, self._tokenizer, self.args.iter_stats_max_iterations,

@@ -183,7 +183,8 @@ class Worker:
         encode_only = self.spec.pooling is not None
         with region(self._fixed, "model_weights", keep_contents=sleep.model_weights == "host_copy"):
             loaded = load_model(self.spec.source, hf_config, self.dtype, self.device, self.spec.max_seq_len,
-                                args.load_format, ctx=self.ctx, seed=args.seed, encode_only=encode_only)
+                                args.load_format, ctx=self.ctx, seed=args.seed, encode_only=encode_only,
+                                fp8=self.spec.fp8)
         move_into_region(self._fixed, list(loaded.model.buffers()), "model", keep_contents=True)
         self.arch = loaded.arch
         self.timings["model_loader"] = loaded.timings

@@ -1,5 +1,5 @@
-"""Linear layers' matmul: cuBLAS (F.linear), or the Triton GEMV for decode-sized inputs where the model's kernel
-policy says so (kernels/policy.py)."""
+"""Linear layers' matmul: cuBLAS (F.linear), the Triton GEMV for decode-sized inputs where the model's kernel
+policy says so (kernels/policy.py), or the FP8 matmul for weights stored in FP8 (kernels/fp8.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,14 @@ import torch.nn.functional as F
 from raylm.kernels.policy import KernelPolicy
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, policy: KernelPolicy) -> torch.Tensor:
-    """x @ weight.T + bias, through the Triton GEMV (kernels/triton_gemv.py) where policy.gemv_applies."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, policy: KernelPolicy,
+           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias, through the Triton GEMV (kernels/triton_gemv.py) where policy.gemv_applies; an FP8
+    weight comes with its per-row weight_scale and goes through kernels/fp8.py."""
+    if weight_scale is not None:
+        from raylm.kernels.fp8 import fp8_linear
+
+        return fp8_linear(x, weight, weight_scale, bias)
     if policy.gemv_applies(x, weight):
         from raylm.kernels.triton_gemv import gemv
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from raylm.models.quantization import Fp8Weights
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,8 @@ class ArchConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     moe_layers: tuple[bool, ...] = ()
+    # FP8 linear weights in the decoder layers (models/quantization.py), or None: the model's dtype throughout.
+    fp8: Fp8Weights | None = None
 
     def is_moe_layer(self, index: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[index]

@@ -15,6 +15,7 @@ from torch import nn
 
 from raylm.kernels.activation import gated_activation
 from raylm.kernels.attention import AttentionMetadata
+from raylm.kernels.fp8 import FP8_DTYPE
 from raylm.kernels.norm import RMSNorm
 from raylm.kernels.policy import KernelPolicy
 from raylm.kernels.rotary import RotaryEmbedding, rope_inv_freq
@@ -31,6 +32,14 @@ from raylm.models.parallel import (
     VocabParallelEmbedding,
     default_weight_loader,
 )
+from raylm.models.quantization import (
+    UNUSED_SUFFIXES,
+    checkpoint_scale,
+    is_fp8,
+    quantize_checkpoint_weight,
+    scale_param_name,
+    split_scale_name,
+)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -41,10 +50,11 @@ class Attention(nn.Module):
     def __init__(self, arch: ArchConfig, ctx: ParallelContext):
         super().__init__()
         self.head_dim = arch.head_dim
+        fp8 = arch.fp8 is not None
         self.qkv_proj = QKVParallelLinear(
-            arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.qkv_bias, ctx
+            arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.qkv_bias, ctx, fp8
         )
-        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size, arch.o_bias, ctx)
+        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size, arch.o_bias, ctx, fp8)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
@@ -69,8 +79,9 @@ class MLP(nn.Module):
     def __init__(self, arch: ArchConfig, ctx: ParallelContext):
         super().__init__()
         size = arch.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [size, size], arch.mlp_bias, ctx)
-        self.down_proj = RowParallelLinear(size, arch.hidden_size, arch.mlp_bias, ctx)
+        fp8 = arch.fp8 is not None
+        self.gate_up_proj = MergedColumnParallelLinear(arch.hidden_size, [size, size], arch.mlp_bias, ctx, fp8)
+        self.down_proj = RowParallelLinear(size, arch.hidden_size, arch.mlp_bias, ctx, fp8)
         self.act = gated_activation(arch.hidden_act)
         self.silu = arch.hidden_act == "silu"
 
@@ -227,24 +238,39 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies checkpoint tensors (HF names) into this rank's parameters; returns the names loaded.
 
-        Tensors may be lazy slices (anything with .shape and .narrow): loaders read only this rank's shard.
+        Tensors may be lazy slices (anything with .shape, .dtype and .narrow): loaders read only this rank's shard,
+        except where FP8 weights are quantized as they load (models/quantization.py), which reads each whole.
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
+
+        def load(name: str, tensor, shard_id: object) -> None:
+            param = params[name]
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+            loaded.add(name)
+
         for checkpoint_name, tensor in weights:
             name = self._local_name(checkpoint_name)
-            if name is None:
+            if name is None or (self.arch.fp8 is not None and name.endswith(UNUSED_SUFFIXES)):
                 continue
+            name, is_scale = split_scale_name(name)
             name, shard_id = self._fused_name(name)
             if name.endswith((".w13", ".w2")) and shard_id[0] is not None:
                 block = self.get_submodule(name.rsplit(".", 1)[0])
                 if not block.owns(shard_id[0]):
                     continue
+            if is_scale:
+                name, tensor = scale_param_name(name), checkpoint_scale(checkpoint_name, tensor)
             if name not in params:
                 raise ValueError(f"checkpoint tensor {checkpoint_name!r} has no parameter in "
                                  f"{self.arch.architecture}")
-            param = params[name]
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            loader(param, tensor, shard_id)
-            loaded.add(name)
+            if not is_scale and params[name].dtype == FP8_DTYPE and not is_fp8(tensor):
+                stacked_gate_up = name.endswith(".w13") and shard_id[0] is None
+                tensor, scale = quantize_checkpoint_weight(tensor, params[name].device, self.arch.fp8.per_tensor,
+                                                           stacked_gate_up)
+                load(scale_param_name(name), scale, shard_id)
+            elif not is_scale and is_fp8(tensor) and params[name].dtype != FP8_DTYPE:
+                raise ValueError(f"checkpoint tensor {checkpoint_name!r} is in FP8, but {name} is not: only the "
+                                 "decoder layers' linear weights are FP8 (quant_config.quant_algo='FP8')")
+            load(name, tensor, shard_id)
         return loaded

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import zlib
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from torch import nn
 from raylm.models.arch import ArchConfig
 from raylm.models.bert import EncoderArch
 from raylm.models.parallel import SINGLE, ParallelContext
+from raylm.models.quantization import Fp8Weights
 from raylm.models.registry import resolve_architecture
 from raylm.models.source import ModelSource
 
@@ -43,12 +45,21 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
+# safetensors' names of the dtypes checkpoints hold.
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                       "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                       "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
 class LazyTensor:
     """A checkpoint tensor not read yet: a rank reads only the slice its weight loader narrows to."""
 
     def __init__(self, handle, name: str):
+        self._handle = handle
+        self._name = name
         self._slice = handle.get_slice(name)
         self.shape = tuple(self._slice.get_shape())
+        self.dtype = _SAFETENSORS_DTYPES.get(self._slice.get_dtype())
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         index = [slice(None)] * len(self.shape)
@@ -56,7 +67,7 @@ class LazyTensor:
         return self._slice[tuple(index)]
 
     def __getitem__(self, index) -> torch.Tensor:
-        return self._slice[:] if index is Ellipsis else self._slice[index]
+        return self._handle.get_tensor(self._name) if index is Ellipsis else self._slice[index]
 
 
 def _iter_safetensors(directory: Path) -> Iterator[tuple[str, LazyTensor]]:
@@ -89,12 +100,12 @@ class DummyTensor:
     def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, seed: int):
         self.name = name
         self.shape = shape
-        self._dtype = dtype
+        self.dtype = dtype
         self._device = device
         self._seed = seed
 
     def _full(self) -> torch.Tensor:
-        tensor = torch.empty(self.shape, dtype=self._dtype, device=self._device)
+        tensor = torch.empty(self.shape, dtype=self.dtype, device=self._device)
         if self.name.endswith("norm.weight"):
             return tensor.fill_(1.0)
         if self.name.endswith("bias"):
@@ -132,11 +143,17 @@ def load_model(
     ctx: ParallelContext = SINGLE,
     seed: int = 0,
     encode_only: bool = False,
+    fp8: Fp8Weights | None = None,
 ) -> LoadedModel:
     """Constructs the model for `hf_config` on `device` in `dtype` and loads this rank's weights. An encode_only
-    engine never projects onto the vocabulary, so a checkpoint without an LM head (an embedding model's) loads."""
+    engine never projects onto the vocabulary, so a checkpoint without an LM head (an embedding model's) loads. fp8
+    (models/quantization.py: resolve_fp8_weights): the decoder layers' linear weights in FP8."""
     start = time.perf_counter()
     entry, arch = resolve_architecture(hf_config)
+    if fp8 is not None:
+        if entry.encoder_only:
+            raise ValueError(f"quant_config.quant_algo='FP8' is for decoder models, not {arch.architecture}")
+        arch = dataclasses.replace(arch, fp8=fp8)
     with _default_dtype(dtype), torch.device(device):
         model = entry.model_class(arch, max_positions, ctx)
     prepared = time.perf_counter()

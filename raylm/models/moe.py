@@ -12,8 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raylm.kernels.fp8 import FP8_DTYPE
+from raylm.kernels.linear import linear
+from raylm.kernels.policy import KernelPolicy
 from raylm.models.arch import ArchConfig
 from raylm.models.parallel import ParallelContext
+
+_CUBLAS = KernelPolicy()  # experts' matmuls: F.linear, or the FP8 matmul for FP8 experts
 
 
 class MoEBlock(nn.Module):
@@ -38,10 +43,24 @@ class MoEBlock(nn.Module):
         self.inter = arch.moe_intermediate_size // self.expert_tp
         hidden = arch.hidden_size
         self.gate = nn.Linear(hidden, self.num_experts, bias=False)  # the router, replicated
-        self.w13 = nn.Parameter(torch.empty(self.local_count, 2 * self.inter, hidden))
-        self.w2 = nn.Parameter(torch.empty(self.local_count, hidden, self.inter))
+        fp8 = arch.fp8 is not None
+        weight_dtype = FP8_DTYPE if fp8 else None
+        self.w13 = nn.Parameter(torch.empty(self.local_count, 2 * self.inter, hidden, dtype=weight_dtype),
+                                requires_grad=not fp8)
+        self.w2 = nn.Parameter(torch.empty(self.local_count, hidden, self.inter, dtype=weight_dtype),
+                               requires_grad=not fp8)
         self.w13.weight_loader = self._load_w13
         self.w2.weight_loader = self._load_w2
+        # FP8 experts' float32 scales, one per output row of each expert: split with the rows of w13; whole for w2,
+        # whose rows (the hidden size) are not split.
+        self.w13_scale = self.w2_scale = None
+        if fp8:
+            self.w13_scale = nn.Parameter(torch.empty(self.local_count, 2 * self.inter, dtype=torch.float32),
+                                          requires_grad=False)
+            self.w2_scale = nn.Parameter(torch.empty(self.local_count, hidden, dtype=torch.float32),
+                                         requires_grad=False)
+            self.w13_scale.weight_loader = self._load_w13
+            self.w2_scale.weight_loader = self._load_w2_scale
 
     def owns(self, expert: int) -> bool:
         return self.first_expert <= expert < self.first_expert + self.local_count
@@ -49,15 +68,17 @@ class MoEBlock(nn.Module):
     # Shard ids: (expert, half) for one expert's projection (half 0: gate, 1: up; None for down); (None, None) for
     # every expert's, stacked as transformers holds them: gate_up_proj [E, 2I, H] (gate rows, then up) and
     # down_proj [E, H, I]. A stacked tensor goes in with one sliced copy: this rank's experts, and of each its
-    # rows (w13) or columns (w2) of the intermediate dimension.
+    # rows (w13) or columns (w2) of the intermediate dimension. _load_w13 also takes w13's scales, which are its
+    # rows without their columns.
 
     def _load_w13(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: tuple[int | None, int | None]) -> None:
         expert, half = shard_id
         start = self.expert_tp_rank * self.inter
         if expert is None:
             stacked = loaded.narrow(0, self.first_expert, self.local_count)
-            halves = stacked.reshape(self.local_count, 2, -1, stacked.shape[-1]).narrow(2, start, self.inter)
-            param.data.view(self.local_count, 2, self.inter, -1).copy_(halves)
+            columns = tuple(stacked.shape[2:])
+            halves = stacked.reshape(self.local_count, 2, -1, *columns).narrow(2, start, self.inter)
+            param.data.view(self.local_count, 2, self.inter, *columns).copy_(halves)
             return
         param.data[expert - self.first_expert, half * self.inter : (half + 1) * self.inter].copy_(
             loaded.narrow(0, start, self.inter))
@@ -69,6 +90,17 @@ class MoEBlock(nn.Module):
             param.data.copy_(loaded.narrow(0, self.first_expert, self.local_count).narrow(2, start, self.inter))
             return
         param.data[expert - self.first_expert].copy_(loaded.narrow(1, start, self.inter))
+
+    def _load_w2_scale(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: tuple[int | None, None]) -> None:
+        expert, _ = shard_id
+        if expert is None:
+            param.data.copy_(loaded.narrow(0, self.first_expert, self.local_count))
+            return
+        param.data[expert - self.first_expert].copy_(loaded[...])
+
+    @staticmethod
+    def _scale(scales: torch.Tensor | None, local: int) -> torch.Tensor | None:
+        return None if scales is None else scales[local]
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], experts [T, k]) as the reference router computes them."""
@@ -86,7 +118,8 @@ class MoEBlock(nn.Module):
             token_idx, slot = torch.nonzero(experts == self.first_expert + local, as_tuple=True)
             if token_idx.numel() == 0:
                 continue
-            gate, up = F.linear(hidden[token_idx], self.w13[local]).chunk(2, dim=-1)
-            expert_out = F.linear(F.silu(gate) * up, self.w2[local])
+            gate, up = linear(hidden[token_idx], self.w13[local], None, _CUBLAS, self._scale(self.w13_scale, local)
+                              ).chunk(2, dim=-1)
+            expert_out = linear(F.silu(gate) * up, self.w2[local], None, _CUBLAS, self._scale(self.w2_scale, local))
             out.index_add_(0, token_idx, expert_out * weights[token_idx, slot].unsqueeze(-1))
         return self.ctx.all_reduce(out)

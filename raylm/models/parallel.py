@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from raylm.kernels.fp8 import FP8_DTYPE
 from raylm.kernels.linear import linear
 from raylm.kernels.policy import KernelPolicy
 
@@ -98,6 +99,25 @@ def _set_loader(param: nn.Parameter, loader: Callable) -> nn.Parameter:
     return param
 
 
+def _weight(rows: int, columns: int, fp8: bool, loader: Callable) -> nn.Parameter:
+    """A linear layer's weight: in the default dtype, or float8_e4m3fn (fp8), which has no gradient."""
+    return _set_loader(nn.Parameter(torch.empty(rows, columns, dtype=FP8_DTYPE if fp8 else None),
+                                    requires_grad=not fp8), loader)
+
+
+def _weight_scale(rows: int, fp8: bool, loader: Callable) -> nn.Parameter | None:
+    """An FP8 weight's float32 scale per output row (None without fp8). A column-parallel layer's loader splits it
+    as it splits rows; a row-parallel layer's rows are whole on every rank, and so are its scales."""
+    if not fp8:
+        return None
+    return _set_loader(nn.Parameter(torch.empty(rows, dtype=torch.float32), requires_grad=False), loader)
+
+
+def copy_whole(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
+    """Copies a checkpoint tensor into a parameter unsplit (a per-tensor scale broadcast over its rows)."""
+    param.data.copy_(loaded[...])
+
+
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
@@ -109,11 +129,13 @@ class ColumnParallelLinear(nn.Module):
 
     kernels = KernelPolicy()  # the model's kernel policy (kernels/policy.py: set_kernel_policy)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext = SINGLE):
+    def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext = SINGLE,
+                 fp8: bool = False):
         super().__init__()
         self.ctx = ctx
         self.out_per_rank = _shard(out_features, ctx, "output features")
-        self.weight = _set_loader(nn.Parameter(torch.empty(self.out_per_rank, in_features)), self._load)
+        self.weight = _weight(self.out_per_rank, in_features, fp8, self._load)
+        self.weight_scale = _weight_scale(self.out_per_rank, fp8, self._load)
         self.bias = _set_loader(nn.Parameter(torch.empty(self.out_per_rank)), self._load) if bias else None
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
@@ -121,14 +143,15 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, start, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.kernels)
+        return linear(x, self.weight, self.bias, self.kernels, self.weight_scale)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input in one matmul (e.g. gate and up)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, ctx: ParallelContext = SINGLE):
-        super().__init__(in_features, sum(out_sizes), bias, ctx)
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, ctx: ParallelContext = SINGLE,
+                 fp8: bool = False):
+        super().__init__(in_features, sum(out_sizes), bias, ctx, fp8)
         self.shard_sizes = [_shard(size, ctx, "output features") for size in out_sizes]
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
@@ -153,6 +176,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         num_kv_heads: int,
         bias: bool,
         ctx: ParallelContext = SINGLE,
+        fp8: bool = False,
     ):
         self.head_dim = head_dim
         self.num_heads = _shard(num_heads, ctx, "attention heads")
@@ -170,7 +194,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         total = (self.num_heads + 2 * self.num_kv_heads) * head_dim * ctx.tp_size
-        super().__init__(hidden_size, total, bias, ctx)
+        super().__init__(hidden_size, total, bias, ctx, fp8)
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None = None) -> None:
         if shard_id == "q":
@@ -191,11 +215,13 @@ class RowParallelLinear(nn.Module):
 
     kernels = KernelPolicy()  # the model's kernel policy (kernels/policy.py: set_kernel_policy)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext = SINGLE):
+    def __init__(self, in_features: int, out_features: int, bias: bool, ctx: ParallelContext = SINGLE,
+                 fp8: bool = False):
         super().__init__()
         self.ctx = ctx
         self.in_per_rank = _shard(in_features, ctx, "input features")
-        self.weight = _set_loader(nn.Parameter(torch.empty(out_features, self.in_per_rank)), self._load)
+        self.weight = _weight(out_features, self.in_per_rank, fp8, self._load)
+        self.weight_scale = _weight_scale(out_features, fp8, copy_whole)
         self.bias = _set_loader(nn.Parameter(torch.empty(out_features)), default_weight_loader) if bias else None
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
@@ -204,7 +230,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor | Unreduced:
         """With defer_reduce (and no bias), the partial sum as Unreduced: the next RMSNorm all-reduces it."""
-        out = linear(x, self.weight, None, self.kernels)
+        out = linear(x, self.weight, None, self.kernels, self.weight_scale)
         if defer_reduce and self.bias is None:
             return Unreduced(out, self.ctx)
         out = self.ctx.all_reduce(out)

@@ -1,0 +1,85 @@
+"""FP8 (float8_e4m3fn) linear layers: weights stored in FP8 with a float32 scale per output row, activations
+quantized per token at run time.
+
+Two paths compute the same thing. The reference dequantizes both operands and multiplies in float32; it runs on the
+CPU and is what the CUDA path is tested against. The CUDA path multiplies the FP8 operands directly with
+torch._scaled_mm (compute capability 8.9+), which takes the weight column-major: the [out, in] row-major weight,
+transposed as a view, is just that, so weights keep the layout of every other linear layer.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
+# A row of zeros gets this scale rather than 0, so quantizing it divides by something finite.
+_MIN_SCALE = torch.finfo(torch.float32).tiny
+_SCALED_MM_CAPABILITY = (8, 9)
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def quantize_fp8(tensor: torch.Tensor, per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale) with tensor ≈ q * scale[..., None]: q in float8_e4m3fn, scale float32 of shape tensor.shape[:-1],
+    one per row (the row's amax / 448). per_tensor: one amax for each matrix (the last two dimensions), given to
+    every row of it, so the result has the same layout either way."""
+    values = tensor.float()
+    amax = values.abs().amax(dim=(-2, -1) if per_tensor else -1, keepdim=True)
+    scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
+    if per_tensor:
+        scale = scale.expand(*values.shape[:-1], 1)
+    quantized = (values / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return quantized, scale.squeeze(-1).contiguous()
+
+
+def dequantize_fp8(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 values that q and its per-row scale stand for."""
+    return quantized.float() * scale.unsqueeze(-1)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ dequantized(weight).T + bias in x's dtype, with x quantized to FP8 per token: torch._scaled_mm on GPUs
+    that multiply FP8 (scaled_mm_applies), else fp8_linear_reference. weight: [out, in] float8_e4m3fn; weight_scale:
+    [out] float32."""
+    if scaled_mm_applies(x, weight):
+        return _scaled_mm_linear(x, weight, weight_scale, bias)
+    return fp8_linear_reference(x, weight, weight_scale, bias)
+
+
+def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8_linear in float32: the per-token quantized activations and the weight dequantized, then one F.linear."""
+    rows = x.reshape(-1, x.shape[-1])
+    activations = dequantize_fp8(*quantize_fp8(rows))
+    out = F.linear(activations, dequantize_fp8(weight, weight_scale), None if bias is None else bias.float())
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def scaled_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch._scaled_mm takes this product: half-precision activations on a CUDA device of compute capability
+    8.9+, and the inner and output sizes multiples of 16 (its alignment)."""
+    return (x.is_cuda and x.dtype in _HALF and x.shape[-1] % 16 == 0 and weight.shape[0] % 16 == 0
+            and _multiplies_fp8(x.device))
+
+
+@functools.cache
+def _multiplies_fp8(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= _SCALED_MM_CAPABILITY
+
+
+def _scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    quantized, scale = quantize_fp8(rows)
+    # Row-wise scaling: one scale per activation row ([M, 1]) and per weight column of the transposed view ([1, N]);
+    # cuBLAS writes bfloat16 under it.
+    out = torch._scaled_mm(quantized, weight.t(), scale_a=scale.unsqueeze(1), scale_b=weight_scale.unsqueeze(0),
+                           out_dtype=torch.bfloat16)
+    out = out.to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
