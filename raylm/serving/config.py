@@ -235,6 +235,13 @@ class ServeArgs(ModelArgs, ServerOptions):
         description="A replica being stopped (scaled down, redeployed, shut down) takes no new requests and waits "
                     "this long for those in flight to finish before it is killed.",
     )
+    ingress: Literal["deployment", "engine"] = Field(
+        default="deployment",
+        description="Where the HTTP app runs under Ray Serve. 'deployment': an ingress deployment of its own, "
+                    "which routes each request to an engine replica (request_router) and can front several models; "
+                    "'engine': on every engine replica, so a request never crosses from an ingress to an engine "
+                    "(Serve's proxy routes to the replicas by queue length; one model, pow2 routing).",
+    )
     models: list[ModelArgs] | None = Field(
         default=None, min_length=1,
         description="Several models in one server, each with its own engine settings and replicas; a request's "
@@ -275,6 +282,13 @@ class ServeArgs(ModelArgs, ServerOptions):
 
     @model_validator(mode="after")
     def _check_models(self) -> ServeArgs:
+        if self.ingress == "engine":
+            if self.models is not None and len(self.models) > 1:
+                raise ValueError(f"ingress 'engine' serves one model on each engine replica, got {len(self.models)} "
+                                 "under models: use ingress 'deployment' for several")
+            if any(args.request_router == "prefix_aware" for args in self.served_models()):
+                raise ValueError("request_router 'prefix_aware' routes from the ingress deployment: with ingress "
+                                 "'engine' Serve's proxy routes (use request_router 'pow2' or ingress 'deployment')")
         if self.models is None:
             return self
         first_index: dict[str, int] = {}

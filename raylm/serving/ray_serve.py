@@ -53,7 +53,7 @@ from raylm.outputs import EncoderOutput
 from raylm.sampling_params import SamplingParams
 from raylm.serving.app import build_models_app
 from raylm.serving.config import ServeArgs
-from raylm.serving.engine import encode_all
+from raylm.serving.engine import LocalEngine, encode_all
 from raylm.serving.engine_stream import OutputChunk, merge_chunks, stream_request
 from raylm.serving.prefix_router import PrefixAwareRouter
 from raylm.serving.remote_engine import EngineDescription, RemoteEngine
@@ -95,9 +95,9 @@ def _queued_chunks(message: Any, messages: asyncio.Queue) -> tuple[list[OutputCh
     return chunks, message
 
 
-@serve.deployment(name="RaylmEngine")
-class EngineDeployment:
-    """One engine: an AsyncLLM whose ranks take bundles 1..world of this replica's placement group."""
+class EngineReplica:
+    """One engine: an AsyncLLM whose ranks take bundles 1..world of this replica's placement group. Deployed as
+    EngineDeployment behind the ingress, or as EngineServer with the HTTP app on it."""
 
     async def __init__(self, args: ServeArgs):
         from ray.util import get_current_placement_group
@@ -208,6 +208,25 @@ class EngineDeployment:
             llm.shutdown()
 
 
+EngineDeployment = serve.deployment(name="RaylmEngine")(EngineReplica)
+
+
+@serve.deployment(name="RaylmServer")
+@serve.ingress()
+class EngineServer(EngineReplica):
+    """An engine replica that serves the HTTP app itself (ingress 'engine'): Serve's proxy hands a request to a
+    replica, whose engine answers it in the same process, with no call from an ingress deployment in between."""
+
+    async def __init__(self, args: ServeArgs):
+        await super().__init__(args)
+        self.config = args.serving_config()
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        app = build_models_app([(LocalEngine(self.llm), self.config)])
+        app.add_middleware(CancelledReceiveIsDisconnect)
+        return app
+
+
 class CancelledReceiveIsDisconnect:
     """ASGI middleware: under Serve, receive() raises once the proxy cancels a request because its client went
     away; the app expects an http.disconnect message, which ends a streamed response quietly (and aborts the
@@ -297,7 +316,8 @@ def _engine_deployment_name(index: int, args: ServeArgs, several: bool) -> str:
 
 def build_openai_app(config: ServeArgs) -> Application:
     """The Serve application of the OpenAI-compatible server: run it with serve.run or a Serve config file. With
-    `models`, one engine deployment per model behind one ingress."""
+    `models`, one engine deployment per model behind one ingress; with ingress 'engine', the engine replicas
+    serve HTTP themselves."""
     models = []
     for args in config.served_models():
         if args.executor == "local":
@@ -311,17 +331,23 @@ def build_openai_app(config: ServeArgs) -> Application:
               "max_constructor_retry_count": CONSTRUCTOR_RETRIES,
               "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
               "graceful_shutdown_wait_loop_s": DRAIN_POLL_S}
+    def placed(args: ServeArgs) -> dict[str, Any]:
+        """A replica's placement group: a bundle for the replica itself, one for each rank."""
+        rank_bundle = {"GPU": 1.0} if args.device == "cuda" else {"CPU": 1.0}
+        return {"placement_group_bundles": [{"CPU": 1.0}] + [dict(rank_bundle) for _ in range(args.world_size)],
+                "placement_group_strategy": "PACK", "ray_actor_options": actor_options, "health_check_period_s": 5}
+
+    if config.ingress == "engine":
+        [args] = models
+        return EngineServer.options(
+            max_ongoing_requests=config.max_queue + OTHER_ROUTES, **placed(args), **shared, **_replica_options(args),
+        ).bind(args)
     engines = []
     for index, args in enumerate(models):
-        rank_bundle = {"GPU": 1.0} if args.device == "cuda" else {"CPU": 1.0}
         engines.append(EngineDeployment.options(
             name=_engine_deployment_name(index, args, len(models) > 1),
-            placement_group_bundles=[{"CPU": 1.0}] + [dict(rank_bundle) for _ in range(args.world_size)],
-            placement_group_strategy="PACK",
-            ray_actor_options=actor_options,
             max_ongoing_requests=args.max_queue + CONTROL_CALLS,
-            health_check_period_s=5,
-            **shared, **_replica_options(args), **_request_router_options(args),
+            **placed(args), **shared, **_replica_options(args), **_request_router_options(args),
         ).bind(args))
     ingress_replicas = _replica_options(models[0]) if len(models) == 1 else {"num_replicas": _ingress_replicas(models)}
     return OpenAIIngress.options(

@@ -1,0 +1,75 @@
+"""The Ray Serve app with ingress 'engine': each engine replica serves the HTTP app itself, so a request goes from
+Serve's proxy to the engine's process with no ingress deployment between them; answers equal the engine's own."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx2
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from raylm import LLM, SamplingParams
+from raylm.serving.config import ServeArgs
+from raylm.serving.ray_serve import start_server
+from tests.serving.conftest import openai_client
+
+PROMPT = "The capital of France is"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def config(tiny_model_dirs) -> ServeArgs:
+    return ServeArgs(model=str(tiny_model_dirs["llama"]), served_model_name="tiny", host="127.0.0.1",
+                     port=_free_port(), ingress="engine", max_seq_len=256, max_batch_size=4,
+                     kv_cache_config={"max_tokens": 2048})
+
+
+@pytest.fixture(scope="module")
+def base_url(config):
+    import ray
+    from ray import serve
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        yield start_server(config).url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.mark.slow  # a Ray cluster and Serve take well over 30 s to start on the CI machine
+def test_the_engine_replica_answers_http_itself_as_the_engine_does(base_url, config):
+    from ray import serve
+
+    client = openai_client(base_url)
+    greedy = dict(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**greedy).choices[0].text
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(stream=True, **greedy)
+                       if chunk.choices)
+    with LLM(**{**config.llm_kwargs(), "executor": "local"}) as llm:
+        expected = llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert whole == streamed == expected.outputs[0].text
+    assert [model.id for model in client.models.list()] == ["tiny"]
+    deployments = serve.status().applications["raylm"].deployments
+    assert set(deployments) == {"RaylmServer"}  # no ingress deployment in front of the engine
+    families = {family.name: family for family in text_string_to_metric_families(
+        httpx2.get(f"{base_url}/prometheus/metrics", timeout=30).text)}
+    hops = {sample.labels["hop"]: sample.value for sample in families["raylm_request_hop_seconds"].samples
+            if sample.name.endswith("_count")}
+    assert hops.get("to_engine", 0) >= 2 and hops.get("from_engine", 0) == 0  # nothing crossed between replicas
+
+
+def test_ingress_engine_serves_one_model_routed_by_serves_proxy(tiny_model_dirs):
+    model = str(tiny_model_dirs["llama"])
+    with pytest.raises(ValueError, match="ingress 'engine' serves one model"):
+        ServeArgs(ingress="engine", models=[{"model": model, "served_model_name": "a"},
+                                            {"model": model, "served_model_name": "b"}])
+    with pytest.raises(ValueError, match="prefix_aware"):
+        ServeArgs(model=model, ingress="engine", num_replicas=2, request_router="prefix_aware")
+    assert ServeArgs(model=model, ingress="engine", num_replicas=2).ingress == "engine"
