@@ -172,8 +172,10 @@ class ServingContext:
         self.check_generates()
         # Chat templates and tokenizers take seconds over a long input: the loop serves other requests meanwhile.
         prompts, params = await asyncio.to_thread(self._prepare, route)
+        timers = [self.metrics.timer() for _ in prompts]  # from the submission on
         streams = await self.submit(prompts, params, body, route.response_id)
-        stream = ResponseStream(streams, self.metrics, lambda exc: self._request_failed(exc, route.response_id))
+        stream = ResponseStream(streams, self.metrics, lambda exc: self._request_failed(exc, route.response_id),
+                                timers)
         if body.stream:
             return StreamingResponse(route.events(stream), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -187,8 +189,10 @@ class ServingContext:
         self.check_model(body.model)
         self.check_generates()
         prompts, params = await asyncio.to_thread(self._prepare, route)
+        timers = [self.metrics.timer() for _ in prompts]  # from the submission on
         streams = await self.submit(prompts, params, body, route.response_id)
-        stream = ResponseStream(streams, self.metrics, lambda exc: self._request_failed(exc, route.response_id))
+        stream = ResponseStream(streams, self.metrics, lambda exc: self._request_failed(exc, route.response_id),
+                                timers)
         await stream.run_to_end()
         return route.response(stream.outputs(), stream.usage())
 

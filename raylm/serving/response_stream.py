@@ -17,7 +17,7 @@ from raylm.results import RequestError
 from raylm.serving.engine import GenerationStream
 from raylm.serving.engine_stream import OutputChunk
 from raylm.serving.errors import OpenAIError
-from raylm.serving.metrics import ServingMetrics
+from raylm.serving.metrics import RequestTimer, ServingMetrics
 from raylm.serving.protocol import PromptTokensDetails, Usage
 
 
@@ -127,9 +127,10 @@ class ResponseStream:
     """
 
     def __init__(self, streams: Sequence[GenerationStream], metrics: ServingMetrics,
-                 failure: Callable[[Exception], OpenAIError]):
+                 failure: Callable[[Exception], OpenAIError], timers: Sequence[RequestTimer] | None = None):
         self._streams = streams
-        self._metrics = metrics
+        # Each request's timer, started when it was submitted (given) or now.
+        self._timers = list(timers) if timers is not None else [metrics.timer() for _ in streams]
         self._failure = failure
         self.requests = [RequestProgress(index) for index in range(len(streams))]
 
@@ -147,7 +148,7 @@ class ResponseStream:
                 queue.put_nowait((index, exc))
             queue.put_nowait((index, None))
 
-        timers = [self._metrics.timer() for _ in self._streams]
+        timers = self._timers
         tasks = [asyncio.ensure_future(pump(index, stream)) for index, stream in enumerate(self._streams)]
         try:
             running = len(tasks)
