@@ -18,6 +18,10 @@
 #   bash benchmarks/h200.sh batch        # raylm batch on Ray Data against LLM.generate, 8B 1000 x (1024, 1024) (~8 min)
 #   bash benchmarks/h200.sh structured   # structured output's cost: 8B batch 1 and 64, a JSON schema against none;
 #                                        # needs a tokenizer at .gpu/smollm2-tokenizer (save SmolLM2's there)  (~5 min)
+#   bash benchmarks/h200.sh serving      # the Serve hop: the OpenAI server (ingress deployment, then the app on the
+#                                        # engine replica) against the engine called directly, 8B 256 x (512, 128)
+#                                        # at 64 streaming clients                                    (~7 min)
+#   bash benchmarks/h200.sh serving-1    # the same with one client, 16 x (512, 128)                 (~6 min)
 #   bash benchmarks/h200.sh flashinfer   # attention_backend="flashinfer": its GPU tests, then 8B latency batch 8
 #                                        # and 8B 256 x (512, 128); needs .gpu/flashinfer.tar.xz from
 #                                        # benchmarks/flashinfer_bundle.sh (its first JIT compiles take minutes)
@@ -153,6 +157,18 @@ case "${1:-}" in
     watched 400 python benchmarks/structured_output.py --model "$llama" "${dummy[@]}" \
       --tokenizer .gpu/smollm2-tokenizer --batch_sizes 1 64 --input_len 128 --output_len 256 \
       $(output_json structured-output-llama-3.1-8b) 2>&1 | grep -E '^ *(batch|[0-9]+ )|wrote|Error'
+    ;;
+  serving|serving-1)
+    # `both` runs the engine directly too, once; the app on the engine replica is then compared with that run's rows.
+    if [ "$1" = serving ]; then load=(--max_concurrency 64 --num_prompts 256); clients=c64
+    else load=(--max_concurrency 1 --num_prompts 16); clients=c1; fi
+    use_gemv_tuning_cache
+    for ingress in deployment engine; do
+      backend=both; [ "$ingress" = engine ] && backend=serve
+      watched 270 python benchmarks/serving.py --model "$llama" "${dummy[@]}" --backend "$backend" --ingress "$ingress" \
+        "${load[@]}" --input_len 512 --output_len 128 --max_batch_size 256 \
+        $(output_json "serving-8b-$clients-$ingress") 2>&1 | grep -E '^(backend|engine|serve) |hop|mean time|wrote|Error'
+    done
     ;;
   throughput)
     throughput throughput-8b-n1000 "$llama" 1000 1024 1024 256 500 --num_iters 3
