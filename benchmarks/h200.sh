@@ -22,6 +22,8 @@
 #                                        # engine replica) against the engine called directly, 8B 256 x (512, 128)
 #                                        # at 64 streaming clients                                    (~7 min)
 #   bash benchmarks/h200.sh serving-1    # the same with one client, 16 x (512, 128)                 (~6 min)
+#   bash benchmarks/h200.sh fp8          # FP8 weights: their GPU tests (torch._scaled_mm against the float32
+#                                        # reference), then 8B batch 1 and batch 8 latency, bf16 and FP8 (~6 min)
 #   bash benchmarks/h200.sh flashinfer   # attention_backend="flashinfer": its GPU tests, then 8B latency batch 8
 #                                        # and 8B 256 x (512, 128); needs .gpu/flashinfer.tar.xz from
 #                                        # benchmarks/flashinfer_bundle.sh (its first JIT compiles take minutes)
@@ -157,6 +159,15 @@ case "${1:-}" in
     watched 400 python benchmarks/structured_output.py --model "$llama" "${dummy[@]}" \
       --tokenizer .gpu/smollm2-tokenizer --batch_sizes 1 64 --input_len 128 --output_len 256 \
       $(output_json structured-output-llama-3.1-8b) 2>&1 | grep -E '^ *(batch|[0-9]+ )|wrote|Error'
+    ;;
+  fp8)
+    timeout 240 python -m pytest tests/kernels/test_fp8.py tests/models/test_quantization.py -m gpu -q -rs \
+      -p no:cacheprovider 2>&1 | tail -8
+    fp8=(--set quant_config.quant_algo=FP8)
+    for batch in 1 8; do
+      latency "latency-8b-b$batch" "$llama" "$batch"
+      latency "latency-8b-b$batch-fp8" "$llama" "$batch" "${fp8[@]}"
+    done
     ;;
   serving|serving-1)
     # `both` runs the engine directly too, once; the app on the engine replica is then compared with that run's rows.
