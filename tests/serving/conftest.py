@@ -23,6 +23,30 @@ from raylm.serving.engine_stream import ChunkEncoder, OutputChunk, outputs_only_
 MODEL = "smollm2-test"
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def ray_served(config, num_cpus: int) -> Iterator[str]:
+    """Serves the Ray Serve app of `config` (ServeArgs) on a local Ray cluster of its own until the block ends;
+    yields its URL."""
+    import ray
+    from ray import serve as ray_serve
+
+    from raylm.serving.ray_serve import start_server
+
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        yield start_server(config).url
+    finally:
+        ray_serve.shutdown()
+        ray.shutdown()
+
+
 @contextmanager
 def serve(app) -> Iterator[str]:
     """Runs app until the block ends; yields its base URL (http://127.0.0.1:PORT)."""

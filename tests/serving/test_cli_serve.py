@@ -17,6 +17,7 @@ import openai
 from raylm.cli import build_parser, main, serve_flag_values
 from raylm.serving.config import SCHEMA_PATH
 from raylm.serving.config_sources import layer_serve_args
+from tests.serving.conftest import free_port
 
 
 def _layered(argv: list[str]):
@@ -83,14 +84,8 @@ def test_without_the_serve_extra_raylm_serve_says_how_to_install_it():
     assert 'pip install -e ".[serve]"' in run.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_raylm_serve_runs_a_server_until_terminated(tmp_path):
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "config.yaml"
     config.write_text(f"served_model_name: from-file\nmax_seq_len: 512\nhost: 127.0.0.1\nport: {port}\n"
                       "kv_cache_config:\n  max_tokens: 4096\n")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import threading
 import time
 
@@ -18,9 +17,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from raylm import KvCacheConfig
 from raylm.serving.config import ServeArgs
-from raylm.serving.ray_serve import start_server
 from tests.conftest import PROMPTS
-from tests.serving.conftest import check_long_stream_sends_only_new_parts, code_running_payload, openai_client
+from tests.serving.conftest import (
+    check_long_stream_sends_only_new_parts,
+    code_running_payload,
+    free_port,
+    openai_client,
+    ray_served,
+)
 
 MODEL = "smollm2-serve"
 API_KEY = "serve-test-key"
@@ -31,26 +35,13 @@ ALL_TAGS = ["model_weights", "kv_cache", "cuda_graph", "model"]
 LONG = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 300, "ignore_eos": True, "stream": True}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base_url():
-    import ray
-    from ray import serve
-
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    try:
-        config = ServeArgs(served_model_name=MODEL, api_key=API_KEY, max_queue=MAX_QUEUE, host="127.0.0.1",
-                           port=_free_port(), max_seq_len=1024, kv_cache_config=KvCacheConfig(max_tokens=8192),
-                           enable_rl_endpoints=True)
-        yield start_server(config).url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    config = ServeArgs(served_model_name=MODEL, api_key=API_KEY, max_queue=MAX_QUEUE, host="127.0.0.1",
+                       port=free_port(), max_seq_len=1024, kv_cache_config=KvCacheConfig(max_tokens=8192),
+                       enable_rl_endpoints=True)
+    with ray_served(config, num_cpus=8) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

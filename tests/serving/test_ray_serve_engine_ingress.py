@@ -3,44 +3,28 @@ Serve's proxy to the engine's process with no ingress deployment between them; a
 
 from __future__ import annotations
 
-import socket
-
 import httpx2
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from raylm import LLM, SamplingParams
 from raylm.serving.config import ServeArgs
-from raylm.serving.ray_serve import start_server
-from tests.serving.conftest import openai_client
+from tests.serving.conftest import free_port, openai_client, ray_served
 
 PROMPT = "The capital of France is"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def config(tiny_model_dirs) -> ServeArgs:
     return ServeArgs(model=str(tiny_model_dirs["llama"]), served_model_name="tiny", host="127.0.0.1",
-                     port=_free_port(), ingress="engine", max_seq_len=256, max_batch_size=4,
+                     port=free_port(), ingress="engine", max_seq_len=256, max_batch_size=4,
                      kv_cache_config={"max_tokens": 2048})
 
 
 @pytest.fixture(scope="module")
 def base_url(config):
-    import ray
-    from ray import serve
-
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        yield start_server(config).url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with ray_served(config, num_cpus=4) as url:
+        yield url
 
 
 @pytest.mark.slow  # a Ray cluster and Serve take well over 30 s to start on the CI machine

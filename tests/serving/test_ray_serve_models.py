@@ -3,16 +3,14 @@ engine deployment with its own settings, behind one ingress, through the officia
 
 from __future__ import annotations
 
-import socket
-
 import httpx2
 import openai
 import pytest
 
 from raylm import LLM, SamplingParams
 from raylm.serving.config import ServeArgs
-from raylm.serving.ray_serve import build_openai_app, start_server
-from tests.serving.conftest import openai_client
+from raylm.serving.ray_serve import build_openai_app
+from tests.serving.conftest import free_port, openai_client, ray_served
 
 # A Ray cluster, Serve and two engine deployments take well over 30 s to start on the CI machine, so the tests of
 # the running app are slow ones; the routing itself is tested in process (test_model_router.py).
@@ -23,16 +21,10 @@ PROMPT = "The capital of France is"
 LONG_PROMPT = "hello " * 300
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def config(tiny_model_dirs) -> ServeArgs:
     return ServeArgs.model_validate({
-        "host": "127.0.0.1", "port": _free_port(), "max_batch_size": 4, "kv_cache_config": {"max_tokens": 2048},
+        "host": "127.0.0.1", "port": free_port(), "max_batch_size": 4, "kv_cache_config": {"max_tokens": 2048},
         "models": [
             {"model": str(tiny_model_dirs["llama"]), "served_model_name": "llama", "max_seq_len": 512},
             {"model": str(tiny_model_dirs["qwen2"]), "served_model_name": "qwen", "max_seq_len": 256,
@@ -43,15 +35,8 @@ def config(tiny_model_dirs) -> ServeArgs:
 
 @pytest.fixture(scope="module")
 def base_url(config):
-    import ray
-    from ray import serve
-
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    try:
-        yield start_server(config).url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with ray_served(config, num_cpus=8) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

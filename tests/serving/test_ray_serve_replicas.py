@@ -5,7 +5,6 @@ request, draining the streams in flight on the replica it removes."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -16,23 +15,18 @@ from benchmarks.prefix_routing import run_policy, shared_prefix_prompts
 from raylm import KvCacheConfig
 from raylm.serving.config import ServeArgs
 from raylm.serving.ray_serve import start_server
+from tests.serving.conftest import free_port
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny"
 BLOCK = 16
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def port(ray_cluster):
     from ray import serve
 
-    yield _free_port()
+    yield free_port()
     serve.shutdown()
 
 
