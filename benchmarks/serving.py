@@ -169,36 +169,83 @@ class Workload:
 
 
 async def measure(send: Send, args: argparse.Namespace, workload: Workload,
-                  hops: Callable[[], Awaitable[dict[str, list[float]]]] | None = None) -> dict:
-    """The workload's summary; with `hops` (the server's hop histograms: sum and count by hop), the mean time the
-    measured requests' messages spent on each hop between the server and its engine."""
+                  server: Callable[[], Awaitable[dict[str, list[float]]]] | None = None) -> dict:
+    """The workload's summary, with the CPU each process of this machine's Ray session used while it ran. With
+    `server` (the server's histograms, [sum, count] by name), the measured requests' mean on each: the time their
+    messages spent on each hop between the server and its engine, and the server's own TTFT, which, taken from the
+    client's, leaves what Serve's proxy and the HTTP client added."""
     for prompt in workload.warmup:
         await send(prompt)
-    before = await hops() if hops else {}
+    before = await server() if server else {}
+    cpu = ProcessCpu()
     records, duration = await run_workload(send, workload.prompts, args.request_rate, args.max_concurrency,
                                            args.seed)
     summary = summarize(records, duration)
-    if hops:
-        after = await hops()
-        summary["hop_mean_ms"] = {}
-        for hop, (total, count) in after.items():
-            earlier_total, earlier_count = before.get(hop, [0.0, 0])
+    summary["cpu_utilization"] = cpu.utilization()
+    if server:
+        after = await server()
+        summary["server_mean_ms"] = {}
+        for name, (total, count) in after.items():
+            earlier_total, earlier_count = before.get(name, [0.0, 0])
             if count > earlier_count:
-                summary["hop_mean_ms"][hop] = (total - earlier_total) / (count - earlier_count) * 1000
+                summary["server_mean_ms"][name] = (total - earlier_total) / (count - earlier_count) * 1000
     return summary
 
 
-async def server_hops(session, base_url: str) -> dict[str, list[float]]:
-    """[sum, count] of each hop of the server's raylm_request_hop_seconds histogram (its /prometheus/metrics)."""
+class ProcessCpu:
+    """CPU time of this process and of every Ray process of the machine (grouped by process title: the proxy,
+    each deployment's replicas, the engine's workers), from now to utilization(), as a fraction of one core."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.times = self._read()
+
+    @staticmethod
+    def _read() -> dict[int, tuple[str, float]]:
+        import psutil
+
+        times = {}
+        for process in psutil.process_iter(["pid", "name", "cmdline"]):
+            try:
+                title = " ".join(process.info["cmdline"] or []).split(" ", 1)[0]
+                if process.pid == os.getpid():
+                    title = "benchmark (client)"
+                elif not title.startswith("ray::"):
+                    continue
+                used = process.cpu_times()
+                # "ray::Class.method" names the task running now: the actor is the class.
+                times[process.pid] = (title.split(".", 1)[0], used.user + used.system)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return times
+
+    def utilization(self) -> dict[str, float]:
+        wall = time.perf_counter() - self.start
+        by_title: dict[str, float] = {}
+        for pid, (title, used) in self._read().items():
+            earlier = self.times.get(pid, (title, 0.0))[1]
+            by_title[title] = by_title.get(title, 0.0) + (used - earlier) / wall
+        return {title: round(share, 3) for title, share in sorted(by_title.items(), key=lambda item: -item[1])
+                if share >= 0.01}
+
+
+_SERVER_HISTOGRAMS = {"raylm_request_hop_seconds": "hop", "raylm_time_to_first_token_seconds": "ttft",
+                      "raylm_e2e_request_latency_seconds": "e2e"}
+
+
+async def server_histograms(session, base_url: str) -> dict[str, list[float]]:
+    """[sum, count] of the server's histograms (its /prometheus/metrics): each hop of raylm_request_hop_seconds by
+    its hop label, TTFT and end-to-end latency."""
     async with session.get(f"{base_url}/prometheus/metrics") as response:
         text = await response.text()
-    hops: dict[str, list[float]] = {}
+    sums: dict[str, list[float]] = {}
     for line in text.splitlines():
-        for position, suffix in enumerate(("_sum{", "_count{")):
-            if line.startswith(f"raylm_request_hop_seconds{suffix}"):
-                hop = line.split('hop="', 1)[1].split('"', 1)[0]
-                hops.setdefault(hop, [0.0, 0])[position] += float(line.rsplit(" ", 1)[1])
-    return hops
+        for family, short in _SERVER_HISTOGRAMS.items():
+            for position, suffix in enumerate(("_sum{", "_count{")):
+                if line.startswith(family + suffix):
+                    name = line.split('hop="', 1)[1].split('"', 1)[0] if short == "hop" else short
+                    sums.setdefault(name, [0.0, 0])[position] += float(line.rsplit(" ", 1)[1])
+    return sums
 
 
 # ---------------------------------------------------------------------------------------------- runs
@@ -222,7 +269,7 @@ async def _over_http(base_url: str, model: str, api_key: str | None, args, workl
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
         return await measure(openai_sender(session, base_url, model, api_key, args.output_len), args, workload,
-                             hops=lambda: server_hops(session, base_url))
+                             server=lambda: server_histograms(session, base_url))
 
 
 def run_serve(args: argparse.Namespace, config, workload: Workload) -> dict:
@@ -325,9 +372,19 @@ def main() -> None:
               f"{hop['ttft_ms']['median']:+.1f} ms; ITL mean {hop['itl_ms']['mean']:+.1f} ms, median "
               f"{hop['itl_ms']['median']:+.1f} ms")
     for label, result in results.items():
-        if result.get("hop_mean_ms"):
+        if label == "serve_hop_ms":
+            continue
+        server = result.get("server_mean_ms", {})
+        hops = {name: ms for name, ms in server.items() if name not in ("ttft", "e2e")}
+        if hops:
             print(f"{label}: mean time between server and engine: " + ", ".join(
-                f"{hop} {ms:.2f} ms" for hop, ms in sorted(result["hop_mean_ms"].items())))
+                f"{hop} {ms:.2f} ms" for hop, ms in sorted(hops.items())))
+        if "ttft" in server:
+            print(f"{label}: the server's mean TTFT {server['ttft']:.1f} ms, the client's "
+                  f"{result['ttft_ms']['mean']:.1f}: {result['ttft_ms']['mean'] - server['ttft']:+.1f} ms outside the "
+                  "server (proxy, HTTP, client)")
+        print(f"{label}: CPU (cores) " + ", ".join(f"{title} {share:.2f}"
+                                                 for title, share in result["cpu_utilization"].items()))
     print(f"wrote {path}")
 
 
