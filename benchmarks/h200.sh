@@ -23,7 +23,8 @@
 #                                        # at 64 streaming clients                                    (~7 min)
 #   bash benchmarks/h200.sh serving-1    # the same with one client, 16 x (512, 128)                 (~6 min)
 #   bash benchmarks/h200.sh fp8          # FP8 weights: their GPU tests (torch._scaled_mm against the float32
-#                                        # reference), then 8B batch 1 and batch 8 latency, bf16 and FP8 (~6 min)
+#                                        # reference, the decode GEMV on FP8 weights), then 8B batch 1 and batch 8
+#                                        # latency, bf16 and FP8 (~6 min)
 #   bash benchmarks/h200.sh flashinfer   # attention_backend="flashinfer": its GPU tests, then 8B latency batch 8
 #                                        # and 8B 256 x (512, 128); needs .gpu/flashinfer.tar.xz from
 #                                        # benchmarks/flashinfer_bundle.sh (its first JIT compiles take minutes)
@@ -162,7 +163,9 @@ case "${1:-}" in
     ;;
   fp8)
     timeout 240 python -m pytest tests/kernels/test_fp8.py tests/models/test_quantization.py -m gpu -q -rs \
-      -p no:cacheprovider 2>&1 | tail -8
+      -p no:cacheprovider 2>&1 | tail -12
+    timeout 240 python -m pytest tests/kernels/test_triton_gemv.py -k "fp8 or refuses" -q -rs -p no:cacheprovider \
+      2>&1 | tail -12
     fp8=(--set quant_config.quant_algo=FP8)
     for batch in 1 8; do
       latency "latency-8b-b$batch" "$llama" "$batch"

@@ -12,13 +12,14 @@ from raylm.kernels.policy import KernelPolicy
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, policy: KernelPolicy,
            weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias, through the Triton GEMV (kernels/triton_gemv.py) where policy.gemv_applies; an FP8
-    weight comes with its per-row weight_scale and goes through kernels/fp8.py."""
+    weight comes with its per-row weight_scale and goes through the GEMV the same way (weights widened, x kept as
+    it is), else through kernels/fp8.py (x quantized to FP8 too)."""
+    if policy.gemv_applies(x, weight):
+        from raylm.kernels.triton_gemv import gemv
+
+        return gemv(x, weight, bias, weight_scale=weight_scale, pdl=policy.pdl)
     if weight_scale is not None:
         from raylm.kernels.fp8 import fp8_linear
 
         return fp8_linear(x, weight, weight_scale, bias)
-    if policy.gemv_applies(x, weight):
-        from raylm.kernels.triton_gemv import gemv
-
-        return gemv(x, weight, bias, pdl=policy.pdl)
     return F.linear(x, weight, bias)

@@ -59,8 +59,10 @@ class KernelPolicy:
         return self.triton and x.is_cuda
 
     def gemv_applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether x @ weight.T goes to the Triton GEMV: a few rows of half-precision input on CUDA."""
-        return (self.decode_gemv and x.is_cuda and weight.dtype in _HALF and x.dtype == weight.dtype
+        """Whether x @ weight.T goes to the Triton GEMV: a few rows of half-precision input on CUDA, the weight in
+        x's dtype or in FP8."""
+        return (self.decode_gemv and x.is_cuda and x.dtype in _HALF
+                and (weight.dtype == x.dtype or weight.dtype == torch.float8_e4m3fn)
                 and x.numel() <= GEMV_MAX_ROWS * x.shape[-1])
 
 

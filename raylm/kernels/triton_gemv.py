@@ -1,4 +1,4 @@
-"""Skinny matmul for decode: y = x W^T with few rows of x (batch ≤ GEMV_MAX_ROWS) and a half-precision W.
+"""Skinny matmul for decode: y = x W^T with few rows of x (batch ≤ GEMV_MAX_ROWS) and a half-precision or FP8 W.
 
 At batch 1–8 a decode step reads every weight once and does almost no arithmetic per byte, so a linear layer
 is as fast as it streams W from memory. Each program owns BLOCK_N rows of W (output features) and walks K in
@@ -18,6 +18,11 @@ On by default for models whose decode steps stream weights, with programmatic de
 alone it is level with cuBLAS; with PDL's `tail` it is faster end to end); kernel_config.decode_gemv overrides.
 Under PDL (kernels/pdl.py) a program loads its first weight tile before it waits for the kernel before it.
 
+FP8 weights (float8_e4m3fn with a float32 scale per output row, kernels/fp8.py) stream half the bytes: each tile
+is widened to x's dtype in registers (exactly: every e4m3 value is a bfloat16 / float16 value), multiplied with x
+unquantized, and the row's scale applied to the float32 sum. Decode thus reads FP8 weights at half the cost and
+keeps the activations' precision; their tiles are tuned apart, with wider K tiles (the same bytes in flight).
+
 The SiLU-mul after the gate / up projection runs in that GEMV's epilogue (gemv_silu_mul: each program owns
 matching gate and up rows, so the activation needs nothing from other programs). The add + RMSNorm before qkv
 and gate_up stay separate kernels: folded into the GEMV's input loads they measured slower (docs/benchmarks.md).
@@ -31,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from raylm.kernels.fp8 import FP8_DTYPE
 from raylm.kernels.pdl import launch_options, pdl_trigger_at_tail, pdl_wait
 from raylm.kernels.policy import GEMV_MAX_ROWS
 
@@ -40,17 +46,18 @@ _SPLITS = (2, 4)  # the split-K factors tuned
 _MAX_SPLIT_N = 16384  # split K only for layers of at most this many output features (enough programs above)
 
 
-def _configs(split: bool = False) -> list[triton.Config]:
+def _configs(split: bool = False, fp8: bool = False) -> list[triton.Config]:
     """Tile shapes to time per (N, K), with split-K ones if `split`; Triton's timing clears the L2 between runs,
-    as a real step finds it."""
-    configs = [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k}, num_warps=4, num_stages=stages)
+    as a real step finds it. FP8 weights (`fp8`) get K tiles twice as wide: the same bytes per tile."""
+    widen = 2 if fp8 else 1
+    configs = [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k * widen}, num_warps=4, num_stages=stages)
                for block_n in (16, 32, 64) for block_k in (128, 256) for stages in (3, 4)]
     # Wider K tiles with more warps keep more bytes of W in flight per SM when there are few programs.
-    configs += [triton.Config({"BLOCK_N": block_n, "BLOCK_K": 512}, num_warps=8, num_stages=stages)
+    configs += [triton.Config({"BLOCK_N": block_n, "BLOCK_K": 512 * widen}, num_warps=8, num_stages=stages)
                 for block_n in (16, 32) for stages in (2, 3)]
     if split:
-        configs += [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k}, num_warps=4,
-                                  num_stages=3)
+        configs += [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k * widen, "SPLIT_K": split_k},
+                                  num_warps=4, num_stages=3)
                     for block_n in (_MIN_BLOCK_N, 32) for block_k in (128, 256) for split_k in _SPLITS]
     return configs
 
@@ -75,12 +82,13 @@ def _x_tile(x_rows, ks, row_mask, K):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, partial_ptr, arrivals_ptr, M, N, K, stride_xm, stride_wn,
-                 stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0):
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_ptr, arrivals_ptr, M, N, K, stride_xm, stride_wn,
+                 stride_ym, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0):
     """Program (i, s) computes output features [i BLOCK_N, (i + 1) BLOCK_N) over split s of K (the whole of K
     when SPLIT_K is 1); with SPLIT_K > 1, partial_ptr is a float32 workspace of at least [SPLIT_K, M, N] and
-    arrivals_ptr one int32 counter per output tile, zero between calls."""
+    arrivals_ptr one int32 counter per output tile, zero between calls. HAS_SCALE: W holds FP8 rows, each scaled by
+    its float32 scale_ptr[n]."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -99,10 +107,12 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, partial_ptr, arrivals_ptr, M, N,
     ks = k_start + tl.arange(0, BLOCK_K)
     w = _w_tile(w_rows, ks, col_mask, k_end)
     pdl_wait(USE_PDL, TRIGGER_AT_TAIL=True)
-    acc = tl.dot(_x_tile(x_rows, ks, row_mask, k_end), tl.trans(w), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+    x = _x_tile(x_rows, ks, row_mask, k_end)
+    acc = tl.dot(x, tl.trans(w.to(x.dtype)), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
     for start in range(k_start + BLOCK_K, k_end, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
-        acc = tl.dot(_x_tile(x_rows, ks, row_mask, k_end), tl.trans(_w_tile(w_rows, ks, col_mask, k_end)), acc)
+        x = _x_tile(x_rows, ks, row_mask, k_end)
+        acc = tl.dot(x, tl.trans(_w_tile(w_rows, ks, col_mask, k_end).to(x.dtype)), acc)
     pdl_trigger_at_tail(USE_PDL)
     if SPLIT_K > 1:
         tile = rows[:, None] * N + cols[None, :]
@@ -113,24 +123,28 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, partial_ptr, arrivals_ptr, M, N,
             acc = tl.load(partial_ptr + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
             for other in tl.static_range(1, SPLIT_K):
                 acc += tl.load(partial_ptr + other * M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
-            _gemv_store(acc, bias_ptr, y_ptr, rows, cols, col_mask, out_mask, stride_ym, HAS_BIAS)
+            _gemv_store(acc, bias_ptr, scale_ptr, y_ptr, rows, cols, col_mask, out_mask, stride_ym, HAS_BIAS,
+                        HAS_SCALE)
             tl.atomic_xchg(arrivals_ptr + pid, 0)  # ready for the next call
     else:
-        _gemv_store(acc, bias_ptr, y_ptr, rows, cols, col_mask, out_mask, stride_ym, HAS_BIAS)
+        _gemv_store(acc, bias_ptr, scale_ptr, y_ptr, rows, cols, col_mask, out_mask, stride_ym, HAS_BIAS, HAS_SCALE)
 
 
 @triton.jit
-def _gemv_store(acc, bias_ptr, y_ptr, rows, cols, col_mask, out_mask, stride_ym, HAS_BIAS: tl.constexpr):
-    """y = acc (+ bias), rounded to y's dtype."""
+def _gemv_store(acc, bias_ptr, scale_ptr, y_ptr, rows, cols, col_mask, out_mask, stride_ym, HAS_BIAS: tl.constexpr,
+                HAS_SCALE: tl.constexpr):
+    """y = acc (* the rows' scales) (+ bias), rounded to y's dtype."""
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + cols, mask=col_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
-def _gemv_silu_mul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0):
+def _gemv_silu_mul_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                          HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0):
     """silu(x W_gate^T) * (x W_up^T) for W = [W_gate; W_up] ([2N, K]): each program takes BLOCK_N gate rows and
     the matching up rows, and rounds as linear followed by silu_and_mul does (each projection to y's dtype,
     then the activation, then the product)."""
@@ -147,14 +161,17 @@ def _gemv_silu_mul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, str
     w_up = _w_tile(up_rows, ks, col_mask, K)
     pdl_wait(USE_PDL, TRIGGER_AT_TAIL=True)
     x = _x_tile(x_rows, ks, row_mask, K)
-    acc_gate = tl.dot(x, tl.trans(w_gate), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
-    acc_up = tl.dot(x, tl.trans(w_up), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+    acc_gate = tl.dot(x, tl.trans(w_gate.to(x.dtype)), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+    acc_up = tl.dot(x, tl.trans(w_up.to(x.dtype)), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
     for start in range(BLOCK_K, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         x = _x_tile(x_rows, ks, row_mask, K)
-        acc_gate = tl.dot(x, tl.trans(_w_tile(gate_rows, ks, col_mask, K)), acc_gate)
-        acc_up = tl.dot(x, tl.trans(_w_tile(up_rows, ks, col_mask, K)), acc_up)
+        acc_gate = tl.dot(x, tl.trans(_w_tile(gate_rows, ks, col_mask, K).to(x.dtype)), acc_gate)
+        acc_up = tl.dot(x, tl.trans(_w_tile(up_rows, ks, col_mask, K).to(x.dtype)), acc_up)
     pdl_trigger_at_tail(USE_PDL)
+    if HAS_SCALE:
+        acc_gate *= tl.load(scale_ptr + cols, mask=col_mask, other=0.0)[None, :]
+        acc_up *= tl.load(scale_ptr + N + cols, mask=col_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc_gate += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         acc_up += tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -166,9 +183,14 @@ def _gemv_silu_mul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, str
              mask=row_mask[:, None] & col_mask[None, :])
 
 
-_gemv_tuned = triton.autotune(configs=_configs(split=True), key=["N", "K"],
-                              prune_configs_by={"early_config_prune": _without_splits_for_wide_layers})(_gemv_kernel)
-_gemv_silu_mul_tuned = triton.autotune(configs=_configs(), key=["N", "K"])(_gemv_silu_mul_kernel)
+def _tuned(kernel, split: bool, fp8: bool):
+    prune = {"early_config_prune": _without_splits_for_wide_layers} if split else None
+    return triton.autotune(configs=_configs(split, fp8), key=["N", "K"], prune_configs_by=prune)(kernel)
+
+
+# Tuned kernels by whether the weight is FP8.
+_gemv_tuned = {fp8: _tuned(_gemv_kernel, True, fp8) for fp8 in (False, True)}
+_gemv_silu_mul_tuned = {fp8: _tuned(_gemv_silu_mul_kernel, False, fp8) for fp8 in (False, True)}
 # The interpreter (CPU tests; read at import, as Triton does) has no device to time configurations on: it runs one.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _INTERPRETED_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 128}
@@ -187,12 +209,21 @@ def _split_workspace(device: torch.device, N: int) -> tuple[torch.Tensor, torch.
     return workspace
 
 
-def _input_rows(x: torch.Tensor, weight: torch.Tensor, name: str) -> torch.Tensor:
-    """x as [M, K] rows with a contiguous last dimension, after checking x and weight for a GEMV."""
-    if weight.dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"{name} takes a float16 or bfloat16 weight, got {weight.dtype}")
+def _input_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, name: str) -> torch.Tensor:
+    """x as [M, K] rows with a contiguous last dimension, after checking x, weight and an FP8 weight's scales (one
+    float32 per weight row) for a GEMV."""
+    fp8 = weight.dtype == FP8_DTYPE
+    if weight.dtype not in (torch.float16, torch.bfloat16, FP8_DTYPE):
+        raise TypeError(f"{name} takes a float16, bfloat16 or float8_e4m3fn weight, got {weight.dtype}")
+    if fp8 != (weight_scale is not None):
+        raise ValueError(f"{name}: weight_scale goes with a float8_e4m3fn weight and only with one")
+    if fp8 and (weight_scale.dtype != torch.float32 or weight_scale.shape != weight.shape[:1]
+                or not weight_scale.is_contiguous()):
+        raise ValueError(f"{name}: weight_scale must be contiguous float32 of shape [{weight.shape[0]}], got "
+                         f"{weight_scale.dtype} {list(weight_scale.shape)}")
     K = weight.shape[1]
-    if x.shape[-1] != K or x.dtype != weight.dtype:
+    fits = x.dtype in (torch.float16, torch.bfloat16) if fp8 else x.dtype == weight.dtype
+    if x.shape[-1] != K or not fits:
         raise ValueError(f"x of shape {list(x.shape)} and dtype {x.dtype} does not fit a weight of shape "
                          f"{list(weight.shape)} and dtype {weight.dtype}")
     rows = x.reshape(-1, K)
@@ -203,17 +234,19 @@ def _input_rows(x: torch.Tensor, weight: torch.Tensor, name: str) -> torch.Tenso
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            N: int, config: dict | None, pdl: int, workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """Runs a GEMV kernel over N output features of out [M, N]: tuned per (N, K), or with `config` (the
-    interpreter's one configuration when none is given there); with PDL's trigger mode `pdl`. A kernel that may split
-    K takes its (partials, arrivals) `workspace` after out."""
+def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            weight_scale: torch.Tensor | None, out: torch.Tensor, N: int, config: dict | None, pdl: int,
+            workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Runs a GEMV kernel over N output features of out [M, N]: tuned per (N, K) (`tuned`, by whether the weight is
+    FP8), or with `config` (the interpreter's one configuration when none is given there); with PDL's trigger mode
+    `pdl`. A kernel that may split K takes its (partials, arrivals) `workspace` after out."""
     M, K = rows.shape
     if not M:
         return
     splittable = workspace is not None
-    args = (rows, weight, bias if bias is not None else weight, out, *(workspace or ()), M, N, K, rows.stride(0),
-            weight.stride(0), out.stride(0))
+    args = (rows, weight, bias if bias is not None else weight, weight_scale if weight_scale is not None else weight,
+            out, *(workspace or ()), M, N, K, rows.stride(0), weight.stride(0), out.stride(0))
+    flags = {"HAS_BIAS": bias is not None, "HAS_SCALE": weight_scale is not None, "BLOCK_M": _BLOCK_M}
     if _INTERPRETED and config is None:
         config = _INTERPRETED_CONFIG
     options = launch_options(pdl)
@@ -224,36 +257,37 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
             raise ValueError(f"SPLIT_K={split_k} needs the plain GEMV, at most {max(_SPLITS)} splits and at most "
                              f"{_MAX_SPLIT_N} output features")
         grid = (triton.cdiv(N, config["BLOCK_N"]), split_k)
-        kernel[grid](*args, HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M, **config, **options)
+        kernel[grid](*args, **flags, **config, **options)
         return
-    tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta.get("SPLIT_K", 1))](
-        *args, HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M, **options)
+    tuned[weight_scale is not None][lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta.get("SPLIT_K", 1))](
+        *args, **flags, **options)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-         config: dict | None = None, pdl: int = 0) -> torch.Tensor:
+         weight_scale: torch.Tensor | None = None, config: dict | None = None, pdl: int = 0) -> torch.Tensor:
     """F.linear(x, weight, bias) for x of at most GEMV_MAX_ROWS rows (any leading shape) and a half-precision
-    weight [N, K] with contiguous rows. `config` fixes the tiles ({"BLOCK_N", "BLOCK_K"[, "SPLIT_K"]}, and
-    Triton's num_warps / num_stages) instead of tuning them: for tests and benchmarks. `pdl`: the launch's
-    trigger mode (kernels/pdl.py)."""
-    rows = _input_rows(x, weight, "gemv")
+    weight [N, K] with contiguous rows, or an FP8 one with its float32 weight_scale [N] (F.linear of x and the
+    dequantized weight). `config` fixes the tiles ({"BLOCK_N", "BLOCK_K"[, "SPLIT_K"]}, and Triton's num_warps /
+    num_stages) instead of tuning them: for tests and benchmarks. `pdl`: the launch's trigger mode (kernels/pdl.py)."""
+    rows = _input_rows(x, weight, weight_scale, "gemv")
     N = weight.shape[0]
     out = torch.empty((rows.shape[0], N), dtype=x.dtype, device=x.device)
     # Layers too wide to split pass out twice in the workspace's place: the kernel never touches it unsplit.
     workspace = _split_workspace(rows.device, N) if N <= _MAX_SPLIT_N else (out, out)
-    _launch(_gemv_kernel, _gemv_tuned, rows, weight, bias, out, N, config, pdl, workspace)
+    _launch(_gemv_kernel, _gemv_tuned, rows, weight, bias, weight_scale, out, N, config, pdl, workspace)
     return out.reshape(*x.shape[:-1], N)
 
 
 def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  config: dict | None = None, pdl: int = 0) -> torch.Tensor:
+                  weight_scale: torch.Tensor | None = None, config: dict | None = None, pdl: int = 0) -> torch.Tensor:
     """silu_and_mul(F.linear(x, weight, bias)) in one kernel, for x as gemv takes it and a merged gate / up
-    weight [2I, K] (gate rows, then up rows; bias likewise): returns [..., I], rounded as the two steps round.
-    `config` and `pdl` as gemv takes them, without SPLIT_K (the gate / up layer is wide enough not to need it)."""
-    rows = _input_rows(x, weight, "gemv_silu_mul")
+    weight [2I, K] (gate rows, then up rows; bias and an FP8 weight's weight_scale likewise): returns [..., I],
+    rounded as the two steps round. `config` and `pdl` as gemv takes them, without SPLIT_K (the gate / up layer is
+    wide enough not to need it)."""
+    rows = _input_rows(x, weight, weight_scale, "gemv_silu_mul")
     if weight.shape[0] % 2:
         raise ValueError(f"gemv_silu_mul needs gate and up rows of one size, got {weight.shape[0]} rows")
     N = weight.shape[0] // 2
     out = torch.empty((rows.shape[0], N), dtype=x.dtype, device=x.device)
-    _launch(_gemv_silu_mul_kernel, _gemv_silu_mul_tuned, rows, weight, bias, out, N, config, pdl)
+    _launch(_gemv_silu_mul_kernel, _gemv_silu_mul_tuned, rows, weight, bias, weight_scale, out, N, config, pdl)
     return out.reshape(*x.shape[:-1], N)

@@ -90,7 +90,9 @@ class MLP(nn.Module):
         if self.silu and self.kernels.gemv_applies(x, gate_up.weight):  # SiLU-mul in the GEMV's epilogue
             from raylm.kernels.triton_gemv import gemv_silu_mul
 
-            return self.down_proj(gemv_silu_mul(x, gate_up.weight, gate_up.bias, pdl=self.kernels.pdl), defer_reduce)
+            activated = gemv_silu_mul(x, gate_up.weight, gate_up.bias, weight_scale=gate_up.weight_scale,
+                                      pdl=self.kernels.pdl)
+            return self.down_proj(activated, defer_reduce)
         return self.down_proj(self.act(gate_up(x), self.kernels), defer_reduce)
 
 

@@ -11,6 +11,9 @@ from tests.kernels import GPU_ONLY, MODULE_MARKS, kernel_device
 DEVICE = kernel_device()
 
 from raylm.kernels import triton_gemv  # noqa: E402
+from raylm.kernels.fp8 import FP8_DTYPE, dequantize_fp8, fp8_linear, quantize_fp8  # noqa: E402
+from raylm.kernels.linear import linear  # noqa: E402
+from raylm.kernels.policy import KernelPolicy  # noqa: E402
 from raylm.kernels.triton_gemv import GEMV_MAX_ROWS, gemv, gemv_silu_mul  # noqa: E402
 from raylm.kernels.triton_ops import silu_and_mul  # noqa: E402
 
@@ -93,7 +96,7 @@ def test_gemv_keeps_leading_dimensions_and_refuses_what_it_cannot_do():
     assert gemv(x, weight).shape == (2, 1, 32)
     with pytest.raises(ValueError, match="at most"):
         gemv(torch.randn(GEMV_MAX_ROWS + 1, 64).to(DEVICE, torch.float16), weight)
-    with pytest.raises(TypeError, match="float16 or bfloat16"):
+    with pytest.raises(TypeError, match="float16, bfloat16 or float8_e4m3fn"):
         gemv(x.float(), weight.float())
     with pytest.raises(ValueError, match="does not fit"):
         gemv(torch.randn(1, 63).to(DEVICE, torch.float16), weight)
@@ -120,3 +123,77 @@ def test_gemv_silu_mul_matches_gemv_then_silu_and_mul(dtype, rows, n, k, with_bi
 def test_gemv_silu_mul_refuses_an_odd_merged_weight():
     with pytest.raises(ValueError, match="gate and up rows"):
         gemv_silu_mul(torch.randn(1, 64).to(DEVICE, torch.float16), torch.randn(33, 64).to(DEVICE, torch.float16))
+
+
+# ------------------------------------------------------------------ FP8 weights
+
+
+def _fp8_case(rows: int, n: int, k: int, dtype: torch.dtype, with_bias: bool, seed: int):
+    """x, an FP8 weight with its per-row scales (rows of very different magnitudes), and a bias or None."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=generator).to(DEVICE, dtype)
+    weight = torch.randn(n, k, generator=generator) / k**0.5
+    weight[::7] *= 30.0
+    quantized, scale = (tensor.to(DEVICE) for tensor in quantize_fp8(weight))
+    bias = torch.randn(n, generator=generator).to(DEVICE, dtype) if with_bias else None
+    return x, quantized, scale, bias
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, GEMV_MAX_ROWS])
+@pytest.mark.parametrize(("n", "k"), [(64, 256), (100, 600)], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_fp8_gemv_is_linear_of_the_dequantized_weight(dtype, rows, n, k, with_bias, split_k):
+    """An FP8 weight widened in the kernel, x as it is, the row's scale on the float32 sum: F.linear of x and the
+    dequantized weight, to about one unit in the last place; split K sums the scaled partials the same way."""
+    x, quantized, scale, bias = _fp8_case(rows, n, k, dtype, with_bias, seed=rows * 100 + n + split_k)
+    expected = F.linear(x.float(), dequantize_fp8(quantized, scale), None if bias is None else bias.float())
+    config = {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": split_k}
+    got = gemv(x, quantized, bias, weight_scale=scale, config=config)
+    assert got.shape == (rows, n) and got.dtype == dtype
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(got, expected.to(dtype), atol=tolerance * expected.abs().max().item(), rtol=tolerance)
+    torch.testing.assert_close(gemv(x, quantized, bias, weight_scale=scale), got, atol=tolerance * 4, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_fp8_gemv_silu_mul_scales_gate_and_up_rows_by_their_own_scales(dtype, with_bias):
+    x, quantized, scale, bias = _fp8_case(3, 2 * 48, 256, dtype, with_bias, seed=11)
+    expected = silu_and_mul(gemv(x, quantized, bias, weight_scale=scale))
+    got = gemv_silu_mul(x, quantized, bias, weight_scale=scale)
+    assert got.shape == (3, 48) and got.dtype == dtype
+    tolerance = 2 * TOLERANCE[dtype]
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+
+
+def test_fp8_gemv_refuses_a_missing_or_misshapen_scale_by_name():
+    x, quantized, scale, _ = _fp8_case(1, 32, 64, torch.float16, False, seed=0)
+    with pytest.raises(ValueError, match="weight_scale goes with a float8_e4m3fn weight"):
+        gemv(x, quantized)
+    with pytest.raises(ValueError, match="weight_scale goes with a float8_e4m3fn weight"):
+        gemv(x, quantized.to(torch.float16), weight_scale=scale)
+    with pytest.raises(ValueError, match=r"weight_scale must be contiguous float32 of shape \[32\]"):
+        gemv(x, quantized, weight_scale=scale[:16])
+    with pytest.raises(ValueError, match="weight_scale must be"):
+        gemv(x, quantized, weight_scale=scale.half())
+    with pytest.raises(ValueError, match="does not fit"):
+        gemv(x.float(), quantized, weight_scale=scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device")
+def test_linear_sends_fp8_decode_rows_to_the_gemv_and_larger_inputs_to_the_fp8_matmul(monkeypatch):
+    """Under a policy with the decode GEMV, an FP8 layer's few rows take the GEMV (x not quantized), more rows
+    the FP8 matmul (x quantized per token)."""
+    policy = KernelPolicy(triton=True, decode_gemv=True)
+    weight = torch.randn(4096, 1024) / 32
+    quantized, scale = (tensor.cuda() for tensor in quantize_fp8(weight))
+    assert quantized.dtype == FP8_DTYPE
+    few = torch.randn(GEMV_MAX_ROWS, 1024, device="cuda", dtype=torch.bfloat16)
+    many = torch.randn(GEMV_MAX_ROWS + 1, 1024, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(linear(few, quantized, None, policy, scale), gemv(few, quantized, weight_scale=scale))
+    assert torch.equal(linear(many, quantized, None, policy, scale), fp8_linear(many, quantized, scale))
+    without_gemv = KernelPolicy(triton=True)
+    assert torch.equal(linear(few, quantized, None, without_gemv, scale), fp8_linear(few, quantized, scale))

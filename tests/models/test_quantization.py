@@ -345,11 +345,19 @@ def test_fp8_smollm2_still_answers_paris():
         assert llm.generate("The capital of France is", params).outputs[0].text.startswith(" Paris.")
 
 
+def _mean_gap(ours: list, theirs: list) -> torch.Tensor:
+    """Mean |difference| of two _generate results' prompt logprobs."""
+    return torch.tensor([abs(a - b) for (_, one), (_, other) in zip(ours, theirs) for a, b in zip(one, other)]).mean()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_fp8_on_gpu_through_scaled_mm_matches_the_reference_path(tiny_model_dirs, arch, monkeypatch):
-    """bfloat16 on the GPU: torch._scaled_mm against the float32 reference, the same FP8 operands in both."""
+    """bfloat16 on the GPU: torch._scaled_mm against the float32 reference run in bfloat16, the same FP8 operands in
+    both. Hopper's FP8 products sum in their own order and precision, and a random tiny model carries any change of
+    rounding through every layer: the bound is what bfloat16 itself costs, the reference path in float32 against
+    the same in bfloat16 (their gap measured 0.02-0.03; a wrong scale or layout is off by far more)."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs compute capability 8.9+ (FP8 matmuls)")
     from raylm.kernels import fp8 as fp8_kernels
@@ -358,13 +366,61 @@ def test_fp8_on_gpu_through_scaled_mm_matches_the_reference_path(tiny_model_dirs
     calls = []
     scaled_mm = torch._scaled_mm
     monkeypatch.setattr(torch, "_scaled_mm", lambda *args, **kw: calls.append(1) or scaled_mm(*args, **kw))
-    options = dict(quant_config=FP8, device="cuda", dtype="bfloat16", executor="local")
-    fast = _generate(path, **options)
+    options = dict(quant_config=FP8, device="cuda", executor="local")
+    fast = _generate(path, dtype="bfloat16", **options)
     assert calls  # the FP8 matmul ran
     monkeypatch.setattr(fp8_kernels, "scaled_mm_applies", lambda x, weight: False)
-    reference = _generate(path, **options)
-    gaps = torch.tensor([abs(a - b) for (_, ours), (_, theirs) in zip(fast, reference) for a, b in zip(ours, theirs)])
-    assert gaps.mean() < 0.02, gaps
+    reference = _generate(path, dtype="bfloat16", **options)
+    precise = _generate(path, dtype="float32", **options)
+    assert _mean_gap(fast, reference) < 2 * _mean_gap(reference, precise)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fp8_decode_steps_run_the_gemv_on_fp8_weights(tiny_model_dirs, monkeypatch):
+    """With the decode GEMV on, an FP8 model's decode steps read the FP8 weights in the GEMV (prefill stays on the
+    FP8 matmul): its greedy tokens' logprobs stay within bfloat16's own cost of those of the model without it, up to
+    the first token where the two choose differently."""
+    from raylm.config import KernelConfig
+    from raylm.kernels import triton_gemv
+
+    path = tiny_model_dirs["llama"]
+    fp8_calls = []
+    gemv, gemv_silu_mul = triton_gemv.gemv, triton_gemv.gemv_silu_mul
+
+    def counted(kernel):
+        def run(x, weight, *args, **kw):
+            fp8_calls.append(weight.dtype == FP8_DTYPE)
+            return kernel(x, weight, *args, **kw)
+        return run
+
+    monkeypatch.setattr(triton_gemv, "gemv", counted(gemv))
+    monkeypatch.setattr(triton_gemv, "gemv_silu_mul", counted(gemv_silu_mul))
+    params = SamplingParams(max_tokens=8, logprobs=0, ignore_eos=True)
+
+    def generated(**kwargs) -> list[list[tuple[int, float]]]:
+        with LLM(str(path), skip_tokenizer_init=True, kv_cache_config=KV, quant_config=FP8, device="cuda",
+                 executor="local", **kwargs) as llm:
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+        return [[(token, position[token].logprob) for token, position in zip(out.outputs[0].token_ids,
+                                                                             out.outputs[0].logprobs)]
+                for out in outputs]
+
+    with_gemv = generated(dtype="bfloat16", kernel_config=KernelConfig(decode_gemv=True))
+    assert fp8_calls and all(fp8_calls)
+    without = generated(dtype="bfloat16", kernel_config=KernelConfig(decode_gemv=False))
+    precise = generated(dtype="float32")
+
+    def gap(ours, theirs) -> torch.Tensor:
+        gaps = []
+        for one, other in zip(ours, theirs):
+            for (token, logprob), (other_token, other_logprob) in zip(one, other):
+                gaps.append(abs(logprob - other_logprob))
+                if token != other_token:
+                    break
+        return torch.tensor(gaps).mean()
+
+    assert gap(with_gemv, without) < 2 * gap(without, precise)
 
 
 # ------------------------------------------------------------------ update_weights
