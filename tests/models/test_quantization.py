@@ -407,7 +407,7 @@ def test_fp8_decode_steps_run_the_gemv_on_fp8_weights(tiny_model_dirs, monkeypat
                 for out in outputs]
 
     with_gemv = generated(dtype="bfloat16", kernel_config=KernelConfig(decode_gemv=True))
-    assert fp8_calls and all(fp8_calls)
+    assert any(fp8_calls)  # the decoder's layers (the LM head keeps its bfloat16 weight)
     without = generated(dtype="bfloat16", kernel_config=KernelConfig(decode_gemv=False))
     precise = generated(dtype="float32")
 
