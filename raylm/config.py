@@ -33,7 +33,10 @@ class KvCacheConfig(StrictModel):
     enable_block_reuse: bool = Field(default=True, description="Prefix caching: reuse blocks of equal prefixes.")
     tokens_per_block: int = Field(default=32, ge=1, le=1024, description="Tokens per KV cache block.")
     event_buffer_max_size: int = Field(default=0, ge=0, description="KV cache events kept for get_kv_cache_events.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8"] = Field(
+        default="auto", description="What the cache stores keys and values in. auto: the model's dtype. fp8: "
+                                    "float8_e4m3fn with a float32 scale per token and head (about 1/2 of bf16's "
+                                    "bytes, 1/4 of float32's); the torch attention backend for now.")
 
 
 class SchedulerConfig(StrictModel):
@@ -140,18 +143,11 @@ class QuantConfig(StrictModel):
                                   "them so already; null: the checkpoint's own (in the model's dtype unless "
                                   "quantized).")
     kv_cache_quant_algo: Literal["FP8"] | None = Field(
-        default=None, description="An FP8 KV cache: not supported yet (the KV cache takes kv_cache_config.dtype).")
+        default=None, description="FP8: an FP8 KV cache, as kv_cache_config.dtype='fp8' (either may say it).")
     weight_scale: Literal["per_channel", "per_tensor"] = Field(
         default="per_channel", description="How weights quantized at load time are scaled: per_channel, by their "
                                            "output row's amax / 448; per_tensor, by their matrix's. A checkpoint in "
                                            "FP8 keeps its own scales.")
-
-    @field_validator("kv_cache_quant_algo")
-    @classmethod
-    def _no_fp8_kv_cache_yet(cls, value: str | None) -> str | None:
-        if value is not None:
-            raise ValueError(f"quant_config.kv_cache_quant_algo={value!r} is not supported yet; leave it unset")
-        return value
 
 
 class LlmArgs(StrictModel):
@@ -228,6 +224,18 @@ class LlmArgs(StrictModel):
                 and self.max_input_len >= self.max_seq_len):
             raise ValueError(f"max_input_len must be < max_seq_len ({self.max_seq_len}), got {self.max_input_len}")
         return self
+
+    @model_validator(mode="after")
+    def _check_kv_cache_dtype(self) -> LlmArgs:
+        if self.quant_config.kv_cache_quant_algo == "FP8" and self.kv_cache_config.dtype not in ("auto", "fp8"):
+            raise ValueError(f"quant_config.kv_cache_quant_algo='FP8' asks for an FP8 KV cache, but "
+                             f"kv_cache_config.dtype is {self.kv_cache_config.dtype!r}: leave it 'auto' or set 'fp8'")
+        return self
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """What the KV cache stores: 'auto' (the model's dtype), a float dtype's name, or 'fp8'."""
+        return "fp8" if self.quant_config.kv_cache_quant_algo == "FP8" else self.kv_cache_config.dtype
 
     @model_validator(mode="after")
     def _check_parallelism(self) -> LlmArgs:

@@ -167,8 +167,10 @@ class Worker:
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        kv_config = self.spec.args.kv_cache_config
-        return self.dtype if kv_config.dtype == "auto" else _DTYPES[kv_config.dtype]
+        kv_dtype = self.spec.args.kv_cache_dtype
+        if kv_dtype == "fp8":
+            return torch.float8_e4m3fn
+        return self.dtype if kv_dtype == "auto" else _DTYPES[kv_dtype]
 
     def load_model(self) -> int:
         """Loads this rank's shard of the model; returns how many KV blocks this rank can hold (none for an

@@ -29,6 +29,7 @@ from raylm.engine.scheduler import SchedulerOutput
 from raylm.engine.step_plan import StepPlan, plan_step
 from raylm.engine.step_runner import ModelOutput
 from raylm.kernels.attention import build_metadata
+from raylm.kernels.fp8 import FP8_DTYPE, FP8_SCALE_DTYPE
 from raylm.kernels.policy import KernelPolicy, choose_kernel_policy, set_kernel_policy
 from raylm.models.arch import ArchConfig
 
@@ -114,7 +115,8 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.sampler = Sampler(seed)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Per layer (k_cache, v_cache), and for an FP8 cache their scales after them (kernels/attention.py).
+        self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         self.num_kv_heads = model.local_layers[0].self_attn.num_kv_heads
         self.num_local_layers = model.num_local_layers
         self.graphs = None
@@ -143,8 +145,10 @@ class ModelRunner:
     # ------------------------------------------------------------------ KV cache
 
     def kv_bytes_per_block(self, kv_dtype: torch.dtype) -> int:
-        element = torch.tensor([], dtype=kv_dtype).element_size()
-        return 2 * self.num_local_layers * self.block_size * self.num_kv_heads * self.arch.head_dim * element
+        """Bytes of one block of keys and values over this rank's layers; an FP8 cache's include their scales (a
+        float32 per token and head)."""
+        element = kv_dtype.itemsize + (FP8_SCALE_DTYPE.itemsize / self.arch.head_dim if kv_dtype == FP8_DTYPE else 0)
+        return int(2 * self.num_local_layers * self.block_size * self.num_kv_heads * self.arch.head_dim * element)
 
     @property
     def graph_logits(self) -> bool:
@@ -172,19 +176,24 @@ class ModelRunner:
         if self.attention_backend == "flashinfer" and kv_dtype != self.dtype:
             raise ValueError(f"attention_backend='flashinfer' keeps the KV cache in the model's dtype ({self.dtype}), "
                              f"got kv_cache_config.dtype {kv_dtype}")
+        fp8 = kv_dtype == FP8_DTYPE
+        if fp8 and self.attention_backend != "torch":
+            raise ValueError(f"kv_cache_config.dtype='fp8' runs on attention_backend='torch' for now, got the "
+                             f"{self.attention_backend!r} backend: set attention_backend='torch'")
         shape = (num_blocks + 1, self.block_size, self.num_kv_heads, self.arch.head_dim)
         self.kv_caches = []
         for _ in range(self.num_local_layers):
-            k_cache = torch.empty(shape, dtype=kv_dtype, device=self.device)
-            v_cache = torch.empty(shape, dtype=kv_dtype, device=self.device)
-            self.kv_caches.append((k_cache, v_cache))
+            layer = [torch.empty(shape, dtype=kv_dtype, device=self.device) for _ in range(2)]
+            if fp8:
+                layer += [torch.empty(shape[:-1], dtype=FP8_SCALE_DTYPE, device=self.device) for _ in range(2)]
+            self.kv_caches.append(tuple(layer))
         self.zero_null_block()
 
     def zero_null_block(self) -> None:
-        """Zeroes block 0 of every layer's cache, which padding rows and unused table entries read."""
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[0].zero_()
-            v_cache[0].zero_()
+        """Zeroes block 0 of every layer's cache (and scales), which padding rows and unused table entries read."""
+        for layer in self.kv_caches:
+            for tensor in layer:
+                tensor[0].zero_()
 
     def profile_activation_memory(self, num_tokens: int) -> int:
         """Peak device memory (bytes) a prefill step of num_tokens tokens takes beyond weights and KV cache,
@@ -267,9 +276,9 @@ class ModelRunner:
             return
         sources = torch.tensor([src for src, _ in copies], device=self.device)
         targets = torch.tensor([dst for _, dst in copies], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[targets] = k_cache[sources]
-            v_cache[targets] = v_cache[sources]
+        for layer in self.kv_caches:
+            for tensor in layer:
+                tensor[targets] = tensor[sources]
 
     # ------------------------------------------------------------------ the parts of a step
 

@@ -4,6 +4,12 @@ Tokens of a step are flattened: first the decode sequences (one query token each
 chunks. New keys and values are written into the paged cache at their slots; attention then reads
 each sequence's whole context back from the cache through precomputed slot indices. The metadata is
 built once per step and shared by every layer.
+
+An FP8 cache (kv_cache_config.dtype='fp8') stores each token's key and value of each head in float8_e4m3fn
+with a float32 scale (the row's amax / 448, kernels/fp8.py) in tensors of their own, [num_blocks, block_size,
+H_kv]: a scale per row needs no calibration and follows every outlier token. Attention reads them back
+dequantized, the chunk's own new keys and values included, so a token attends to what the cache holds whether
+it was written this step or earlier.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from raylm.kernels.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
 from raylm.kernels.policy import KernelPolicy
 from raylm.kernels.rotary import apply_rotary
 
@@ -38,12 +45,13 @@ class AttentionMetadata:
 
     def attend(self, q, k, v, k_cache, v_cache, scale: float,
                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-               kernels: KernelPolicy = KernelPolicy()) -> torch.Tensor:
+               kernels: KernelPolicy = KernelPolicy(), kv_scales: tuple[torch.Tensor, torch.Tensor] = ()
+               ) -> torch.Tensor:
         """Attention of q over the cache after storing k and v; with rope = (cos, sin), q and k rotated first
-        (by the kernel the policy `kernels` chooses)."""
+        (by the kernel the policy `kernels` chooses). kv_scales: an FP8 cache's (k_scale, v_scale)."""
         if rope is not None:
             q, k = apply_rotary(q, k, rope, kernels)
-        return paged_attention(q, k, v, k_cache, v_cache, self, scale)
+        return paged_attention(q, k, v, k_cache, v_cache, self, scale, kv_scales)
 
 
 def context_slots(block_table: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
@@ -107,12 +115,36 @@ def build_metadata(
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] = (),
 ) -> None:
-    """Stores new keys and values ([T, H_kv, D]) at their slots of the paged cache."""
+    """Stores new keys and values ([T, H_kv, D]) at their slots of the paged cache; into an FP8 cache quantized
+    per token and head, their scales into kv_scales."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    for new, cache, scales in zip((k, v), (k_cache, v_cache), kv_scales or (None, None)):
+        rows = cache.view(-1, num_kv_heads, head_dim)
+        if cache.dtype == FP8_DTYPE:
+            new, scale = quantize_fp8(new)
+            scales.view(-1, num_kv_heads).index_copy_(0, slot_mapping, scale)
+            # index_copy_ has no float8 kernel on the CPU: the bytes are copied instead.
+            rows, new = rows.view(torch.uint8), new.view(torch.uint8)
+        rows.index_copy_(0, slot_mapping, new)
+
+
+def read_kv_cache(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The cache's rows at `slots` (any shape) as [*slots.shape, H_kv, D] in `dtype`; an FP8 cache's dequantized
+    by their scales."""
+    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    rows = cache.view(-1, num_kv_heads, head_dim).index_select(0, slots.reshape(-1))
+    if scales is not None:
+        rows = dequantize_fp8(rows, scales.view(-1, num_kv_heads).index_select(0, slots.reshape(-1)))
+    return rows.to(dtype).view(*slots.shape, num_kv_heads, head_dim)
+
+
+def fake_quantize_kv(values: torch.Tensor) -> torch.Tensor:
+    """Keys or values [T, H_kv, D] as an FP8 cache gives them back: quantized per token and head, dequantized."""
+    return dequantize_fp8(*quantize_fp8(values)).to(values.dtype)
 
 
 def paged_attention(
@@ -123,20 +155,21 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] = (),
 ) -> torch.Tensor:
-    """q: [T, H_q, D]; k, v: [T, H_kv, D]; caches: [num_blocks, block_size, H_kv, D]. Returns [T, H_q, D]."""
-    write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    """q: [T, H_q, D]; k, v: [T, H_kv, D]; caches: [num_blocks, block_size, H_kv, D] (and an FP8 cache's
+    kv_scales: [num_blocks, block_size, H_kv]). Returns [T, H_q, D]."""
+    write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
+    k_scale, v_scale = kv_scales or (None, None)
+    if kv_scales:  # the chunks' own keys and values as the cache holds them
+        k, v = fake_quantize_kv(k), fake_quantize_kv(v)
     out = torch.empty_like(q)
     num_decodes = meta.num_decode_tokens
     if num_decodes:
         slots = meta.decode_slots
-        shape = (*slots.shape, num_kv_heads, head_dim)
         # index_select gathers far faster than advanced indexing on the CPU.
-        keys = flat_k.index_select(0, slots.view(-1)).view(shape).transpose(1, 2)  # [B, H_kv, L, D]
-        values = flat_v.index_select(0, slots.view(-1)).view(shape).transpose(1, 2)
+        keys = read_kv_cache(k_cache, k_scale, slots, q.dtype).transpose(1, 2)  # [B, H_kv, L, D]
+        values = read_kv_cache(v_cache, v_scale, slots, q.dtype).transpose(1, 2)
         query = q[:num_decodes].unsqueeze(2)  # [B, H_q, 1, D]
         attn = F.scaled_dot_product_attention(
             query, keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
@@ -150,8 +183,8 @@ def paged_attention(
             values = v[rows].transpose(0, 1).unsqueeze(0)
             attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            keys = flat_k.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)
-            values = flat_v.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)
+            keys = read_kv_cache(k_cache, k_scale, chunk.context_slots, q.dtype).transpose(0, 1).unsqueeze(0)
+            values = read_kv_cache(v_cache, v_scale, chunk.context_slots, q.dtype).transpose(0, 1).unsqueeze(0)
             attn = F.scaled_dot_product_attention(
                 query, keys, values, attn_mask=chunk.mask, scale=scale, enable_gqa=True
             )

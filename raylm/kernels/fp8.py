@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
+FP8_SCALE_DTYPE = torch.float32  # the scales' dtype, per weight row or per cached key / value row
 # A row of zeros gets this scale rather than 0, so quantizing it divides by something finite.
 _MIN_SCALE = torch.finfo(torch.float32).tiny
 _SCALED_MM_CAPABILITY = (8, 9)

@@ -41,7 +41,7 @@ from raylm.models.quantization import (
     split_scale_name,
 )
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+KVCache = tuple[torch.Tensor, ...]  # (k_cache, v_cache), an FP8 cache's (k_cache, v_cache, k_scale, v_scale)
 
 
 class Attention(nn.Module):
@@ -69,7 +69,9 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, rope=rope, kernels=self.kernels)
+        # An FP8 cache carries its scales after the keys and values (the torch backend's attend takes them).
+        scales = {"kv_scales": kv_cache[2:]} if len(kv_cache) > 2 else {}
+        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, rope=rope, kernels=self.kernels, **scales)
         return self.o_proj(out.view(-1, self.num_heads * self.head_dim), defer_reduce)
 
 

@@ -1,0 +1,164 @@
+"""The FP8 KV cache (kv_cache_config.dtype='fp8'): keys and values in float8_e4m3fn with a float32 scale per token
+and head, on the torch attention backend. The engine with it equals, bit for bit, a float32 engine whose attention
+takes its keys and values quantized and dequantized the same way; its logprobs stay within FP8's precision of the
+float cache's; its capacity nearly doubles (quadruples against float32) for the same bytes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from raylm import LLM, AsyncLLM, KvCacheConfig, LlmArgs, SamplingParams, TokensPrompt
+from raylm.kernels import attention
+from raylm.kernels.attention import fake_quantize_kv, read_kv_cache, write_kv_cache
+from raylm.kernels.fp8 import FP8_DTYPE, FP8_MAX
+
+FP8_KV = KvCacheConfig(max_tokens=2048, tokens_per_block=16, dtype="fp8")
+FLOAT_KV = KvCacheConfig(max_tokens=2048, tokens_per_block=16)
+TINY = torch.finfo(torch.float32).tiny  # a zero row's scale
+PROMPTS = [[(i * 7919 + j * 104729) % 49000 + 10 for j in range(40)] for i in range(3)]
+
+
+# ------------------------------------------------------------------ configuration
+
+
+def test_fp8_kv_cache_is_asked_for_by_kv_cache_config_or_quant_config_and_a_conflict_is_named():
+    assert LlmArgs(kv_cache_config={"dtype": "fp8"}).kv_cache_dtype == "fp8"
+    assert LlmArgs(quant_config={"kv_cache_quant_algo": "FP8"}).kv_cache_dtype == "fp8"
+    assert LlmArgs().kv_cache_dtype == "auto"
+    with pytest.raises(ValidationError, match=r"kv_cache_quant_algo='FP8'.*kv_cache_config.dtype is 'bfloat16'"):
+        LlmArgs(quant_config={"kv_cache_quant_algo": "FP8"}, kv_cache_config={"dtype": "bfloat16"})
+    with pytest.raises(ValidationError, match=r"kv_cache_config\.dtype\n.*'fp8'"):
+        LlmArgs(kv_cache_config={"dtype": "fp4"})
+
+
+def test_fp8_is_in_the_serve_schema():
+    from raylm.serving.config import serve_args_schema
+
+    schema = serve_args_schema()
+    assert "fp8" in schema["$defs"]["KvCacheConfig"]["properties"]["dtype"]["enum"]
+
+
+# ------------------------------------------------------------------ writing and reading the cache
+
+
+def test_written_rows_read_back_as_their_per_token_and_head_quantization():
+    generator = torch.Generator().manual_seed(0)
+    blocks, block_size, heads, dim = 5, 4, 2, 16
+    k, v = (torch.randn(6, heads, dim, generator=generator) for _ in range(2))
+    k[2, 1] *= 500.0  # an outlier row: its own scale, the other rows keep theirs
+    v[4, 0] = 0.0  # a zero row stays zero
+    caches = [torch.zeros(blocks, block_size, heads, dim, dtype=FP8_DTYPE) for _ in range(2)]
+    scales = [torch.zeros(blocks, block_size, heads) for _ in range(2)]
+    slots = torch.tensor([4, 5, 6, 13, 14, 19])
+    write_kv_cache(k, v, *caches, slots, tuple(scales))
+    for new, cache, scale in zip((k, v), caches, scales):
+        torch.testing.assert_close(scale.view(-1, heads)[slots], (new.abs().amax(-1) / FP8_MAX).clamp(min=TINY),
+                                   rtol=0, atol=0)
+        back = read_kv_cache(cache, scale, slots, torch.float32)
+        assert torch.equal(back, fake_quantize_kv(new))
+        bound = new.abs().amax(-1, keepdim=True) * 2**-4  # e4m3: 3 mantissa bits, relative to each row's amax
+        assert ((back - new).abs() <= bound).all()
+        untouched = torch.ones(blocks * block_size, dtype=torch.bool)
+        untouched[slots] = False
+        assert not cache.view(-1, heads, dim)[untouched].float().any()
+    assert not read_kv_cache(caches[1], scales[1], slots[4:5], torch.float32)[:, 0].any()
+    # A float cache reads back what was written, in the dtype asked for.
+    float_cache = torch.zeros(blocks, block_size, heads, dim)
+    write_kv_cache(k, v, float_cache, torch.zeros_like(float_cache), slots)
+    assert torch.equal(read_kv_cache(float_cache, None, slots, torch.float32), k)
+
+
+# ------------------------------------------------------------------ the engine
+
+
+def _generate(path, params: SamplingParams, **kwargs) -> list:
+    """Each prompt's generated tokens and their logprobs, and its prompt's logprobs (teacher-forced)."""
+    with LLM(str(path), skip_tokenizer_init=True, **kwargs) as llm:
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+    return [[(list(o.token_ids), [{t: lp.logprob for t, lp in d.items()} for d in o.logprobs or []])
+             for o in out.outputs]
+            + [[{t: lp.logprob for t, lp in d.items()} for d in out.prompt_logprobs[1:]]]
+            for out in outputs]
+
+
+GREEDY = SamplingParams(max_tokens=8, logprobs=0, prompt_logprobs=0, ignore_eos=True)
+BEAMS = SamplingParams(max_tokens=6, n=2, use_beam_search=True, logprobs=0, prompt_logprobs=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("params", [GREEDY, BEAMS], ids=["greedy", "beam_search"])
+def test_the_fp8_cache_equals_a_float_cache_fed_quantized_keys_and_values_exactly(tiny_model_dirs, arch, params,
+                                                                                  monkeypatch):
+    """Beam search copies blocks (scales with them) when beams fork."""
+    path = tiny_model_dirs[arch]
+    fp8 = _generate(path, params, kv_cache_config=FP8_KV)
+    paged_attention = attention.paged_attention
+    monkeypatch.setattr(attention, "paged_attention", lambda q, k, v, *rest: paged_attention(
+        q, fake_quantize_kv(k), fake_quantize_kv(v), *rest))
+    assert _generate(path, params, kv_cache_config=FLOAT_KV) == fp8
+
+
+LOGPROB_GAP_BOUND = 0.05  # mean |FP8 cache - float32 cache| of the prompts' logprobs; measured 0.020-0.031 (max 0.12)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3_moe"])
+def test_fp8_cache_logprobs_stay_within_fp8_precision_of_the_float_cache(tiny_model_dirs, arch):
+    path = tiny_model_dirs[arch]
+    fp8 = _generate(path, GREEDY, kv_cache_config=FP8_KV)
+    reference = _generate(path, GREEDY, kv_cache_config=FLOAT_KV)
+    gaps = torch.tensor([abs(ours[token] - theirs[token]) for one, other in zip(fp8, reference)
+                         for ours, theirs in zip(one[-1], other[-1]) for token in ours])
+    assert (gaps > 0).any() and gaps.mean() < LOGPROB_GAP_BOUND and gaps.max() < 0.5, (gaps.mean(), gaps.max())
+
+
+def test_a_prefix_reused_from_the_fp8_cache_gives_what_computing_it_gave(tiny_model_dirs):
+    """The second request's prefix blocks come from the cache (quantized by the first request): its tokens and
+    their logprobs equal the first's."""
+    params = SamplingParams(max_tokens=6, logprobs=0, ignore_eos=True)
+    with LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, kv_cache_config=FP8_KV) as llm:
+        first, second = (llm.generate(TokensPrompt(prompt_token_ids=PROMPTS[0]), params) for _ in range(2))
+        assert llm.get_stats(timeout=1)[-1]["kvCacheStats"]["reusedBlocks"] > 0
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert second.outputs[0].logprobs == first.outputs[0].logprobs
+
+
+def test_the_cache_holds_four_times_the_tokens_of_float32_in_the_same_bytes(tiny_model_dirs):
+    def max_blocks(dtype: str) -> int:
+        kv = KvCacheConfig(tokens_per_block=16, dtype=dtype)
+        with LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, kv_cache_config=kv) as llm:
+            llm.generate(TokensPrompt(prompt_token_ids=PROMPTS[0]), SamplingParams(max_tokens=1))
+            return llm.get_stats(timeout=1)[-1]["kvCacheStats"]["maxNumBlocks"]
+
+    head_dim = 16  # the tiny models' (hidden 64, 4 heads)
+    ratio = max_blocks("fp8") / max_blocks("auto")
+    assert ratio == pytest.approx(4 / (1 + 4 / head_dim), rel=1e-3)  # one byte and a float32 scale per row
+
+
+def test_fp8_smollm2_still_answers_paris():
+    with LLM(kv_cache_config=KvCacheConfig(max_tokens=512, dtype="fp8")) as llm:
+        output = llm.generate("The capital of France is", SamplingParams(max_tokens=3))
+    assert output.outputs[0].text.startswith(" Paris.")
+
+
+def test_release_and_resume_bring_back_an_fp8_cache_that_generates_the_same(tiny_model_dirs):
+    async def run():
+        async with AsyncLLM(model=str(tiny_model_dirs["llama"]), executor="local", skip_tokenizer_init=True,
+                            kv_cache_config=FP8_KV, max_seq_len=512) as llm:
+            prompt = TokensPrompt(prompt_token_ids=PROMPTS[1])
+            params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=0)
+            before = await llm.generate_async(prompt, params)
+            await llm.pause_generation()
+            await llm.release(["kv_cache"])
+            released = (await llm.get_memory_status())[0]["tags"]["kv_cache"]
+            await llm.resume(["kv_cache"])
+            await llm.resume_generation()
+            return before, released, await llm.generate_async(prompt, params)
+
+    before, released, after = asyncio.run(run())
+    assert not released["resident"] and released["bytes"] > 0
+    assert after.outputs[0].token_ids == before.outputs[0].token_ids
+    assert after.outputs[0].logprobs == before.outputs[0].logprobs
