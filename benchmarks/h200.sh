@@ -25,6 +25,8 @@
 #   bash benchmarks/h200.sh fp8          # FP8 weights: their GPU tests (torch._scaled_mm against the float32
 #                                        # reference, the decode GEMV on FP8 weights), then 8B batch 1 and batch 8
 #                                        # latency, bf16 and FP8 (~6 min)
+#   bash benchmarks/h200.sh fp8-throughput  # 8B 1000 x (1024, 1024) with FP8 weights, then with the FP8 KV cache
+#                                        # too (max batch 512: the cache holds twice the tokens)   (~9 min)
 #   bash benchmarks/h200.sh flashinfer   # attention_backend="flashinfer": its GPU tests, then 8B latency batch 8
 #                                        # and 8B 256 x (512, 128); needs .gpu/flashinfer.tar.xz from
 #                                        # benchmarks/flashinfer_bundle.sh (its first JIT compiles take minutes)
@@ -164,13 +166,20 @@ case "${1:-}" in
   fp8)
     timeout 240 python -m pytest tests/kernels/test_fp8.py tests/models/test_quantization.py -m gpu -q -rs \
       -p no:cacheprovider 2>&1 | tail -12
-    timeout 240 python -m pytest tests/kernels/test_triton_gemv.py -k "fp8 or refuses" -q -rs -p no:cacheprovider \
-      2>&1 | tail -12
+    timeout 240 python -m pytest tests/kernels/test_triton_gemv.py tests/kernels/test_triton_kv_cache.py \
+      tests/kernels/test_triton_attention.py tests/engine/test_fp8_kv_cache.py -k "fp8 or refuses" -q -rs \
+      -p no:cacheprovider 2>&1 | tail -12
     fp8=(--set quant_config.quant_algo=FP8)
     for batch in 1 8; do
       latency "latency-8b-b$batch" "$llama" "$batch"
       latency "latency-8b-b$batch-fp8" "$llama" "$batch" "${fp8[@]}"
     done
+    ;;
+  fp8-throughput)
+    # 8B 1000 x (1024, 1024): FP8 weights, then FP8 weights and the FP8 KV cache (one run each).
+    throughput throughput-8b-fp8 "$llama" 1000 1024 1024 256 280 --set quant_config.quant_algo=FP8
+    throughput throughput-8b-fp8-kv "$llama" 1000 1024 1024 512 280 --set quant_config.quant_algo=FP8 \
+      --set kv_cache_config.dtype=fp8
     ;;
   serving|serving-1)
     # `both` runs the engine directly too, once; the app on the engine replica is then compared with that run's rows.

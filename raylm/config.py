@@ -36,7 +36,7 @@ class KvCacheConfig(StrictModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8"] = Field(
         default="auto", description="What the cache stores keys and values in. auto: the model's dtype. fp8: "
                                     "float8_e4m3fn with a float32 scale per token and head (about 1/2 of bf16's "
-                                    "bytes, 1/4 of float32's); the torch attention backend for now.")
+                                    "bytes, 1/4 of float32's); on the triton and torch attention backends.")
 
 
 class SchedulerConfig(StrictModel):

@@ -177,9 +177,9 @@ class ModelRunner:
             raise ValueError(f"attention_backend='flashinfer' keeps the KV cache in the model's dtype ({self.dtype}), "
                              f"got kv_cache_config.dtype {kv_dtype}")
         fp8 = kv_dtype == FP8_DTYPE
-        if fp8 and self.attention_backend != "torch":
-            raise ValueError(f"kv_cache_config.dtype='fp8' runs on attention_backend='torch' for now, got the "
-                             f"{self.attention_backend!r} backend: set attention_backend='torch'")
+        if fp8 and self.attention_backend not in ("torch", "triton"):
+            raise ValueError(f"kv_cache_config.dtype='fp8' runs on the 'triton' and 'torch' attention backends, got "
+                             f"attention_backend={self.attention_backend!r}")
         shape = (num_blocks + 1, self.block_size, self.num_kv_heads, self.arch.head_dim)
         self.kv_caches = []
         for _ in range(self.num_local_layers):

@@ -6,6 +6,10 @@ and for values, a sequence's positions mapped to blocks through its row of the b
 gathers a tile of keys one row at a time (row = one position of one KV head, D contiguous elements), so a
 tile may span several cache blocks and its size is chosen for the GPU, not by the cache's block size.
 
+An FP8 cache (float8_e4m3fn rows, a float32 scale per row beside them: triton_kv_cache.py) is read as it is
+stored: each tile widened to the queries' dtype, the keys' scales applied to the scores and the values' to the
+probabilities before they multiply the values (both scales belong to a key, a column of the tile).
+
 Query heads that share a KV head are processed by one program, so each K/V tile is read once per group.
 Scores are accumulated in float32 and the softmax runs online in base 2 (exp2 of scores scaled by log2 e).
 The wrappers never read device values on the host, so they can be captured in CUDA graphs.
@@ -21,7 +25,7 @@ import triton
 import triton.language as tl
 
 from raylm.kernels.pdl import launch_options, pdl_wait
-from raylm.kernels.triton_kv_cache import check_cache, check_cache_write
+from raylm.kernels.triton_kv_cache import cache_scales, check_cache, check_cache_write, store_rows
 from raylm.kernels.triton_ops import cos_sin_row, rope_rows, rotated_rows
 
 _LOG2_E = 1.4426950408889634
@@ -39,25 +43,41 @@ _DEFAULT_SM_COUNT = 132
 
 @triton.jit
 def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, key_pos, key_mask, kv_head, dims, dim_mask,
-                  stride_block, stride_slot, stride_head, PAGE_SIZE: tl.constexpr):
+                  stride_block, stride_slot, stride_head, k_scale_ptr, v_scale_ptr, stride_scale_block,
+                  stride_scale_slot, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr):
     """The keys and values at `key_pos` of one KV head, read through a sequence's block table (zeros where
-    key_mask is false)."""
+    key_mask is false), and an FP8 cache's scales of those keys and values (1.0 for another cache)."""
     block_id = tl.load(block_table_row_ptr + key_pos // PAGE_SIZE, mask=key_mask, other=0).to(tl.int64)
     rows = block_id * stride_block + (key_pos % PAGE_SIZE) * stride_slot + kv_head * stride_head
     kv_mask = key_mask[:, None] & dim_mask[None, :]
     k = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    return k, v
+    if KV_FP8:
+        scale_rows = block_id * stride_scale_block + (key_pos % PAGE_SIZE) * stride_scale_slot + kv_head
+        k_scale = tl.load(k_scale_ptr + scale_rows, mask=key_mask, other=0.0)
+        v_scale = tl.load(v_scale_ptr + scale_rows, mask=key_mask, other=0.0)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
+    return k, v, k_scale, v_scale
 
 
 @triton.jit
-def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One online-softmax step over a tile of keys: returns the updated (row max, row sum, accumulator).
+def _attend_tile(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
+    """One online-softmax step over a tile of keys: returns the updated (row max, row sum, accumulator). An FP8
+    tile's keys and values are widened to q's dtype, their scales (per key) applied to the scores and to the
+    probabilities that weigh the values.
 
     With MASKED, scores where `visible` is false are dropped; rows that see no key yet keep max -inf and
     their probabilities are computed against 0, so that no NaN (from -inf - -inf) enters the sums.
     """
+    if KV_FP8:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if KV_FP8:
+        scores = scores * k_scale[None, :]
     if MASKED:
         scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -65,7 +85,11 @@ def _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr
     p = tl.exp2(scores - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
+    if KV_FP8:
+        weights = (p * v_scale[None, :]).to(v.dtype)
+    else:
+        weights = p.to(v.dtype)
+    acc = tl.dot(weights, v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -95,10 +119,10 @@ def _decode_split_kernel(
     qk_scale, window, num_q_heads, num_splits, head_dim,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_block, stride_slot, stride_head, stride_table,
     k_ptr, v_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
-    stride_sin,
+    stride_sin, k_scale_ptr, v_scale_ptr, stride_scale_block, stride_scale_slot,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ROPE: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
+    ROPE: tl.constexpr = False, KV_FP8: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
 ):
     """One (sequence, KV head, split): attends the group's query heads over the split's range of keys.
 
@@ -132,13 +156,18 @@ def _decode_split_kernel(
         slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
         if (newest >= split_start) & (newest < split_end) & (slot >= 0):
             kv_mask = dim_mask[None, :]
-            cache_row = (slot // PAGE_SIZE) * stride_block + (slot % PAGE_SIZE) * stride_slot + kv_head * stride_head
+            row_mask = tl.full([1, 1], True, tl.int1)
+            cache_row = ((slot // PAGE_SIZE) * stride_block + (slot % PAGE_SIZE) * stride_slot
+                         + kv_head * stride_head + tl.zeros([1, 1], tl.int64))
+            scale_row = ((slot // PAGE_SIZE) * stride_scale_block + (slot % PAGE_SIZE) * stride_scale_slot + kv_head
+                         + tl.zeros([1, 1], tl.int64))
             key = rotated_rows(k_ptr, seq.to(tl.int64) * stride_kt + kv_head * stride_kh, dims, kv_mask, cos, sin,
                                half)
-            tl.store(k_cache_ptr + cache_row + dims[None, :],
-                     key.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-            value = tl.load(v_ptr + seq.to(tl.int64) * stride_vt + kv_head * stride_vh + dims[None, :], mask=kv_mask)
-            tl.store(v_cache_ptr + cache_row + dims[None, :], value.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+            store_rows(k_cache_ptr, k_scale_ptr, key.to(k_ptr.dtype.element_ty), cache_row, scale_row, dims,
+                       kv_mask, row_mask, KV_FP8)
+            value = tl.load(v_ptr + seq.to(tl.int64) * stride_vt + kv_head * stride_vh + dims[None, :], mask=kv_mask,
+                            other=0.0)
+            store_rows(v_cache_ptr, v_scale_ptr, value, cache_row, scale_row, dims, kv_mask, row_mask, KV_FP8)
         tl.debug_barrier()
     else:
         q = tl.load(q_ptr + q_offsets + dims[None, :], mask=q_mask, other=0.0)
@@ -150,9 +179,11 @@ def _decode_split_kernel(
     for tile_start in range(split_start, split_end, BLOCK_N):
         key_pos = tile_start + tl.arange(0, BLOCK_N)
         key_mask = key_pos < split_end
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, key_pos, key_mask, kv_head, dims, dim_mask,
-                             stride_block, stride_slot, stride_head, PAGE_SIZE)
-        m_i, l_i, acc = _attend_tile(q, k, v, key_mask[None, :], m_i, l_i, acc, qk_scale, True, DOT_PRECISION)
+        k, v, k_scale, v_scale = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, key_pos, key_mask, kv_head, dims,
+                                               dim_mask, stride_block, stride_slot, stride_head, k_scale_ptr,
+                                               v_scale_ptr, stride_scale_block, stride_scale_slot, PAGE_SIZE, KV_FP8)
+        m_i, l_i, acc = _attend_tile(q, k, v, k_scale, v_scale, key_mask[None, :], m_i, l_i, acc, qk_scale, True,
+                                     DOT_PRECISION, KV_FP8)
 
     if DIRECT_OUTPUT:
         # A sequence with no keys (context_len 0, e.g. CUDA-graph padding) gets zeros, not NaN.
@@ -259,6 +290,7 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     pdl: int = 0,
+    kv_scales: tuple[torch.Tensor, ...] = (),
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; returns [B, H_q, D] in q's dtype.
 
@@ -267,9 +299,10 @@ def paged_decode_attention(
     int32; context_lens: [B] int32 or int64, keys per sequence including the current one. A sliding window
     hides keys at positions < context_len - sliding_window. A sequence with context_len 0 gets zeros.
     num_splits partitions each context for split-K (chosen from the shapes when None; 1 disables it). `pdl`: the
-    launches' trigger mode (kernels/pdl.py).
+    launches' trigger mode (kernels/pdl.py). kv_scales: an FP8 cache's (k_scale, v_scale).
     """
-    return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, None, pdl)
+    return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, None, pdl,
+                   kv_scales)
 
 
 def rotary_decode_attention(
@@ -287,6 +320,7 @@ def rotary_decode_attention(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     pdl: int = 0,
+    kv_scales: tuple[torch.Tensor, ...] = (),
 ) -> torch.Tensor:
     """rotary_write_kv_cache then paged_decode_attention in one kernel launch (two with split-K): q, k [B, H, D]
     are the step's unrotated queries and keys, v its values, cos / sin one row per sequence; the rotated keys
@@ -301,10 +335,12 @@ def rotary_decode_attention(
     if k_cache.shape[2] != num_kv_heads:
         raise ValueError(f"k has {num_kv_heads} heads, the cache {k_cache.shape[2]}")
     rope = (k, v, cos_rows, sin_rows, slot_mapping)
-    return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope, pdl)
+    return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope, pdl,
+                   kv_scales)
 
 
-def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope, pdl):
+def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope, pdl,
+            kv_scales):
     """The decode attention launch of paged_decode_attention, and of rotary_decode_attention with rope =
     (k, v, cos_rows, sin_rows, slot_mapping)."""
     batch, num_q_heads, head_dim = q.shape
@@ -319,6 +355,7 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
                          f"{list(block_tables.shape)} and {list(context_lens.shape)}")
     if q.stride(2) != 1 or block_tables.stride(1) != 1:
         raise ValueError("q and block_tables must be contiguous in their last dimension")
+    k_scale, v_scale, stride_scale_block, stride_scale_slot, fp8 = cache_scales(k_cache, kv_scales)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
@@ -349,9 +386,11 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k, v, cos, sin, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
+        k_scale, v_scale, stride_scale_block, stride_scale_slot,
         GROUP=group, BLOCK_G=max(config.block_m, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=config.block_n, PAGE_SIZE=page_size, DIRECT_OUTPUT=direct, DOT_PRECISION=_dot_precision(q.dtype),
-        ROPE=rope is not None, num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(pdl),
+        ROPE=rope is not None, KV_FP8=fp8, num_warps=config.num_warps, num_stages=config.num_stages,
+        **launch_options(pdl),
     )
     if not direct:  # one BLOCK_S for every split count up to _MAX_SPLITS: one compiled variant
         _decode_reduce_kernel[(batch, num_q_heads)](
@@ -367,17 +406,18 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
 
 @triton.jit
 def _prefill_tile(q, k_cache_ptr, v_cache_ptr, table_row, tile_start, key_end, query_pos, window, kv_head, dims,
-                  dim_mask, m_i, l_i, acc, qk_scale, stride_block, stride_slot, stride_head,
-                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+                  dim_mask, m_i, l_i, acc, qk_scale, stride_block, stride_slot, stride_head, k_scale_ptr, v_scale_ptr,
+                  stride_scale_block, stride_scale_slot, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
     """Attends a prefill tile's rows to the keys tile_start.. (causally and within the window if MASKED)."""
     key_pos = tile_start + tl.arange(0, BLOCK_N)
     key_mask = key_pos < key_end
-    k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, key_pos, key_mask, kv_head, dims, dim_mask,
-                         stride_block, stride_slot, stride_head, PAGE_SIZE)
+    k, v, k_scale, v_scale = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, key_pos, key_mask, kv_head, dims,
+                                           dim_mask, stride_block, stride_slot, stride_head, k_scale_ptr, v_scale_ptr,
+                                           stride_scale_block, stride_scale_slot, PAGE_SIZE, KV_FP8)
     visible = ((key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] > query_pos[:, None] - window)
                & key_mask[None, :])
-    return _attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, MASKED, DOT_PRECISION)
+    return _attend_tile(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, MASKED, DOT_PRECISION, KV_FP8)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "stride_table"])  # see _decode_split_kernel
@@ -385,9 +425,10 @@ def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_starts_ptr,
     context_lens_ptr, qk_scale, window, num_seqs, head_dim,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_block, stride_slot, stride_head, stride_table,
+    k_scale_ptr, v_scale_ptr, stride_scale_block, stride_scale_slot,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQ_CHUNK: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False,
 ):
     """One tile of BLOCK_M // GROUP_PAD query tokens of one sequence, all query heads of one KV head.
 
@@ -439,11 +480,13 @@ def _prefill_kernel(
     for tile_start in range(key_begin, unmasked_end, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(q, k_cache_ptr, v_cache_ptr, table_row, tile_start, key_end, query_pos,
                                       window, kv_head, dims, dim_mask, m_i, l_i, acc, qk_scale, stride_block,
-                                      stride_slot, stride_head, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION)
+                                      stride_slot, stride_head, k_scale_ptr, v_scale_ptr, stride_scale_block,
+                                      stride_scale_slot, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION, KV_FP8)
     for tile_start in range(unmasked_end, key_end, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(q, k_cache_ptr, v_cache_ptr, table_row, tile_start, key_end, query_pos,
                                       window, kv_head, dims, dim_mask, m_i, l_i, acc, qk_scale, stride_block,
-                                      stride_slot, stride_head, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION)
+                                      stride_slot, stride_head, k_scale_ptr, v_scale_ptr, stride_scale_block,
+                                      stride_scale_slot, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION, KV_FP8)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + token_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
@@ -460,6 +503,7 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    kv_scales: tuple[torch.Tensor, ...] = (),
 ) -> torch.Tensor:
     """Causal attention of S chunks of new query tokens over their paged contexts; returns [T, H_q, D].
 
@@ -467,7 +511,7 @@ def paged_prefill_attention(
     seq_starts: [S] int32 position of each chunk's first token (keys already cached before it);
     context_lens: [S] int32 = seq_starts + query lengths. Every key, the chunk's own included, is read from
     the cache through block_tables [S, max_blocks] int32. The query at position p sees keys 0..p, and with a
-    sliding window only those > p - sliding_window.
+    sliding window only those > p - sliding_window. kv_scales: an FP8 cache's (k_scale, v_scale).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -484,6 +528,7 @@ def paged_prefill_attention(
                          f"{list(query_start_loc.shape)}, {list(context_lens.shape)}, {list(block_tables.shape)}")
     if q.stride(2) != 1 or block_tables.stride(1) != 1:
         raise ValueError("q and block_tables must be contiguous in their last dimension")
+    k_scale, v_scale, stride_scale_block, stride_scale_slot, fp8 = cache_scales(k_cache, kv_scales)
     out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -498,8 +543,9 @@ def paged_prefill_attention(
         scale * _LOG2_E, _window(sliding_window), num_seqs, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_scale, v_scale, stride_scale_block, stride_scale_slot,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1], SEQ_CHUNK=128, HAS_WINDOW=sliding_window is not None,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=config.num_warps, num_stages=config.num_stages,
+        DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=fp8, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

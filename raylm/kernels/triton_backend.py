@@ -29,11 +29,13 @@ class TritonAttentionMetadata:
 
     def attend(self, q, k, v, k_cache, v_cache, scale: float,
                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-               kernels: KernelPolicy = KernelPolicy()) -> torch.Tensor:
+               kernels: KernelPolicy = KernelPolicy(), kv_scales: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
         """Attention of q over the cache after storing k and v at their slots; with rope = (cos, sin), q and k
         are rotated first, in the kernel that stores them: for decode tokens, their attention kernel. The
-        kernels launch with the policy's PDL trigger mode (kernels/pdl.py)."""
+        kernels launch with the policy's PDL trigger mode (kernels/pdl.py). kv_scales: an FP8 cache's (k_scale,
+        v_scale)."""
         pdl = kernels.pdl
+        fp8 = {"kv_scales": kv_scales} if kv_scales else {}
         from raylm.kernels.triton_attention import (
             paged_decode_attention,
             paged_prefill_attention,
@@ -44,25 +46,25 @@ class TritonAttentionMetadata:
         decodes = self.num_decodes
         prefill_queries = q[decodes:]
         if rope is None:
-            write_kv_cache(k, v, k_cache, v_cache, self.slot_mapping, pdl)
+            write_kv_cache(k, v, k_cache, v_cache, self.slot_mapping, pdl, **fp8)
         elif self.prefill_block_tables is not None:  # decode tokens are rotated and stored by their attention
             tail = slice(decodes, None)
             prefill_queries = rotary_write_kv_cache(q[tail], k[tail], v[tail], rope[0][tail], rope[1][tail], k_cache,
-                                                    v_cache, self.slot_mapping[tail], pdl)
+                                                    v_cache, self.slot_mapping[tail], pdl, **fp8)
         if decodes:
             head = slice(0, decodes)
             if rope is None:
                 decoded = paged_decode_attention(q[head], k_cache, v_cache, self.decode_block_tables,
-                                                 self.decode_context_lens, scale, self.sliding_window, pdl=pdl)
+                                                 self.decode_context_lens, scale, self.sliding_window, pdl=pdl, **fp8)
             else:
                 decoded = rotary_decode_attention(q[head], k[head], v[head], rope[0][head], rope[1][head], k_cache,
                                                   v_cache, self.slot_mapping[head], self.decode_block_tables,
-                                                  self.decode_context_lens, scale, self.sliding_window, pdl=pdl)
+                                                  self.decode_context_lens, scale, self.sliding_window, pdl=pdl, **fp8)
             if self.prefill_block_tables is None:
                 return decoded
         prefilled = paged_prefill_attention(prefill_queries, k_cache, v_cache, self.prefill_block_tables,
                                             self.query_start_loc, self.seq_starts, self.prefill_context_lens, scale,
-                                            self.sliding_window)
+                                            self.sliding_window, **fp8)
         return torch.cat([decoded, prefilled]) if decodes else prefilled
 
 

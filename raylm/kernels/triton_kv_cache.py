@@ -3,6 +3,10 @@ same kernel that also rotates the queries. Caches are [num_blocks, block_size, H
 slot is block_id * block_size + offset, and tokens with a negative slot (padding) are not written.
 
 Decode tokens are rotated and stored by their attention kernel instead (triton_attention.rotary_decode_attention).
+
+An FP8 cache (float8_e4m3fn) takes each row (one token's key or value of one head) quantized by its own scale,
+the row's amax / 448, stored in a float32 scale cache [num_blocks, block_size, H_kv] beside it, as the torch
+reference does (kernels/attention.py: write_kv_cache).
 """
 
 from __future__ import annotations
@@ -11,8 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
+from raylm.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8_SCALE_DTYPE
 from raylm.kernels.pdl import launch_options, pdl_wait
 from raylm.kernels.triton_ops import cos_sin_row, rope_rows, rotate_heads, rotated_rows
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_MIN_SCALE = tl.constexpr(torch.finfo(torch.float32).tiny)  # a zero row's scale, as kernels/fp8.py gives it
 
 
 def check_cache(name: str, cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
@@ -26,22 +34,64 @@ def check_cache(name: str, cache: torch.Tensor, num_kv_heads: int, head_dim: int
 
 
 @triton.jit
-def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, num_kv_heads, head_dim,
-                     stride_kt, stride_kh, stride_vt, stride_vh, stride_block, stride_slot, stride_head,
+def store_rows(cache_ptr, scale_ptr, rows, cache_offsets, scale_offsets, dims, mask, row_mask,
+               KV_FP8: tl.constexpr):
+    """Stores [R, D] rows at cache_offsets ([R, 1], each row's start) in the cache's dtype; into an FP8 cache each
+    row quantized by its own scale (its amax / 448, as kernels/fp8.py's quantize_fp8), stored at scale_offsets
+    ([R, 1]) of scale_ptr. mask: the [R, D] elements to store (others must be zero), row_mask: the [R, 1] rows."""
+    if KV_FP8:
+        values = rows.to(tl.float32)
+        # Divisions rounded as torch rounds them (Triton's `/` is the GPU's approximate one): the same bytes.
+        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(values), axis=1, keep_dims=True), _FP8_MAX), _MIN_SCALE)
+        quantized = tl.clamp(tl.div_rn(values, scale), -_FP8_MAX, _FP8_MAX).to(cache_ptr.dtype.element_ty)
+        tl.store(cache_ptr + cache_offsets + dims[None, :], quantized, mask=mask)
+        tl.store(scale_ptr + scale_offsets, scale, mask=row_mask)
+    else:
+        tl.store(cache_ptr + cache_offsets + dims[None, :], rows.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
+                     num_kv_heads, head_dim, stride_kt, stride_kh, stride_vt, stride_vh, stride_block, stride_slot,
+                     stride_head, stride_scale_block, stride_scale_slot,
                      PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                     USE_PDL: tl.constexpr = 0):
+                     KV_FP8: tl.constexpr = False, USE_PDL: tl.constexpr = 0):
     pdl_wait(USE_PDL)
     token = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    heads = tl.arange(0, BLOCK_H)
+    # The slot as a [1, 1] block rather than a scalar: Triton's interpreter (the CPU tests) cannot mask with a
+    # scalar condition broadcast against a block.
+    slot = tl.load(slot_mapping_ptr + token + tl.zeros([1, 1], tl.int32)).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)
-    mask = (slot >= 0) & (heads[:, None] < num_kv_heads) & (dims[None, :] < head_dim)
-    cache_offsets = ((slot // PAGE_SIZE) * stride_block + (slot % PAGE_SIZE) * stride_slot
-                     + heads[:, None] * stride_head + dims[None, :])
-    k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
-    v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    tl.store(k_cache_ptr + cache_offsets, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + cache_offsets, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    row_mask = (slot >= 0) & (heads < num_kv_heads)
+    mask = row_mask & (dims[None, :] < head_dim)
+    cache_rows = (slot // PAGE_SIZE) * stride_block + (slot % PAGE_SIZE) * stride_slot + heads * stride_head
+    scale_rows = (slot // PAGE_SIZE) * stride_scale_block + (slot % PAGE_SIZE) * stride_scale_slot + heads
+    k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims[None, :], mask=mask, other=0.0)
+    v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims[None, :], mask=mask, other=0.0)
+    store_rows(k_cache_ptr, k_scale_ptr, k, cache_rows, scale_rows, dims, mask, row_mask, KV_FP8)
+    store_rows(v_cache_ptr, v_scale_ptr, v, cache_rows, scale_rows, dims, mask, row_mask, KV_FP8)
+
+
+def cache_scales(k_cache: torch.Tensor, kv_scales: tuple[torch.Tensor, ...]) -> tuple:
+    """The kernels' scale arguments for a cache: (k_scale, v_scale, stride of a block, stride of a slot, whether it
+    is FP8). An FP8 cache needs its (k_scale, v_scale), float32 [num_blocks, block_size, H_kv] with contiguous
+    heads; another cache takes none (its k_cache stands in for them, unused)."""
+    fp8 = k_cache.dtype == FP8_DTYPE
+    if not fp8:
+        if kv_scales:
+            raise ValueError(f"kv_scales go with an FP8 cache, got a {k_cache.dtype} one")
+        return k_cache, k_cache, 0, 0, False
+    if len(kv_scales) != 2:
+        raise ValueError("an FP8 cache needs its (k_scale, v_scale)")
+    k_scale, v_scale = kv_scales
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale.shape != k_cache.shape[:3] or scale.dtype != FP8_SCALE_DTYPE or scale.stride(2) != 1:
+            raise ValueError(f"{name} must be float32 {list(k_cache.shape[:3])} with contiguous heads, got "
+                             f"{scale.dtype} {list(scale.shape)}")
+    if v_scale.stride() != k_scale.stride():
+        raise ValueError("v_scale must have k_scale's strides")
+    return k_scale, v_scale, k_scale.stride(0), k_scale.stride(1), True
 
 
 def check_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -58,34 +108,37 @@ def check_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor, pdl: int = 0) -> None:
+                   slot_mapping: torch.Tensor, pdl: int = 0, kv_scales: tuple[torch.Tensor, ...] = ()) -> None:
     """Stores keys and values [T, H_kv, D] at their cache slots (slot = block_id * block_size + offset).
 
-    Caches are [num_blocks, block_size, H_kv, D], written in place (cast to the cache dtype); tokens whose
-    slot is negative are padding and are not written. Both caches must share one layout. `pdl`: the launch's
-    trigger mode (kernels/pdl.py).
+    Caches are [num_blocks, block_size, H_kv, D], written in place (cast to the cache dtype; an FP8 cache's rows
+    quantized, their scales into kv_scales); tokens whose slot is negative are padding and are not written. Both
+    caches must share one layout. `pdl`: the launch's trigger mode (kernels/pdl.py).
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     check_cache_write(k, v, k_cache, v_cache, slot_mapping)
+    k_scale, v_scale, stride_scale_block, stride_scale_slot, fp8 = cache_scales(k_cache, kv_scales)
     if num_tokens == 0:
         return
     if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("k and v must be contiguous in their last dimension")
     _write_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, num_kv_heads, head_dim,
+        k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, num_kv_heads, head_dim,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        stride_scale_block, stride_scale_slot,
         PAGE_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4, **launch_options(pdl),
+        BLOCK_D=triton.next_power_of_2(head_dim), KV_FP8=fp8, num_warps=4, **launch_options(pdl),
     )
 
 
 @triton.jit
-def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-                            slot_mapping_ptr, num_q_heads, num_kv_heads, head_dim,
+def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                            v_scale_ptr, slot_mapping_ptr, num_q_heads, num_kv_heads, head_dim,
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
                             stride_q_out_t, stride_q_out_h, stride_block, stride_slot, stride_head,
+                            stride_scale_block, stride_scale_slot,
                             PAGE_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                            BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = 0):
+                            BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr = False, USE_PDL: tl.constexpr = 0):
     """One token: rotates its query heads into q_out, and its key heads (rotated) and value heads into its
     cache slot (none for a negative slot). Keys are rounded to k's dtype before the cache's, as rotating then
     writing them rounds them."""
@@ -98,37 +151,41 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_
     rotate_heads(q_ptr, q_out_ptr, token, cos, sin, num_q_heads, half, dims, dim_mask, stride_qt, stride_qh,
                  stride_q_out_t, stride_q_out_h, BLOCK_HQ)
 
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token + tl.zeros([1, 1], tl.int32)).to(tl.int64)  # as _write_kv_kernel's
     kv_heads = tl.arange(0, BLOCK_HK)[:, None]
     mask = (kv_heads < num_kv_heads) & dim_mask[None, :]
     key = rotated_rows(k_ptr, token * stride_kt + kv_heads * stride_kh, dims, mask, cos, sin, half)
+    row_mask = (kv_heads < num_kv_heads) & (slot >= 0)
     mask = mask & (slot >= 0)
     cache_rows = (slot // PAGE_SIZE) * stride_block + (slot % PAGE_SIZE) * stride_slot + kv_heads * stride_head
-    tl.store(k_cache_ptr + cache_rows + dims[None, :],
-             key.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty), mask=mask)
-    v = tl.load(v_ptr + token * stride_vt + kv_heads * stride_vh + dims[None, :], mask=mask)
-    tl.store(v_cache_ptr + cache_rows + dims[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    scale_rows = (slot // PAGE_SIZE) * stride_scale_block + (slot % PAGE_SIZE) * stride_scale_slot + kv_heads
+    store_rows(k_cache_ptr, k_scale_ptr, key.to(k_ptr.dtype.element_ty), cache_rows, scale_rows, dims, mask,
+               row_mask, KV_FP8)
+    v = tl.load(v_ptr + token * stride_vt + kv_heads * stride_vh + dims[None, :], mask=mask, other=0.0)
+    store_rows(v_cache_ptr, v_scale_ptr, v, cache_rows, scale_rows, dims, mask, row_mask, KV_FP8)
 
 
 def rotary_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                          pdl: int = 0) -> torch.Tensor:
+                          pdl: int = 0, kv_scales: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
     """triton_ops.rotary_embedding then write_kv_cache in one kernel: returns the rotated queries [T, H_q, D]
-    and stores the rotated keys and the values [T, H_kv, D] at their cache slots (negative slots: not stored)."""
+    and stores the rotated keys and the values [T, H_kv, D] at their cache slots (negative slots: not stored;
+    an FP8 cache's rows quantized, their scales into kv_scales)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     cos_rows, sin_rows = rope_rows(q, k, cos, sin)
     check_cache_write(k, v, k_cache, v_cache, slot_mapping)
+    k_scale, v_scale, stride_scale_block, stride_scale_slot, fp8 = cache_scales(k_cache, kv_scales)
     q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_tokens:
         _rotary_write_kv_kernel[(num_tokens,)](
-            q, k, v, cos_rows, sin_rows, q_out, k_cache, v_cache, slot_mapping, num_q_heads, num_kv_heads,
-            head_dim, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            q, k, v, cos_rows, sin_rows, q_out, k_cache, v_cache, k_scale, v_scale, slot_mapping, num_q_heads,
+            num_kv_heads, head_dim, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cos_rows.stride(0), sin_rows.stride(0), q_out.stride(0), q_out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_scale_block, stride_scale_slot,
             PAGE_SIZE=k_cache.shape[1], BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-            BLOCK_HK=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4,
-            **launch_options(pdl),
+            BLOCK_HK=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), KV_FP8=fp8,
+            num_warps=4, **launch_options(pdl),
         )
     return q_out

@@ -162,3 +162,20 @@ def test_release_and_resume_bring_back_an_fp8_cache_that_generates_the_same(tiny
     assert not released["resident"] and released["bytes"] > 0
     assert after.outputs[0].token_ids == before.outputs[0].token_ids
     assert after.outputs[0].logprobs == before.outputs[0].logprobs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_triton_kernels_on_an_fp8_cache_give_the_torch_reference_s_tokens(tiny_model_dirs, arch):
+    """float32 on the GPU, the decode graphs on: the Triton writes and attention (prefill, decode with the rotation
+    inside, split K) against the torch backend on the same FP8 cache layout."""
+    path = tiny_model_dirs[arch]
+    options = dict(kv_cache_config=FP8_KV, device="cuda", dtype="float32", executor="local")
+    triton_run = _generate(path, GREEDY, attention_backend="triton", **options)
+    reference = _generate(path, GREEDY, attention_backend="torch", **options)
+    for ours, theirs in zip(triton_run, reference):
+        assert ours[0][0] == theirs[0][0]  # the greedy tokens
+        for mine, other in zip(ours[0][1] + ours[-1], theirs[0][1] + theirs[-1]):
+            assert mine.keys() == other.keys()
+            assert max(abs(mine[token] - other[token]) for token in mine) < 1e-3

@@ -18,6 +18,8 @@ from tests.kernels import GPU_ONLY, MODULE_MARKS, kernel_device
 DEVICE = kernel_device()
 
 from raylm.kernels.attention import build_metadata, paged_attention  # noqa: E402
+from raylm.kernels.attention import write_kv_cache as reference_write_kv_cache  # noqa: E402
+from raylm.kernels.fp8 import quantize_fp8  # noqa: E402
 from raylm.kernels.triton_attention import (  # noqa: E402
     choose_num_splits,
     paged_decode_attention,
@@ -56,11 +58,11 @@ def _cdiv(a: int, b: int) -> int:
 
 def _run_step(device: torch.device, dtype: torch.dtype, shape: Shape, decode_lens: list[int],
               prefill_chunks: list[tuple[int, int]], sliding_window: int | None = None,
-              num_splits: int | None = None, planner=None) -> None:
+              num_splits: int | None = None, planner=None, fp8: bool = False) -> None:
     """Runs one step of decodes (context lengths) then prefill chunks ((start, query_len)) through the
     kernels and through the reference, and asserts that outputs and caches agree. With a planner (the
     FlashInfer backend's build_metadata), the step runs through the metadata it plans instead of the Triton
-    attention kernels."""
+    attention kernels. With fp8, the caches are FP8 with their scales, and the reference reads them as its own."""
     page_size, num_kv_heads, head_dim = shape.page_size, shape.num_kv_heads, shape.head_dim
     num_q_heads = num_kv_heads * shape.group
     context_lens = decode_lens + [start + length for start, length in prefill_chunks]
@@ -97,20 +99,36 @@ def _run_step(device: torch.device, dtype: torch.dtype, shape: Shape, decode_len
     decode_contexts = [(block_lists[seq], length) for seq, length in enumerate(decode_lens)]
     chunks = [(block_lists[num_decodes + index], start, length) for index, (start, length) in enumerate(prefill_chunks)]
     meta = build_metadata(decode_contexts, chunks, slots, page_size, sliding_window, device)
-    ref_k_cache, ref_v_cache = k_cache.float(), v_cache.float()
-    expected = paged_attention(q.float(), k.float(), v.float(), ref_k_cache, ref_v_cache, meta, scale)
+    scales = {}
+    if fp8:  # rows of very different magnitudes, each with its own scale
+        magnitudes = 10.0 ** torch.randint(-2, 3, k_cache.shape[:3], device=device)[..., None]
+        k_cache = k_cache.float() * magnitudes
+        (k_cache, k_scale), (v_cache, v_scale) = quantize_fp8(k_cache), quantize_fp8(v_cache)
+        scales = {"kv_scales": (k_scale, v_scale)}
+        ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
+        ref_scales = (k_scale.clone(), v_scale.clone())
+        expected = paged_attention(q.float(), k.float(), v.float(), ref_k_cache, ref_v_cache, meta, scale, ref_scales)
+        caches, ref_caches = (k_cache, v_cache, k_scale, v_scale), (ref_k_cache, ref_v_cache, *ref_scales)
+    else:
+        ref_k_cache, ref_v_cache = k_cache.float(), v_cache.float()
+        expected = paged_attention(q.float(), k.float(), v.float(), ref_k_cache, ref_v_cache, meta, scale)
+        caches, ref_caches = (k_cache, v_cache), (ref_k_cache, ref_v_cache)
 
     if planner is not None:
         out = planner(decode_contexts, chunks, slots, page_size, sliding_window, device).attend(
             q, k, v, k_cache, v_cache, scale)
         _assert_step_matches(out, expected, (k_cache, v_cache), (ref_k_cache, ref_v_cache), dtype)
         return
-    write_kv_cache(k, v, k_cache, v_cache, torch.tensor(slots, dtype=torch.int64, device=device))
+    slot_tensor = torch.tensor(slots, dtype=torch.int64, device=device)
+    if fp8:  # the quantizing write has tests of its own (test_triton_kv_cache.py): these test reading the cache
+        reference_write_kv_cache(k, v, k_cache, v_cache, slot_tensor, scales["kv_scales"])
+    else:
+        write_kv_cache(k, v, k_cache, v_cache, slot_tensor)
     out = torch.empty_like(q)
     if num_decodes:
         out[:num_decodes] = paged_decode_attention(
             q[:num_decodes], k_cache, v_cache, table[:num_decodes],
-            torch.tensor(decode_lens, dtype=torch.int32, device=device), scale, sliding_window, num_splits)
+            torch.tensor(decode_lens, dtype=torch.int32, device=device), scale, sliding_window, num_splits, **scales)
     if prefill_chunks:
         query_lens = torch.tensor([length for _, length in prefill_chunks], dtype=torch.int32)
         query_start_loc = torch.zeros(len(prefill_chunks) + 1, dtype=torch.int32)
@@ -118,13 +136,13 @@ def _run_step(device: torch.device, dtype: torch.dtype, shape: Shape, decode_len
         seq_starts = torch.tensor([start for start, _ in prefill_chunks], dtype=torch.int32)
         out[num_decodes:] = paged_prefill_attention(
             q[num_decodes:], k_cache, v_cache, table[num_decodes:], query_start_loc.to(device),
-            seq_starts.to(device), (seq_starts + query_lens).to(device), scale, sliding_window)
+            seq_starts.to(device), (seq_starts + query_lens).to(device), scale, sliding_window, **scales)
 
-    _assert_step_matches(out, expected, (k_cache, v_cache), (ref_k_cache, ref_v_cache), dtype)
+    _assert_step_matches(out, expected, caches, ref_caches, dtype)
 
 
 def _assert_step_matches(out, expected, caches, ref_caches, dtype: torch.dtype) -> None:
-    assert all(torch.equal(cache.float(), ref) for cache, ref in zip(caches, ref_caches))
+    assert all(torch.equal(cache.float(), ref.float()) for cache, ref in zip(caches, ref_caches))
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
 
@@ -270,3 +288,62 @@ def test_prefill_matches_reference_over_thousands_of_tokens(device, dtype):
     torch.manual_seed(9)
     _run_step(device, dtype, Shape(16, 8, 4, 128), decode_lens=[],
               prefill_chunks=[(0, 3000), (4000, 1), (1500, 2500), (0, 5)], sliding_window=None)
+
+
+# ------------------------------------------------------------------------------------------ FP8 cache
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("shape", [Shape(16, 2, 4, 64), Shape(16, 2, 7, 80)], ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_cache_decode_matches_the_reference_reading_the_same_cache(device, dtype, shape, num_splits):
+    """Rows of magnitudes 0.01 to 100, each with its own scale."""
+    _run_step(device, dtype, shape, [1, 17, 40, 300], [], num_splits=num_splits, fp8=True)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("shape", [Shape(16, 2, 4, 64), Shape(16, 1, 7, 80)], ids=str)
+def test_fp8_cache_prefill_and_decode_of_one_step_match_the_reference(device, dtype, shape):
+    _run_step(device, dtype, shape, [5, 33], [(0, 17), (16, 40), (100, 3)], fp8=True)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_fp8_cache_rotary_decode_stores_what_rotary_write_stores(device, dtype, num_splits):
+    """The decode kernel that rotates and stores the step's key quantizes it as rotary_write_kv_cache does, and
+    attends over the cache as paged_decode_attention does."""
+    from raylm.kernels.rotary import RotaryEmbedding, rope_inv_freq
+
+    torch.manual_seed(5)
+    batch, kv_heads, group, head_dim, page = 3, 2, 4, 64, 16
+    q = torch.randn(batch, kv_heads * group, head_dim).to(device, dtype)
+    k, v = (torch.randn(batch, kv_heads, head_dim).to(device, dtype) * 30 for _ in range(2))
+    lens = torch.tensor([3, 20, 45], dtype=torch.int32, device=device)
+    cos, sin = RotaryEmbedding(head_dim, 64, rope_inv_freq(head_dim, 10000.0)).to(device).cos_sin(
+        (lens - 1).long(), dtype)
+    table = torch.tensor([[1, 0, 0, 0], [2, 3, 0, 0], [4, 5, 6, 0]], dtype=torch.int32, device=device)
+    slots = torch.stack([table[b, (lens[b] - 1) // page] * page + (lens[b] - 1) % page for b in range(batch)]).long()
+    fused = list(quantize_fp8(torch.randn(7, page, kv_heads, head_dim).to(device)))
+    fused = [fused[0], fused[0].clone(), fused[1], fused[1].clone()]
+    split = [tensor.clone() for tensor in fused]
+    got = rotary_decode_attention(q, k, v, cos, sin, fused[0], fused[1], slots, table, lens, head_dim**-0.5,
+                                  num_splits=num_splits, kv_scales=(fused[2], fused[3]))
+    rotated_q = rotary_write_kv_cache(q, k, v, cos, sin, split[0], split[1], slots, kv_scales=(split[2], split[3]))
+    expected = paged_decode_attention(rotated_q, split[0], split[1], table, lens, head_dim**-0.5,
+                                      num_splits=num_splits, kv_scales=(split[2], split[3]))
+    for mine, theirs in zip(fused, split):
+        assert torch.equal(mine.view(torch.uint8) if mine.dtype != torch.float32 else mine,
+                           theirs.view(torch.uint8) if theirs.dtype != torch.float32 else theirs)
+    torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_fp8_cache_refuses_missing_or_misshapen_scales(device):
+    cache, scale = quantize_fp8(torch.randn(3, 16, 2, 64, device=device))
+    q = torch.randn(1, 2, 64, device=device)
+    table, lens = torch.ones(1, 1, dtype=torch.int32, device=device), torch.ones(1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="an FP8 cache needs its"):
+        paged_decode_attention(q, cache, cache, table, lens, 0.125)
+    with pytest.raises(ValueError, match=r"k_scale must be float32 \[3, 16, 2\]"):
+        paged_decode_attention(q, cache, cache, table, lens, 0.125, kv_scales=(scale[:, :8], scale))
+    with pytest.raises(ValueError, match="kv_scales go with an FP8 cache"):
+        paged_decode_attention(q, cache.float(), cache.float(), table, lens, 0.125, kv_scales=(scale, scale))

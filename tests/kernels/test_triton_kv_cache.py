@@ -60,3 +60,42 @@ def test_rotary_write_kv_cache_equals_rotary_then_write(device, dtype, q_heads, 
     assert torch.equal(got_q, expected_q)
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
     assert caches[2][1, 1].count_nonzero() > 0 and caches[2][0].count_nonzero() == 0  # slot 17 written, -1 not
+
+
+# The quantizing writes of an FP8 cache. Triton's interpreter rounds float32 to float8e4nv wrongly where rounding
+# up crosses a power of two (127.9 becomes 64, not 128), so their bytes are compared on the GPU only; the
+# attention kernels' reading of an FP8 cache is tested under the interpreter too (test_triton_attention.py).
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=GPU_ONLY, id="fp32"), *ALL_DTYPES[1:]])
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
+def test_fp8_writes_quantize_each_row_as_the_reference_does(device, dtype, rotary):
+    """The same bytes and scales as kernels/attention.py's write (the row's amax / 448, rounded to nearest even),
+    the untouched slots and the negative slot's left alone."""
+    from raylm.kernels.attention import write_kv_cache as reference_write
+    from raylm.kernels.fp8 import quantize_fp8
+    from raylm.kernels.rotary import RotaryEmbedding, rope_inv_freq
+    from raylm.kernels.triton_ops import rotary_embedding
+
+    torch.manual_seed(4)
+    tokens, kv_heads, head_dim = 6, 2, 64
+    q = torch.randn(tokens, 4, head_dim, device=device).to(dtype)
+    k = (torch.randn(tokens, kv_heads, head_dim, device=device) * 10.0 ** torch.arange(-2, 4, device=device)[:, None,
+                                                                                                            None]).to(dtype)
+    v = torch.randn(tokens, kv_heads, head_dim, device=device).to(dtype)
+    v[2] = 0.0
+    slots = torch.tensor([17, -1, 63, 34, 40, 5], device=device)
+    cache, scale = quantize_fp8(torch.randn(4, 16, kv_heads, head_dim, device=device))
+    mine = [cache.clone(), cache.clone(), scale.clone(), scale.clone()]
+    theirs = [tensor.clone() for tensor in mine]
+    if rotary:
+        positions = torch.tensor([0, 7, 19, 3, 40, 2], device=device)
+        cos, sin = RotaryEmbedding(head_dim, 64, rope_inv_freq(head_dim, 10000.0)).to(device).cos_sin(positions, dtype)
+        rotary_write_kv_cache(q, k, v, cos, sin, mine[0], mine[1], slots, kv_scales=(mine[2], mine[3]))
+        _, k = rotary_embedding(q, k, cos, sin)
+    else:
+        write_kv_cache(k, v, mine[0], mine[1], slots, kv_scales=(mine[2], mine[3]))
+    written = slots >= 0
+    reference_write(k[written], v[written], theirs[0], theirs[1], slots[written], (theirs[2], theirs[3]))
+    assert torch.equal(mine[0].view(torch.uint8), theirs[0].view(torch.uint8))
+    assert torch.equal(mine[1].view(torch.uint8), theirs[1].view(torch.uint8))
+    torch.testing.assert_close(mine[2], theirs[2], rtol=1e-6, atol=0)
+    torch.testing.assert_close(mine[3], theirs[3], rtol=1e-6, atol=0)
