@@ -5,6 +5,8 @@ gemv_silu_mul, which applies SiLU-mul in its epilogue.
 
     python benchmarks/gemv.py               # one GPU's shapes
     python benchmarks/gemv.py --tp 2        # the shard of each rank at tensor-parallel size 2
+    python benchmarks/gemv.py --fp8         # FP8 weights (per-row scales): the GEMV against torch._scaled_mm
+                                            # (kernels/fp8.py, activations quantized per token)
 
 Each timing replays a CUDA graph of calls over enough copies of the weight (≥ 1 GiB in all) that no call
 finds its weight in L2, as in a real step, where every weight is read once.
@@ -41,11 +43,11 @@ def time_calls(fn, x: torch.Tensor, weights: list[torch.Tensor], replays: int = 
     return graph_call_us(body, len(weights), replays)
 
 
-def tuned_config() -> str:
+def tuned_config(fp8: bool = False) -> str:
     """The tile configuration the GEMV's tuning chose for its last call (BLOCK_N, BLOCK_K, SPLIT_K if split)."""
     from raylm.kernels import triton_gemv
 
-    config = triton_gemv._gemv_tuned.best_config
+    config = triton_gemv._gemv_tuned[fp8].best_config
     tiles = ", ".join(f"{key} {value}" for key, value in config.kwargs.items())
     return f"{tiles}, warps {config.num_warps}, stages {config.num_stages}"
 
@@ -74,30 +76,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--fp8", action="store_true", help="FP8 weights: the GEMV against torch._scaled_mm")
     parser.add_argument("--output_json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gemv.py times CUDA kernels: it needs a GPU")
+    from raylm.kernels.fp8 import dequantize_fp8, fp8_linear, quantize_fp8
     from raylm.kernels.triton_gemv import gemv
 
     dtype = torch.bfloat16
-    impls = {"cublas": lambda x, w: F.linear(x, w), "triton": gemv}
+    if args.fp8:  # a weight is (FP8 rows, their scales)
+        impls = {"scaled_mm": lambda x, w: fp8_linear(x, *w), "triton": lambda x, w: gemv(x, w[0], weight_scale=w[1])}
+    else:
+        impls = {"cublas": lambda x, w: F.linear(x, w), "triton": gemv}
     result: dict = {}
     for rows in args.rows:
         per_step = dict.fromkeys(impls, 0.0)
         for name, (n, k, split) in LLAMA_8B.items():
             n, k = (n // args.tp, k) if split == "n" else (n, k // args.tp)
-            nbytes = n * k * 2
+            nbytes = n * k * (1 if args.fp8 else 2)
             copies = max(2, math.ceil(2**30 / nbytes))
             weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
+            if args.fp8:
+                weights = [quantize_fp8(w) for w in weights]
             x = torch.randn(rows, k, device="cuda", dtype=dtype)
-            torch.testing.assert_close(gemv(x, weights[0]), F.linear(x, weights[0]), atol=5e-2, rtol=2e-2)
+            if args.fp8:
+                expected = F.linear(x.float(), dequantize_fp8(*weights[0])).to(dtype)
+                torch.testing.assert_close(impls["triton"](x, weights[0]), expected, atol=5e-2, rtol=2e-2)
+            else:
+                torch.testing.assert_close(gemv(x, weights[0]), F.linear(x, weights[0]), atol=5e-2, rtol=2e-2)
             entry = {}
             for impl, fn in impls.items():
                 micros = time_calls(fn, x, weights)
                 entry[impl] = {"us": micros, "tb_per_s": nbytes / micros / 1e6}
                 per_step[impl] += micros * (1 if name == "lm_head" else LAYERS)
-            entry["triton"]["config"] = tuned_config()
+            entry["triton"]["config"] = tuned_config(args.fp8)
             result.setdefault(str(rows), {})[name] = entry
             timings = ", ".join(f"{impl} {entry[impl]['us']:.1f} us ({entry[impl]['tb_per_s']:.2f} TB/s)"
                                 for impl in impls) + f" [{entry['triton']['config']}]"
@@ -107,8 +120,9 @@ def main() -> None:
         result[str(rows)]["decode_step_ms"] = {impl: us / 1000 for impl, us in per_step.items()}
         print(f"rows {rows}: linear layers of one decode step: " + ", ".join(
             f"{impl} {us / 1000:.3f} ms" for impl, us in per_step.items()), flush=True)
-        result[str(rows)]["gate_up_silu_mul"] = time_gate_up_silu(rows, args.tp, dtype)
-    suffix = f"-tp{args.tp}" if args.tp > 1 else ""
+        if not args.fp8:
+            result[str(rows)]["gate_up_silu_mul"] = time_gate_up_silu(rows, args.tp, dtype)
+    suffix = (f"-tp{args.tp}" if args.tp > 1 else "") + ("-fp8" if args.fp8 else "")
     path = write_result(f"gemv-llama-3.1-8b{suffix}", args, result)
     print(f"wrote {path}")
 

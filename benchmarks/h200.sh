@@ -169,6 +169,7 @@ case "${1:-}" in
     timeout 240 python -m pytest tests/kernels/test_triton_gemv.py tests/kernels/test_triton_kv_cache.py \
       tests/kernels/test_triton_attention.py tests/engine/test_fp8_kv_cache.py -k "fp8 or refuses" -q -rs \
       -p no:cacheprovider 2>&1 | tail -12
+    timeout 150 python benchmarks/gemv.py --fp8 --rows 1 8 $(output_json gemv-llama-3.1-8b-fp8) 2>&1 | tail -14
     fp8=(--set quant_config.quant_algo=FP8)
     for batch in 1 8; do
       latency "latency-8b-b$batch" "$llama" "$batch"
