@@ -170,6 +170,10 @@ case "${1:-}" in
       tests/kernels/test_triton_attention.py tests/engine/test_fp8_kv_cache.py -k "fp8 or refuses" -q -rs \
       -p no:cacheprovider 2>&1 | tail -12
     timeout 150 python benchmarks/gemv.py --fp8 --rows 1 8 $(output_json gemv-llama-3.1-8b-fp8) 2>&1 | tail -14
+    for setting in quant_config.quant_algo=FP8 kv_cache_config.dtype=fp8; do  # SmolLM2's real weights, bf16
+      timeout 120 python benchmarks/accuracy.py --dtype bfloat16 --set "$setting" \
+        $(output_json "accuracy-smollm2-bf16-${setting##*=}") 2>&1 | tail -4
+    done
     fp8=(--set quant_config.quant_algo=FP8)
     for batch in 1 8; do
       latency "latency-8b-b$batch" "$llama" "$batch"
