@@ -26,6 +26,7 @@ from raylm.placement import resolve_placement
 logger = logging.getLogger(__name__)
 
 _SHUTDOWN_GRACE_S = 10.0
+_CHECK_INTERVAL_S = 0.5  # how often get_output looks for a worker whose loop has ended
 
 
 def ensure_ray(num_cpus_hint: int, logging_level: int = logging.INFO) -> float:
@@ -106,6 +107,7 @@ class RayExecutor(Executor):
         self._loop_refs: list = []
         self._pending: deque[StepOutput] = deque()
         self._dead: str | None = None
+        self._next_check = 0.0  # time.monotonic() of get_output's next look for a dead worker
         settings = {}
         if layout.tp > 1 and symmetric_memory_requested(spec.args.kernel_config, spec.device):
             settings[ALL_GPUS_VISIBLE] = "1"  # symmetric-memory rendezvous needs distinct device indices
@@ -153,7 +155,10 @@ class RayExecutor(Executor):
 
         if self._pending:
             return self._pending.popleft()
-        if self._dead is None:
+        if self._dead is None and time.monotonic() >= self._next_check:
+            # A worker's death is looked for at most every _CHECK_INTERVAL_S: the look (ray.wait) costs as much
+            # host time as the call for outputs, and a rank 0 that died fails that call at once anyway.
+            self._next_check = time.monotonic() + _CHECK_INTERVAL_S
             self._dead = self._check_workers()
         if self._dead is not None:
             return StepOutput(fatal_error=self._dead)
