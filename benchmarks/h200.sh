@@ -25,6 +25,7 @@
 #   bash benchmarks/h200.sh fp8          # FP8 weights: their GPU tests (torch._scaled_mm against the float32
 #                                        # reference, the decode GEMV on FP8 weights), then 8B batch 1 and batch 8
 #                                        # latency, bf16 and FP8 (~6 min)
+#   bash benchmarks/h200.sh fp8-prefill  # 8B prefill alone, 256 x (2048, 1), bf16 then FP8 weights   (~4 min)
 #   bash benchmarks/h200.sh fp8-throughput  # 8B 1000 x (1024, 1024) with FP8 weights, then with the FP8 KV cache
 #                                        # too (max batch 512: the cache holds twice the tokens)   (~9 min)
 #   bash benchmarks/h200.sh flashinfer   # attention_backend="flashinfer": its GPU tests, then 8B latency batch 8
@@ -167,6 +168,7 @@ case "${1:-}" in
     timeout 240 python -m pytest tests/kernels/test_fp8.py tests/models/test_quantization.py -m gpu -q -rs \
       -p no:cacheprovider 2>&1 | tail -12
     timeout 240 python -m pytest tests/kernels/test_triton_gemv.py tests/kernels/test_triton_kv_cache.py \
+      tests/kernels/test_triton_fp8.py \
       tests/kernels/test_triton_attention.py tests/engine/test_fp8_kv_cache.py -k "fp8 or refuses" -q -rs \
       -p no:cacheprovider 2>&1 | tail -12
     timeout 150 python benchmarks/gemv.py --fp8 --rows 1 8 $(output_json gemv-llama-3.1-8b-fp8) 2>&1 | tail -14
@@ -179,6 +181,11 @@ case "${1:-}" in
       latency "latency-8b-b$batch" "$llama" "$batch"
       latency "latency-8b-b$batch-fp8" "$llama" "$batch" "${fp8[@]}"
     done
+    ;;
+  fp8-prefill)
+    # Prefill alone: 256 x (2048 in, 1 out), bf16 then FP8 weights (the FP8 matmul with the Triton activation quantizer).
+    throughput throughput-8b-prefill "$llama" 256 2048 1 256 150
+    throughput throughput-8b-prefill-fp8 "$llama" 256 2048 1 256 150 --set quant_config.quant_algo=FP8
     ;;
   fp8-throughput)
     # 8B 1000 x (1024, 1024): FP8 weights, then FP8 weights and the FP8 KV cache (one run each).

@@ -4,7 +4,8 @@ quantized per token at run time.
 Two paths compute the same thing. The reference dequantizes both operands and multiplies in float32; it runs on the
 CPU and is what the CUDA path is tested against. The CUDA path multiplies the FP8 operands directly with
 torch._scaled_mm (compute capability 8.9+), which takes the weight column-major: the [out, in] row-major weight,
-transposed as a view, is just that, so weights keep the layout of every other linear layer.
+transposed as a view, is just that, so weights keep the layout of every other linear layer; its input is quantized
+by one Triton kernel (kernels/triton_fp8.py), to the same bytes.
 """
 
 from __future__ import annotations
@@ -75,7 +76,9 @@ def _multiplies_fp8(device: torch.device) -> bool:
 def _scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                       bias: torch.Tensor | None) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
-    quantized, scale = quantize_fp8(rows)
+    from raylm.kernels.triton_fp8 import quantize_rows_fp8
+
+    quantized, scale = quantize_rows_fp8(rows if rows.stride(-1) == 1 else rows.contiguous())
     # Row-wise scaling: one scale per activation row ([M, 1]) and per weight column of the transposed view ([1, N]);
     # cuBLAS writes bfloat16 under it.
     out = torch._scaled_mm(quantized, weight.t(), scale_a=scale.unsqueeze(1), scale_b=weight_scale.unsqueeze(0),

@@ -1,0 +1,51 @@
+"""Quantizing activations to FP8 per token in one Triton kernel, for the FP8 matmul's input (kernels/fp8.py).
+
+kernels/fp8.py's quantize_fp8 in torch takes about seven kernels and a float32 copy of the input (cast, abs, amax,
+divide, clamp, divide, cast); here one program per row reads the row twice (its amax, then its values, the second
+time mostly from L2) and writes the FP8 row and its scale: the same bytes, the divisions rounded as torch rounds
+them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from raylm.kernels.fp8 import FP8_DTYPE, FP8_MAX
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_MIN_SCALE = tl.constexpr(torch.finfo(torch.float32).tiny)  # a zero row's scale, as quantize_fp8 gives it
+_BLOCK_K = 1024
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, K, stride_x, stride_out, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    amax = tl.zeros([BLOCK_K], tl.float32)
+    for start in range(0, K, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)))
+    scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), _FP8_MAX), _MIN_SCALE)
+    for start in range(0, K, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        values = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+        quantized = tl.clamp(tl.div_rn(values, scale), -_FP8_MAX, _FP8_MAX)
+        tl.store(out_ptr + row * stride_out + cols, quantized.to(out_ptr.dtype.element_ty), mask=cols < K)
+    tl.store(scale_ptr + row, scale)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_fp8(x) for x [M, K] (any float dtype, a contiguous last dimension): (FP8 [M, K], float32 scales
+    [M]), each row scaled by its amax / 448."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"quantize_rows_fp8 takes [M, K] rows with a contiguous last dimension, got "
+                         f"{list(x.shape)} with strides {x.stride()}")
+    rows, K = x.shape
+    out = torch.empty((rows, K), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows:
+        _quantize_rows_kernel[(rows,)](x, out, scale, K, x.stride(0), out.stride(0),
+                                       BLOCK_K=min(_BLOCK_K, triton.next_power_of_2(K)), num_warps=4)
+    return out, scale

@@ -1,0 +1,59 @@
+"""The activations' FP8 quantization kernel (kernels/triton_fp8.py) against kernels/fp8.py's quantize_fp8."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels import GPU_ONLY, MODULE_MARKS, kernel_device
+
+DEVICE = kernel_device()
+
+from raylm.kernels.fp8 import dequantize_fp8, quantize_fp8  # noqa: E402
+from raylm.kernels.triton_fp8 import quantize_rows_fp8  # noqa: E402
+
+pytestmark = MODULE_MARKS
+
+
+def _rows(dtype: torch.dtype, k: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(k)
+    rows = torch.randn(7, k, generator=generator) * 10.0 ** torch.arange(-3, 4)[:, None]
+    rows[2] = 0.0  # a zero row: the smallest scale, zeros
+    rows[4, 3] = 5000.0  # an outlier sets its row's scale
+    return rows.to(DEVICE, dtype)
+
+
+# Triton's interpreter rounds float32 to float8e4nv wrongly where rounding up crosses a power of two (127.9 becomes
+# 64), so the bytes are compared on the GPU; the interpreter checks the scales and the shapes.
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("k", [64, 1000, 4096, 14336])
+def test_quantized_rows_are_quantize_fp8_s_bytes(dtype, k):
+    rows = _rows(dtype, k)
+    quantized, scale = quantize_rows_fp8(rows)
+    expected, expected_scale = quantize_fp8(rows)
+    assert torch.equal(quantized.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(scale, expected_scale)
+
+
+@pytest.mark.parametrize("k", [64, 1000, 3000])
+def test_scales_are_each_row_s_amax_over_448_and_zero_rows_stay_zero(k):
+    rows = _rows(torch.float32, k)
+    quantized, scale = quantize_rows_fp8(rows)
+    assert quantized.shape == rows.shape and scale.shape == (7,)
+    assert torch.equal(scale, quantize_fp8(rows)[1])
+    assert not dequantize_fp8(quantized[2:3], scale[2:3]).any()
+
+
+def test_refuses_rows_that_are_not_a_contiguous_matrix():
+    with pytest.raises(ValueError, match=r"\[M, K\] rows"):
+        quantize_rows_fp8(torch.randn(4, 8, device=DEVICE).t())
+    with pytest.raises(ValueError, match=r"\[M, K\] rows"):
+        quantize_rows_fp8(torch.randn(2, 4, 8, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=GPU_ONLY, id="bf16")])
+def test_an_empty_input_gives_empty_rows(dtype):
+    quantized, scale = quantize_rows_fp8(torch.empty(0, 64, device=DEVICE, dtype=dtype))
+    assert quantized.shape == (0, 64) and scale.shape == (0,)
