@@ -168,6 +168,8 @@ class Worker:
     @property
     def kv_dtype(self) -> torch.dtype:
         kv_dtype = self.spec.args.kv_cache_dtype
+        if kv_dtype == "auto" and self.spec.fp8 is not None and self.spec.fp8.kv_cache:
+            kv_dtype = "fp8"  # the checkpoint was made for an FP8 KV cache (models/quantization.py)
         if kv_dtype == "fp8":
             return torch.float8_e4m3fn
         return self.dtype if kv_dtype == "auto" else _DTYPES[kv_dtype]

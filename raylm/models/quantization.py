@@ -11,7 +11,10 @@ Checkpoints in the model's dtype (and dummy weights) are quantized as they load.
 they are, detected from config.json's quantization_config: transformers' fine-grained FP8 (quant_method "fp8",
 scales `weight_scale_inv`, per tensor or per row) and compressed-tensors (quant_method "compressed-tensors",
 format "float-quantized", `weight_scale` per tensor or per channel). Activations are always quantized per token at
-run time, so a checkpoint's static activation scales (`input_scale`, `activation_scale`) are not used.
+run time, so a checkpoint's static activation scales (`input_scale`, `activation_scale`) are not used. A
+compressed-tensors checkpoint whose kv_cache_scheme is FP8 turns the FP8 KV cache on (unless kv_cache_config.dtype
+says otherwise); the cache scales each token and head itself, so the checkpoint's static KV scales are not used
+either.
 """
 
 from __future__ import annotations
@@ -24,25 +27,28 @@ import torch
 from raylm.config import QuantConfig
 from raylm.kernels.fp8 import FP8_DTYPE, quantize_fp8
 
-# Checkpoint tensors a quantized model has no use for: static activation scales (activations are scaled per token).
-UNUSED_SUFFIXES = (".input_scale", ".activation_scale")
+# Checkpoint tensors a quantized model has no use for: static activation scales (activations are scaled per token)
+# and static KV-cache scales (the FP8 cache scales each token and head).
+UNUSED_SUFFIXES = (".input_scale", ".activation_scale", ".k_scale", ".v_scale", ".output_scale")
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")  # the dequantizing multiplier, under either name
 
 
 @dataclass(frozen=True)
 class Fp8Weights:
     """A model's FP8 weights: how weights quantized at load time are scaled (per_tensor: one amax per weight matrix;
-    else per output row), and the checkpoint's quant_method when it holds FP8 weights already (None: it does not)."""
+    else per output row), the checkpoint's quant_method when it holds FP8 weights already (None: it does not), and
+    whether the checkpoint was made for an FP8 KV cache (its kv_cache_scheme)."""
 
     per_tensor: bool = False
     checkpoint_method: str | None = None
+    kv_cache: bool = False
 
 
 def resolve_fp8_weights(quant_config: QuantConfig, hf_config: Any) -> Fp8Weights | None:
     """The model's FP8 weights from quant_config and the checkpoint's quantization_config, or None for weights in
     the model's dtype. A checkpoint in FP8 implies quant_algo="FP8"; a quantization raylm does not load, or a
     weight_scale set against the checkpoint's own, is a ValueError."""
-    method, granularity = _checkpoint_fp8(hf_config)
+    method, granularity, kv_cache = _checkpoint_fp8(hf_config)
     if method is None:
         if quant_config.quant_algo is None:
             return None
@@ -50,21 +56,21 @@ def resolve_fp8_weights(quant_config: QuantConfig, hf_config: Any) -> Fp8Weights
     if "weight_scale" in quant_config.model_fields_set and granularity not in (None, quant_config.weight_scale):
         raise ValueError(f"quant_config.weight_scale is {quant_config.weight_scale!r} but the checkpoint's FP8 "
                          f"weights are scaled {granularity} ({method})")
-    return Fp8Weights(per_tensor=granularity == "per_tensor", checkpoint_method=method)
+    return Fp8Weights(per_tensor=granularity == "per_tensor", checkpoint_method=method, kv_cache=kv_cache)
 
 
-def _checkpoint_fp8(hf_config: Any) -> tuple[str | None, str | None]:
-    """(quant_method, granularity) of a checkpoint in FP8; (None, None) for one that is not quantized. Granularity is
-    'per_tensor', 'per_channel', or None where parts of the model differ."""
+def _checkpoint_fp8(hf_config: Any) -> tuple[str | None, str | None, bool]:
+    """(quant_method, granularity, FP8 KV cache) of a checkpoint in FP8; (None, None, False) for one that is not
+    quantized. Granularity is 'per_tensor', 'per_channel', or None where parts of the model differ."""
     config = getattr(hf_config, "quantization_config", None)
     if config is None:
-        return None, None
+        return None, None, False
     config = config if isinstance(config, dict) else config.to_dict()
     method = config.get("quant_method")
     if method == "fp8":
-        return method, _fine_grained_granularity(config)
+        return method, _fine_grained_granularity(config), False
     if method == "compressed-tensors":
-        return method, _compressed_tensors_granularity(config)
+        return method, _compressed_tensors_granularity(config), _kv_cache_scheme_is_fp8(config)
     raise ValueError(f"the checkpoint's quantization_config.quant_method {method!r} is not supported; supported: "
                      "'fp8', 'compressed-tensors' (FP8 float-quantized)")
 
@@ -86,9 +92,6 @@ def _compressed_tensors_granularity(config: dict) -> str | None:
     if config.get("format") != "float-quantized":
         raise ValueError(f"compressed-tensors quantization_config.format {config.get('format')!r} is not supported; "
                          "supported: 'float-quantized' (FP8)")
-    if config.get("kv_cache_scheme"):
-        raise ValueError("the checkpoint's quantization_config.kv_cache_scheme (a quantized KV cache) is not "
-                         "supported yet")
     strategies = set()
     for group_name, group in (config.get("config_groups") or {}).items():
         weights = group.get("weights") or {}
@@ -103,6 +106,16 @@ def _compressed_tensors_granularity(config: dict) -> str | None:
     if not strategies:
         raise ValueError("the checkpoint's compressed-tensors quantization_config has no config_groups")
     return strategies.pop() if len(strategies) == 1 else None
+
+
+def _kv_cache_scheme_is_fp8(config: dict) -> bool:
+    scheme = config.get("kv_cache_scheme")
+    if not scheme:
+        return False
+    if scheme.get("type") != "float" or scheme.get("num_bits") != 8:
+        raise ValueError(f"the checkpoint's quantization_config.kv_cache_scheme quantizes the KV cache to "
+                         f"{scheme.get('type')} {scheme.get('num_bits')} bits; supported: float 8 bits (FP8)")
+    return True
 
 
 def split_scale_name(name: str) -> tuple[str, bool]:

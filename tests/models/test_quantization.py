@@ -158,8 +158,8 @@ def test_an_fp8_checkpoint_implies_fp8_weights_scaled_as_it_is(form, per_tensor)
     ({"quant_method": "fp8", "weight_block_size": None, "scale_fmt": "ue8m0"}, QuantConfig(), "scale_fmt 'ue8m0'"),
     (_compressed_tensors_config("channel"), QuantConfig(quant_algo="FP8", weight_scale="per_tensor"),
      "quant_config.weight_scale is 'per_tensor' but the checkpoint's FP8 weights are scaled per_channel"),
-    ({**_compressed_tensors_config("channel"), "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, QuantConfig(),
-     "kv_cache_scheme"),
+    ({**_compressed_tensors_config("channel"), "kv_cache_scheme": {"num_bits": 8, "type": "int"}}, QuantConfig(),
+     "kv_cache_scheme quantizes the KV cache to int 8 bits; supported: float 8 bits"),
     ({**_compressed_tensors_config("group"), "format": "float-quantized"}, QuantConfig(), "strategy 'group'"),
     ({**COMPRESSED_TENSORS, "format": "pack-quantized"}, QuantConfig(), "format 'pack-quantized'"),
 ])
@@ -276,6 +276,27 @@ def test_an_fp8_checkpoint_is_detected_by_llm_and_generates_as_quantizing_on_loa
         LLM(str(path), quant_config=QuantConfig(quant_algo="FP8", weight_scale="per_tensor"), skip_tokenizer_init=True)
 
 
+def test_a_checkpoint_made_for_an_fp8_kv_cache_turns_it_on_and_its_static_kv_scales_go_unused(tmp_path,
+                                                                                                tiny_model_dirs):
+    source = tiny_model_dirs["llama"]
+    plain = _fp8_checkpoint(tmp_path / "fp8", source, "compressed-tensors per channel")
+    config = json.loads((plain / "config.json").read_text())["quantization_config"]
+    tensors = load_file(str(plain / "model.safetensors"))
+    for layer in range(2):
+        for name in ("k_scale", "v_scale"):
+            tensors[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor(3.0)
+    path = _write(tmp_path / "fp8-kv", source, tensors,
+                  {**config, "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                 "dynamic": False, "symmetric": True}})
+    assert resolve_fp8_weights(QuantConfig(), load_hf_config(resolve_model(str(path)))).kv_cache
+    fp8_cache = KvCacheConfig(max_tokens=2048, tokens_per_block=16, dtype="fp8")
+    with_kv = _generate(path)
+    assert with_kv == _generate(plain, kv_cache_config=fp8_cache)
+    assert with_kv != _generate(plain)
+    float_cache = KvCacheConfig(max_tokens=2048, tokens_per_block=16, dtype="float32")
+    assert _generate(path, kv_cache_config=float_cache) == _generate(plain)  # a dtype set says otherwise
+
+
 def test_an_fp8_tensor_where_the_model_keeps_its_dtype_is_refused_by_name(tmp_path, tiny_model_dirs):
     source = tiny_model_dirs["llama"]
     path = _fp8_checkpoint(tmp_path / "fp8", source, "fp8 per tensor")
@@ -292,7 +313,7 @@ def test_an_fp8_tensor_where_the_model_keeps_its_dtype_is_refused_by_name(tmp_pa
 def _generate(path: Path, **kwargs) -> list:
     """Greedy tokens and the prompt's logprobs (teacher-forced) of PROMPTS."""
     params = SamplingParams(max_tokens=6, logprobs=0, prompt_logprobs=0, ignore_eos=True)
-    with LLM(str(path), skip_tokenizer_init=True, kv_cache_config=KV, **kwargs) as llm:
+    with LLM(str(path), skip_tokenizer_init=True, **{"kv_cache_config": KV, **kwargs}) as llm:
         outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
     return [(out.outputs[0].token_ids, [position[token].logprob for position, token in
                                          zip(out.prompt_logprobs[1:], prompt[1:])])
