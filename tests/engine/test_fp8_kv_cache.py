@@ -179,3 +179,16 @@ def test_the_triton_kernels_on_an_fp8_cache_give_the_torch_reference_s_tokens(ti
         for mine, other in zip(ours[0][1] + ours[-1], theirs[0][1] + theirs[-1]):
             assert mine.keys() == other.keys()
             assert max(abs(mine[token] - other[token]) for token in mine) < 1e-3
+
+
+@pytest.mark.slow
+def test_fp8_cache_at_tensor_parallel_size_2_equals_one_rank(ray_cluster, tiny_model_dirs):
+    """Two ranks over gloo, each holding its KV heads' rows and scales: a row is one head's, so each rank quantizes
+    exactly what one rank does; the same tokens, logprobs equal up to the order of the all-reduce's sums."""
+    path = tiny_model_dirs["llama"]
+    two = _generate(path, GREEDY, kv_cache_config=FP8_KV, tensor_parallel_size=2)
+    one = _generate(path, GREEDY, kv_cache_config=FP8_KV, executor="local")
+    assert [prompt[0][0] for prompt in two] == [prompt[0][0] for prompt in one]
+    for ours, theirs in zip(two, one):
+        for mine, other in zip(ours[0][1] + ours[-1], theirs[0][1] + theirs[-1]):
+            assert max(abs(mine[token] - other[token]) for token in mine) < 1e-4
