@@ -180,6 +180,7 @@ case "${1:-}" in
     for batch in 1 8; do
       latency "latency-8b-b$batch" "$llama" "$batch"
       latency "latency-8b-b$batch-fp8" "$llama" "$batch" "${fp8[@]}"
+      latency "latency-8b-b$batch-fp8-input" "$llama" "$batch" "${fp8[@]}" --set kernel_config.fp8_gemv_input=fp8
     done
     ;;
   fp8-prefill)

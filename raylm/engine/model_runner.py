@@ -126,7 +126,7 @@ class ModelRunner:
         self._graphed = None
         config = kernel_config or KernelConfig()
         self.kernels = choose_kernel_policy(device, weight_bytes(model), config.triton, config.decode_gemv,
-                                            config.pdl)
+                                            config.pdl, config.fp8_gemv_input)
         set_kernel_policy(model, self.kernels)
         self.capture_logits = capture_logits
         self.attention_backend = resolve_attention_backend(attention_backend, self.kernels)

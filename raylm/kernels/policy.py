@@ -47,12 +47,14 @@ def triton_interpreted() -> bool:
 @dataclass(frozen=True)
 class KernelPolicy:
     """The kernels of one model: `triton` for CUDA tensors (else the torch reference), `decode_gemv` for linear
-    layers of at most GEMV_MAX_ROWS half-precision rows, and `pdl`, the Triton kernels' trigger mode (0: plain
-    launches). The default is the torch reference throughout."""
+    layers of at most GEMV_MAX_ROWS half-precision rows (`fp8_gemv_input`: the input of those on FP8 weights
+    quantized to FP8), and `pdl`, the Triton kernels' trigger mode (0: plain launches). The default is the torch
+    reference throughout."""
 
     triton: bool = False
     decode_gemv: bool = False
     pdl: int = 0
+    fp8_gemv_input: bool = False  # GEMVs on FP8 weights quantize their input to FP8 too
 
     def on_triton(self, x: torch.Tensor) -> bool:
         """Whether an operation on x runs its Triton kernel."""
@@ -79,7 +81,8 @@ def streams_weights(weight_bytes: int) -> bool:
 
 
 def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool = True,
-                         decode_gemv: bool | None = None, pdl: str = "auto") -> KernelPolicy:
+                         decode_gemv: bool | None = None, pdl: str = "auto",
+                         fp8_gemv_input: str = "model_dtype") -> KernelPolicy:
     """The policy for a model of `weight_bytes` per rank on `device`, from kernel_config's fields: Triton where
     asked for, on CUDA, and importable; the GEMV (decode_gemv None) and PDL (pdl "auto") for models that stream
     weights; PDL only on compute capability 9.0+ and never interpreted."""
@@ -92,4 +95,5 @@ def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool =
     mode = PDL_TRIGGERS[(STREAMING_PDL_MODE if streaming else "off") if pdl == "auto" else pdl]
     if mode and (triton_interpreted() or torch.cuda.get_device_capability(device) < _PDL_MIN_CAPABILITY):
         mode = 0
-    return KernelPolicy(triton=True, decode_gemv=streaming if decode_gemv is None else decode_gemv, pdl=mode)
+    return KernelPolicy(triton=True, decode_gemv=streaming if decode_gemv is None else decode_gemv, pdl=mode,
+                        fp8_gemv_input=fp8_gemv_input == "fp8")

@@ -206,3 +206,51 @@ def test_linear_sends_fp8_decode_rows_to_the_gemv_and_larger_inputs_to_the_fp8_m
     assert torch.equal(linear(many, quantized, None, policy, scale), fp8_linear(many, quantized, scale))
     without_gemv = KernelPolicy(triton=True)
     assert torch.equal(linear(few, quantized, None, without_gemv, scale), fp8_linear(few, quantized, scale))
+
+
+def _fp8_exact_rows(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Input rows that quantize without rounding: FP8 values (each row's largest 448) times a power of two. Triton's
+    interpreter rounds float32 to float8e4nv wrongly where rounding up crosses a power of two (127.9 becomes 64),
+    so the interpreter gets inputs that need no rounding; the GPU takes any input as well."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(rows, k, generator=generator).mul(40.0).clamp(-448, 448).to(FP8_DTYPE).float()
+    values[:, 3] = 448.0
+    return (values * 2.0 ** torch.arange(-8, -8 + rows)[:, None]).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, GEMV_MAX_ROWS])
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+@pytest.mark.parametrize("inputs", ["exact", pytest.param("random", marks=GPU_ONLY)])
+def test_fp8_input_gemv_is_the_fp8_matmul_s_reference(dtype, rows, split_k, with_bias, inputs):
+    """quantize_input: the input rows quantized per token over the whole of K (each split finds the same scale),
+    FP8 multiplied by FP8: fp8_linear_reference's result, to about one unit in the last place."""
+    from raylm.kernels.fp8 import fp8_linear_reference
+
+    x, quantized, scale, bias = _fp8_case(rows, 100, 600, dtype, with_bias, seed=rows + split_k)
+    if inputs == "exact":
+        x = _fp8_exact_rows(rows, 600, dtype, seed=rows)
+    else:
+        x[0, 7] = 40.0  # an outlier: its row's scale
+    expected = fp8_linear_reference(x.float(), quantized, scale, None if bias is None else bias.float())
+    config = {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": split_k}
+    got = gemv(x, quantized, bias, weight_scale=scale, quantize_input=True, config=config)
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(got, expected.to(dtype), atol=tolerance * expected.abs().max().item(), rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_input_gemv_silu_mul_is_gemv_then_silu_and_mul(dtype):
+    _, quantized, scale, _ = _fp8_case(3, 2 * 48, 256, dtype, False, seed=13)
+    x = _fp8_exact_rows(3, 256, dtype, seed=13)
+    expected = silu_and_mul(gemv(x, quantized, weight_scale=scale, quantize_input=True))
+    got = gemv_silu_mul(x, quantized, weight_scale=scale, quantize_input=True)
+    tolerance = 2 * TOLERANCE[dtype]
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+
+
+def test_fp8_input_needs_an_fp8_weight():
+    x = torch.randn(1, 64).to(DEVICE, torch.float16)
+    with pytest.raises(ValueError, match="quantize_input goes with a float8_e4m3fn weight"):
+        gemv(x, torch.randn(32, 64).to(DEVICE, torch.float16), quantize_input=True)
