@@ -22,9 +22,11 @@
 #                                        # engine replica) against the engine called directly, 8B 256 x (512, 128)
 #                                        # at 64 streaming clients                                    (~7 min)
 #   bash benchmarks/h200.sh serving-1    # the same with one client, 16 x (512, 128)                 (~6 min)
-#   bash benchmarks/h200.sh fp8          # FP8 weights: their GPU tests (torch._scaled_mm against the float32
-#                                        # reference, the decode GEMV on FP8 weights), then 8B batch 1 and batch 8
-#                                        # latency, bf16 and FP8 (~6 min)
+#   bash benchmarks/h200.sh fp8          # FP8: the GPU tests (torch._scaled_mm against the float32 reference, the
+#                                        # decode GEMV on FP8 weights, the FP8 KV cache's kernels and engine), the
+#                                        # FP8 GEMV per layer, SmolLM2's accuracy with FP8 weights / KV cache (~6 min)
+#   bash benchmarks/h200.sh fp8-latency  # 8B batch 1 and 8 latency: bf16, FP8 weights, FP8 with the GEMV's input
+#                                        # quantized too (kernel_config.fp8_gemv_input=fp8)              (~6 min)
 #   bash benchmarks/h200.sh fp8-prefill  # 8B prefill alone, 256 x (2048, 1), bf16 then FP8 weights   (~4 min)
 #   bash benchmarks/h200.sh fp8-throughput  # 8B 1000 x (1024, 1024) with FP8 weights, then with the FP8 KV cache
 #                                        # too (max batch 512: the cache holds twice the tokens)   (~9 min)
@@ -176,6 +178,8 @@ case "${1:-}" in
       timeout 120 python benchmarks/accuracy.py --dtype bfloat16 --set "$setting" \
         $(output_json "accuracy-smollm2-bf16-${setting##*=}") 2>&1 | tail -4
     done
+    ;;
+  fp8-latency)
     fp8=(--set quant_config.quant_algo=FP8)
     for batch in 1 8; do
       latency "latency-8b-b$batch" "$llama" "$batch"
