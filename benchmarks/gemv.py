@@ -5,8 +5,8 @@ gemv_silu_mul, which applies SiLU-mul in its epilogue.
 
     python benchmarks/gemv.py               # one GPU's shapes
     python benchmarks/gemv.py --tp 2        # the shard of each rank at tensor-parallel size 2
-    python benchmarks/gemv.py --fp8         # FP8 weights (per-row scales): the GEMV (weights widened; and with its
-                                            # input quantized to FP8) against torch._scaled_mm (kernels/fp8.py)
+    python benchmarks/gemv.py --fp8         # FP8 weights (per-row scales): the GEMV (weights widened to bf16; both
+                                            # in fp16; input quantized to FP8) against torch._scaled_mm
 
 Each timing replays a CUDA graph of calls over enough copies of the weight (≥ 1 GiB in all) that no call
 finds its weight in L2, as in a real step, where every weight is read once.
@@ -43,9 +43,9 @@ def time_calls(fn, x: torch.Tensor, weights: list[torch.Tensor], replays: int = 
     return graph_call_us(body, len(weights), replays)
 
 
-def tuned_config(variant: tuple[bool, bool] = (False, False)) -> str:
-    """The tile configuration the GEMV's tuning chose for its last call of a variant (FP8 weight, FP8 input):
-    BLOCK_N, BLOCK_K, SPLIT_K if split."""
+def tuned_config(variant: tuple[bool, int] = (False, 0)) -> str:
+    """The tile configuration the GEMV's tuning chose for its last call of a variant (FP8 weight, its input mode:
+    triton_gemv.INPUT_MODES): BLOCK_N, BLOCK_K, SPLIT_K if split."""
     from raylm.kernels import triton_gemv
 
     config = triton_gemv._gemv_tuned[variant].best_config
@@ -88,7 +88,8 @@ def main() -> None:
     dtype = torch.bfloat16
     if args.fp8:  # a weight is (FP8 rows, their scales)
         impls = {"scaled_mm": lambda x, w: fp8_linear(x, *w), "triton": lambda x, w: gemv(x, w[0], weight_scale=w[1]),
-                 "triton_fp8_input": lambda x, w: gemv(x, w[0], weight_scale=w[1], quantize_input=True)}
+                 "triton_fp16": lambda x, w: gemv(x, w[0], weight_scale=w[1], input_mode="float16"),
+                 "triton_fp8_input": lambda x, w: gemv(x, w[0], weight_scale=w[1], input_mode="fp8")}
     else:
         impls = {"cublas": lambda x, w: F.linear(x, w), "triton": gemv}
     result: dict = {}
@@ -112,9 +113,10 @@ def main() -> None:
                 micros = time_calls(fn, x, weights)
                 entry[impl] = {"us": micros, "tb_per_s": nbytes / micros / 1e6}
                 per_step[impl] += micros * (1 if name == "lm_head" else LAYERS)
-            entry["triton"]["config"] = tuned_config((True, False) if args.fp8 else (False, False))
+            entry["triton"]["config"] = tuned_config((args.fp8, 0))
             if args.fp8:
-                entry["triton_fp8_input"]["config"] = tuned_config((True, True))
+                entry["triton_fp16"]["config"] = tuned_config((True, 1))
+                entry["triton_fp8_input"]["config"] = tuned_config((True, 2))
             result.setdefault(str(rows), {})[name] = entry
             timings = ", ".join(f"{impl} {entry[impl]['us']:.1f} us ({entry[impl]['tb_per_s']:.2f} TB/s)"
                                 for impl in impls) + f" [{entry['triton']['config']}]"

@@ -184,7 +184,10 @@ case "${1:-}" in
     for batch in 1 8; do
       latency "latency-8b-b$batch" "$llama" "$batch"
       latency "latency-8b-b$batch-fp8" "$llama" "$batch" "${fp8[@]}"
-      latency "latency-8b-b$batch-fp8-input" "$llama" "$batch" "${fp8[@]}" --set kernel_config.fp8_gemv_input=fp8
+      for mode in float16 fp8; do
+        latency "latency-8b-b$batch-fp8-$mode-input" "$llama" "$batch" "${fp8[@]}" \
+          --set kernel_config.fp8_gemv_input=$mode
+      done
     done
     ;;
   fp8-prefill)

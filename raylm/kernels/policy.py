@@ -47,14 +47,14 @@ def triton_interpreted() -> bool:
 @dataclass(frozen=True)
 class KernelPolicy:
     """The kernels of one model: `triton` for CUDA tensors (else the torch reference), `decode_gemv` for linear
-    layers of at most GEMV_MAX_ROWS half-precision rows (`fp8_gemv_input`: the input of those on FP8 weights
-    quantized to FP8), and `pdl`, the Triton kernels' trigger mode (0: plain launches). The default is the torch
+    layers of at most GEMV_MAX_ROWS half-precision rows (`fp8_gemv_input`: how those on FP8 weights take their
+    input), and `pdl`, the Triton kernels' trigger mode (0: plain launches). The default is the torch
     reference throughout."""
 
     triton: bool = False
     decode_gemv: bool = False
     pdl: int = 0
-    fp8_gemv_input: bool = False  # GEMVs on FP8 weights quantize their input to FP8 too
+    fp8_gemv_input: str = "model_dtype"  # how GEMVs on FP8 weights take their input (triton_gemv.INPUT_MODES)
 
     def on_triton(self, x: torch.Tensor) -> bool:
         """Whether an operation on x runs its Triton kernel."""
@@ -96,4 +96,4 @@ def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool =
     if mode and (triton_interpreted() or torch.cuda.get_device_capability(device) < _PDL_MIN_CAPABILITY):
         mode = 0
     return KernelPolicy(triton=True, decode_gemv=streaming if decode_gemv is None else decode_gemv, pdl=mode,
-                        fp8_gemv_input=fp8_gemv_input == "fp8")
+                        fp8_gemv_input=fp8_gemv_input)

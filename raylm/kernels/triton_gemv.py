@@ -22,9 +22,11 @@ FP8 weights (float8_e4m3fn with a float32 scale per output row, kernels/fp8.py) 
 is widened to x's dtype in registers (exactly: every e4m3 value is a bfloat16 / float16 value), multiplied with x
 unquantized, and the row's scale applied to the float32 sum. Decode thus reads FP8 weights at half the cost and
 keeps the activations' precision; their tiles are tuned apart, with wider K tiles (the same bytes in flight).
-With X_FP8 (kernel_config.fp8_gemv_input="fp8") each program instead quantizes the input rows per token as the
-FP8 matmul does (the row's amax over the whole of K / 448, so every program and split finds the same scale) and
-multiplies FP8 by FP8 in the tensor cores, no widening in the loop; both scales go on the float32 sum.
+Two other ways to multiply an FP8 weight are built for the H200 to choose between (kernel_config.fp8_gemv_input):
+"float16" widens the weight to float16 instead (one conversion per two values; bfloat16 takes three) and rounds
+the input to float16 (exact for bfloat16 values of magnitude 2^-14 to 65504); "fp8" quantizes the input rows per
+token as the FP8 matmul does (the row's amax over the whole of K / 448, so every program and split finds the same
+scale) and multiplies FP8 by FP8 in the tensor cores, no widening at all; both scales go on the float32 sum.
 
 The SiLU-mul after the gate / up projection runs in that GEMV's epilogue (gemv_silu_mul: each program owns
 matching gate and up rows, so the activation needs nothing from other programs). The add + RMSNorm before qkv
@@ -87,10 +89,10 @@ def _x_tile(x_rows, ks, row_mask, K):
 
 
 @triton.jit
-def _x_scales(x_rows, row_mask, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, X_FP8: tl.constexpr):
+def _x_scales(x_rows, row_mask, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, X_MODE: tl.constexpr):
     """Each input row's FP8 scale, its amax over the whole of K / 448 (as kernels/fp8.py's quantize_fp8); 1.0 for
-    every row unless X_FP8."""
-    if X_FP8:
+    every row unless X_MODE is 2 (fp8)."""
+    if X_MODE == 2:
         amax = tl.zeros([BLOCK_M], tl.float32)
         for start in range(0, K, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
@@ -101,12 +103,14 @@ def _x_scales(x_rows, row_mask, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 
 
 @triton.jit
-def _dot(x, w, x_scale, acc, X_FP8: tl.constexpr):
-    """acc + x w^T: with X_FP8 the rows of x quantized by their scales and multiplied with the FP8 w as it is,
-    else w widened to x's dtype (a no-op for a half-precision w)."""
-    if X_FP8:
+def _dot(x, w, x_scale, acc, X_MODE: tl.constexpr):
+    """acc + x w^T by X_MODE: 0, w widened to x's dtype (a no-op for a half-precision w); 1, both in float16; 2,
+    the rows of x quantized by their scales and multiplied with the FP8 w as it is."""
+    if X_MODE == 2:
         quantized = tl.clamp(tl.div_rn(x.to(tl.float32), x_scale[:, None]), -_FP8_MAX, _FP8_MAX).to(w.dtype)
         return tl.dot(quantized, tl.trans(w), acc)
+    elif X_MODE == 1:
+        return tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
     else:
         return tl.dot(x, tl.trans(w.to(x.dtype)), acc)
 
@@ -115,7 +119,7 @@ def _dot(x, w, x_scale, acc, X_FP8: tl.constexpr):
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_ptr, arrivals_ptr, M, N, K, stride_xm, stride_wn,
                  stride_ym, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0,
-                 X_FP8: tl.constexpr = False):
+                 X_MODE: tl.constexpr = 0):
     """Program (i, s) computes output features [i BLOCK_N, (i + 1) BLOCK_N) over split s of K (the whole of K
     when SPLIT_K is 1); with SPLIT_K > 1, partial_ptr is a float32 workspace of at least [SPLIT_K, M, N] and
     arrivals_ptr one int32 counter per output tile, zero between calls. HAS_SCALE: W holds FP8 rows, each scaled by
@@ -138,12 +142,12 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_ptr, arrivals
     ks = k_start + tl.arange(0, BLOCK_K)
     w = _w_tile(w_rows, ks, col_mask, k_end)
     pdl_wait(USE_PDL, TRIGGER_AT_TAIL=True)
-    x_scale = _x_scales(x_rows, row_mask, K, BLOCK_M, BLOCK_K, X_FP8)
+    x_scale = _x_scales(x_rows, row_mask, K, BLOCK_M, BLOCK_K, X_MODE)
     acc = _dot(_x_tile(x_rows, ks, row_mask, k_end), w, x_scale, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
-               X_FP8)
+               X_MODE)
     for start in range(k_start + BLOCK_K, k_end, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
-        acc = _dot(_x_tile(x_rows, ks, row_mask, k_end), _w_tile(w_rows, ks, col_mask, k_end), x_scale, acc, X_FP8)
+        acc = _dot(_x_tile(x_rows, ks, row_mask, k_end), _w_tile(w_rows, ks, col_mask, k_end), x_scale, acc, X_MODE)
     pdl_trigger_at_tail(USE_PDL)
     if SPLIT_K > 1:
         tile = rows[:, None] * N + cols[None, :]
@@ -155,18 +159,18 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_ptr, arrivals
             for other in tl.static_range(1, SPLIT_K):
                 acc += tl.load(partial_ptr + other * M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
             _gemv_store(acc, bias_ptr, scale_ptr, y_ptr, rows, cols, col_mask, out_mask, stride_ym, HAS_BIAS,
-                        HAS_SCALE, x_scale, X_FP8)
+                        HAS_SCALE, x_scale, X_MODE)
             tl.atomic_xchg(arrivals_ptr + pid, 0)  # ready for the next call
     else:
         _gemv_store(acc, bias_ptr, scale_ptr, y_ptr, rows, cols, col_mask, out_mask, stride_ym, HAS_BIAS, HAS_SCALE,
-                    x_scale, X_FP8)
+                    x_scale, X_MODE)
 
 
 @triton.jit
 def _gemv_store(acc, bias_ptr, scale_ptr, y_ptr, rows, cols, col_mask, out_mask, stride_ym, HAS_BIAS: tl.constexpr,
-                HAS_SCALE: tl.constexpr, x_scale, X_FP8: tl.constexpr):
+                HAS_SCALE: tl.constexpr, x_scale, X_MODE: tl.constexpr):
     """y = acc (* the input rows' scales) (* the weight rows' scales) (+ bias), rounded to y's dtype."""
-    if X_FP8:
+    if X_MODE == 2:
         acc *= x_scale[:, None]
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + cols, mask=col_mask, other=0.0)[None, :]
@@ -179,7 +183,7 @@ def _gemv_store(acc, bias_ptr, scale_ptr, y_ptr, rows, cols, col_mask, out_mask,
 def _gemv_silu_mul_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                           HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0,
-                          X_FP8: tl.constexpr = False):
+                          X_MODE: tl.constexpr = 0):
     """silu(x W_gate^T) * (x W_up^T) for W = [W_gate; W_up] ([2N, K]): each program takes BLOCK_N gate rows and
     the matching up rows, and rounds as linear followed by silu_and_mul does (each projection to y's dtype,
     then the activation, then the product)."""
@@ -195,17 +199,17 @@ def _gemv_silu_mul_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, M, N, K, str
     w_gate = _w_tile(gate_rows, ks, col_mask, K)
     w_up = _w_tile(up_rows, ks, col_mask, K)
     pdl_wait(USE_PDL, TRIGGER_AT_TAIL=True)
-    x_scale = _x_scales(x_rows, row_mask, K, BLOCK_M, BLOCK_K, X_FP8)
+    x_scale = _x_scales(x_rows, row_mask, K, BLOCK_M, BLOCK_K, X_MODE)
     x = _x_tile(x_rows, ks, row_mask, K)
-    acc_gate = _dot(x, w_gate, x_scale, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), X_FP8)
-    acc_up = _dot(x, w_up, x_scale, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), X_FP8)
+    acc_gate = _dot(x, w_gate, x_scale, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), X_MODE)
+    acc_up = _dot(x, w_up, x_scale, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), X_MODE)
     for start in range(BLOCK_K, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         x = _x_tile(x_rows, ks, row_mask, K)
-        acc_gate = _dot(x, _w_tile(gate_rows, ks, col_mask, K), x_scale, acc_gate, X_FP8)
-        acc_up = _dot(x, _w_tile(up_rows, ks, col_mask, K), x_scale, acc_up, X_FP8)
+        acc_gate = _dot(x, _w_tile(gate_rows, ks, col_mask, K), x_scale, acc_gate, X_MODE)
+        acc_up = _dot(x, _w_tile(up_rows, ks, col_mask, K), x_scale, acc_up, X_MODE)
     pdl_trigger_at_tail(USE_PDL)
-    if X_FP8:
+    if X_MODE == 2:
         acc_gate *= x_scale[:, None]
         acc_up *= x_scale[:, None]
     if HAS_SCALE:
@@ -227,8 +231,11 @@ def _tuned(kernel, split: bool, fp8: bool):
     return triton.autotune(configs=_configs(split, fp8), key=["N", "K"], prune_configs_by=prune)(kernel)
 
 
-# Tuned kernels by (whether the weight is FP8, whether the input is quantized to FP8 too).
-_VARIANTS = ((False, False), (True, False), (True, True))
+# How a GEMV on FP8 weights takes its input (X_MODE): "model_dtype" widens the weight to the input's dtype, "float16"
+# multiplies both in float16, "fp8" quantizes the input to FP8.
+INPUT_MODES = {"model_dtype": 0, "float16": 1, "fp8": 2}
+# Tuned kernels by (whether the weight is FP8, the input mode).
+_VARIANTS = ((False, 0), (True, 0), (True, 1), (True, 2))
 _gemv_tuned = {variant: _tuned(_gemv_kernel, True, variant[0]) for variant in _VARIANTS}
 _gemv_silu_mul_tuned = {variant: _tuned(_gemv_silu_mul_kernel, False, variant[0]) for variant in _VARIANTS}
 # The interpreter (CPU tests; read at import, as Triton does) has no device to time configurations on: it runs one.
@@ -250,7 +257,7 @@ def _split_workspace(device: torch.device, N: int) -> tuple[torch.Tensor, torch.
 
 
 def _input_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, name: str,
-                quantize_input: bool = False) -> torch.Tensor:
+                input_mode: str = "model_dtype") -> torch.Tensor:
     """x as [M, K] rows with a contiguous last dimension, after checking x, weight and an FP8 weight's scales (one
     float32 per weight row) for a GEMV."""
     fp8 = weight.dtype == FP8_DTYPE
@@ -258,8 +265,10 @@ def _input_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         raise TypeError(f"{name} takes a float16, bfloat16 or float8_e4m3fn weight, got {weight.dtype}")
     if fp8 != (weight_scale is not None):
         raise ValueError(f"{name}: weight_scale goes with a float8_e4m3fn weight and only with one")
-    if quantize_input and not fp8:
-        raise ValueError(f"{name}: quantize_input goes with a float8_e4m3fn weight")
+    if input_mode not in INPUT_MODES:
+        raise ValueError(f"{name}: input_mode must be one of {sorted(INPUT_MODES)}, got {input_mode!r}")
+    if input_mode != "model_dtype" and not fp8:
+        raise ValueError(f"{name}: input_mode {input_mode!r} goes with a float8_e4m3fn weight")
     if fp8 and (weight_scale.dtype != torch.float32 or weight_scale.shape != weight.shape[:1]
                 or not weight_scale.is_contiguous()):
         raise ValueError(f"{name}: weight_scale must be contiguous float32 of shape [{weight.shape[0]}], got "
@@ -279,10 +288,10 @@ def _input_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 
 def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             weight_scale: torch.Tensor | None, out: torch.Tensor, N: int, config: dict | None, pdl: int,
-            workspace: tuple[torch.Tensor, torch.Tensor] | None = None, quantize_input: bool = False) -> None:
+            workspace: tuple[torch.Tensor, torch.Tensor] | None = None, input_mode: int = 0) -> None:
     """Runs a GEMV kernel over N output features of out [M, N]: tuned per (N, K) (`tuned`, by the variant: FP8
-    weight, FP8 input), or with `config` (the interpreter's one configuration when none is given there); with PDL's
-    trigger mode `pdl`. A kernel that may split K takes its (partials, arrivals) `workspace` after out."""
+    weight, INPUT_MODES value), or with `config` (the interpreter's one configuration when none is given there);
+    with PDL's trigger mode `pdl`. A kernel that may split K takes its (partials, arrivals) `workspace` after out."""
     M, K = rows.shape
     if not M:
         return
@@ -290,7 +299,7 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
     args = (rows, weight, bias if bias is not None else weight, weight_scale if weight_scale is not None else weight,
             out, *(workspace or ()), M, N, K, rows.stride(0), weight.stride(0), out.stride(0))
     flags = {"HAS_BIAS": bias is not None, "HAS_SCALE": weight_scale is not None, "BLOCK_M": _BLOCK_M,
-             "X_FP8": quantize_input}
+             "X_MODE": input_mode}
     if _INTERPRETED and config is None:
         config = _INTERPRETED_CONFIG
     options = launch_options(pdl)
@@ -303,41 +312,42 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
         grid = (triton.cdiv(N, config["BLOCK_N"]), split_k)
         kernel[grid](*args, **flags, **config, **options)
         return
-    tuned[(weight_scale is not None, quantize_input)][
+    tuned[(weight_scale is not None, input_mode)][
         lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta.get("SPLIT_K", 1))](
         *args, **flags, **options)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-         weight_scale: torch.Tensor | None = None, quantize_input: bool = False, config: dict | None = None,
+         weight_scale: torch.Tensor | None = None, input_mode: str = "model_dtype", config: dict | None = None,
          pdl: int = 0) -> torch.Tensor:
     """F.linear(x, weight, bias) for x of at most GEMV_MAX_ROWS rows (any leading shape) and a half-precision
     weight [N, K] with contiguous rows, or an FP8 one with its float32 weight_scale [N] (F.linear of x and the
-    dequantized weight; with quantize_input, of x quantized per row to FP8 and dequantized, as kernels/fp8.py's
-    fp8_linear). `config` fixes the tiles ({"BLOCK_N", "BLOCK_K"[, "SPLIT_K"]}, and Triton's num_warps /
-    num_stages) instead of tuning them: for tests and benchmarks. `pdl`: the launch's trigger mode (kernels/pdl.py)."""
-    rows = _input_rows(x, weight, weight_scale, "gemv", quantize_input)
+    dequantized weight; input_mode, an INPUT_MODES key, says how: with "fp8", F.linear of x quantized per row to
+    FP8 and dequantized, as kernels/fp8.py's fp8_linear). `config` fixes the tiles ({"BLOCK_N", "BLOCK_K"[,
+    "SPLIT_K"]}, and Triton's num_warps / num_stages) instead of tuning them: for tests and benchmarks. `pdl`: the
+    launch's trigger mode (kernels/pdl.py)."""
+    rows = _input_rows(x, weight, weight_scale, "gemv", input_mode)
     N = weight.shape[0]
     out = torch.empty((rows.shape[0], N), dtype=x.dtype, device=x.device)
     # Layers too wide to split pass out twice in the workspace's place: the kernel never touches it unsplit.
     workspace = _split_workspace(rows.device, N) if N <= _MAX_SPLIT_N else (out, out)
     _launch(_gemv_kernel, _gemv_tuned, rows, weight, bias, weight_scale, out, N, config, pdl, workspace,
-            quantize_input)
+            INPUT_MODES[input_mode])
     return out.reshape(*x.shape[:-1], N)
 
 
 def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  weight_scale: torch.Tensor | None = None, quantize_input: bool = False, config: dict | None = None,
-                  pdl: int = 0) -> torch.Tensor:
+                  weight_scale: torch.Tensor | None = None, input_mode: str = "model_dtype",
+                  config: dict | None = None, pdl: int = 0) -> torch.Tensor:
     """silu_and_mul(F.linear(x, weight, bias)) in one kernel, for x as gemv takes it and a merged gate / up
     weight [2I, K] (gate rows, then up rows; bias and an FP8 weight's weight_scale likewise): returns [..., I],
-    rounded as the two steps round. `quantize_input`, `config` and `pdl` as gemv takes them, without SPLIT_K (the
+    rounded as the two steps round. `input_mode`, `config` and `pdl` as gemv takes them, without SPLIT_K (the
     gate / up layer is wide enough not to need it)."""
-    rows = _input_rows(x, weight, weight_scale, "gemv_silu_mul", quantize_input)
+    rows = _input_rows(x, weight, weight_scale, "gemv_silu_mul", input_mode)
     if weight.shape[0] % 2:
         raise ValueError(f"gemv_silu_mul needs gate and up rows of one size, got {weight.shape[0]} rows")
     N = weight.shape[0] // 2
     out = torch.empty((rows.shape[0], N), dtype=x.dtype, device=x.device)
     _launch(_gemv_silu_mul_kernel, _gemv_silu_mul_tuned, rows, weight, bias, weight_scale, out, N, config, pdl,
-            quantize_input=quantize_input)
+            input_mode=INPUT_MODES[input_mode])
     return out.reshape(*x.shape[:-1], N)

@@ -235,7 +235,7 @@ def test_fp8_input_gemv_is_the_fp8_matmul_s_reference(dtype, rows, split_k, with
         x[0, 7] = 40.0  # an outlier: its row's scale
     expected = fp8_linear_reference(x.float(), quantized, scale, None if bias is None else bias.float())
     config = {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": split_k}
-    got = gemv(x, quantized, bias, weight_scale=scale, quantize_input=True, config=config)
+    got = gemv(x, quantized, bias, weight_scale=scale, input_mode="fp8", config=config)
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(got, expected.to(dtype), atol=tolerance * expected.abs().max().item(), rtol=tolerance)
 
@@ -244,13 +244,28 @@ def test_fp8_input_gemv_is_the_fp8_matmul_s_reference(dtype, rows, split_k, with
 def test_fp8_input_gemv_silu_mul_is_gemv_then_silu_and_mul(dtype):
     _, quantized, scale, _ = _fp8_case(3, 2 * 48, 256, dtype, False, seed=13)
     x = _fp8_exact_rows(3, 256, dtype, seed=13)
-    expected = silu_and_mul(gemv(x, quantized, weight_scale=scale, quantize_input=True))
-    got = gemv_silu_mul(x, quantized, weight_scale=scale, quantize_input=True)
+    expected = silu_and_mul(gemv(x, quantized, weight_scale=scale, input_mode="fp8"))
+    got = gemv_silu_mul(x, quantized, weight_scale=scale, input_mode="fp8")
     tolerance = 2 * TOLERANCE[dtype]
     torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
 
 
-def test_fp8_input_needs_an_fp8_weight():
+def test_an_input_mode_needs_an_fp8_weight_and_a_name_gemv_knows():
     x = torch.randn(1, 64).to(DEVICE, torch.float16)
-    with pytest.raises(ValueError, match="quantize_input goes with a float8_e4m3fn weight"):
-        gemv(x, torch.randn(32, 64).to(DEVICE, torch.float16), quantize_input=True)
+    with pytest.raises(ValueError, match="input_mode 'fp8' goes with a float8_e4m3fn weight"):
+        gemv(x, torch.randn(32, 64).to(DEVICE, torch.float16), input_mode="fp8")
+    _, quantized, scale, _ = _fp8_case(1, 32, 64, torch.float16, False, seed=0)
+    with pytest.raises(ValueError, match=r"input_mode must be one of \['float16', 'fp8', 'model_dtype'\]"):
+        gemv(x, quantized, weight_scale=scale, input_mode="fp4")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_float16_input_gemv_is_linear_of_the_dequantized_weight(dtype, split_k):
+    """input_mode 'float16': the weight widened to float16 and the input rounded to it (exact for these values)."""
+    x, quantized, scale, bias = _fp8_case(GEMV_MAX_ROWS, 100, 600, dtype, True, seed=split_k)
+    expected = F.linear(x.float(), dequantize_fp8(quantized, scale), bias.float())
+    got = gemv(x, quantized, bias, weight_scale=scale, input_mode="float16",
+               config={"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": split_k})
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(got, expected.to(dtype), atol=tolerance * expected.abs().max().item(), rtol=tolerance)

@@ -396,7 +396,7 @@ def test_fp8_on_gpu_through_scaled_mm_matches_the_reference_path(tiny_model_dirs
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("fp8_gemv_input", ["model_dtype", "fp8"])
+@pytest.mark.parametrize("fp8_gemv_input", ["model_dtype", "float16", "fp8"])
 def test_fp8_decode_steps_run_the_gemv_on_fp8_weights(tiny_model_dirs, monkeypatch, fp8_gemv_input):
     """With the decode GEMV on, an FP8 model's decode steps read the FP8 weights in the GEMV (prefill stays on the
     FP8 matmul): its greedy tokens' logprobs stay within bfloat16's own cost of those of the model without it, up to
