@@ -19,7 +19,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 FP8_SCALE_DTYPE = torch.float32  # the scales' dtype, per weight row or per cached key / value row
 # A row of zeros gets this scale rather than 0, so quantizing it divides by something finite.
-_MIN_SCALE = torch.finfo(torch.float32).tiny
+FP8_MIN_SCALE = torch.finfo(torch.float32).tiny
 _SCALED_MM_CAPABILITY = (8, 9)
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -30,7 +30,7 @@ def quantize_fp8(tensor: torch.Tensor, per_tensor: bool = False) -> tuple[torch.
     every row of it, so the result has the same layout either way."""
     values = tensor.float()
     amax = values.abs().amax(dim=(-2, -1) if per_tensor else -1, keepdim=True)
-    scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
+    scale = (amax / FP8_MAX).clamp(min=FP8_MIN_SCALE)
     if per_tensor:
         scale = scale.expand(*values.shape[:-1], 1)
     quantized = (values / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

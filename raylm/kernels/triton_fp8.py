@@ -1,4 +1,6 @@
-"""Quantizing activations to FP8 per token in one Triton kernel, for the FP8 matmul's input (kernels/fp8.py).
+"""Quantizing to FP8 in Triton: the scale and rounding every kernel that quantizes shares (fp8_scale, to_fp8: the
+KV-cache writes, the decode GEMV's FP8 input), and activations quantized per token in one kernel, for the FP8
+matmul's input (kernels/fp8.py).
 
 kernels/fp8.py's quantize_fp8 in torch takes about seven kernels and a float32 copy of the input (cast, abs, amax,
 divide, clamp, divide, cast); here one program per row reads the row twice (its amax, then its values, the second
@@ -12,11 +14,25 @@ import torch
 import triton
 import triton.language as tl
 
-from raylm.kernels.fp8 import FP8_DTYPE, FP8_MAX
+from raylm.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
-_MIN_SCALE = tl.constexpr(torch.finfo(torch.float32).tiny)  # a zero row's scale, as quantize_fp8 gives it
+_MIN_SCALE = tl.constexpr(FP8_MIN_SCALE)
 _BLOCK_K = 1024
+
+
+# Divisions are rounded as torch rounds them (Triton's `/` is the GPU's approximate one), so kernels quantize to the
+# bytes kernels/fp8.py's quantize_fp8 gives.
+@triton.jit
+def fp8_scale(amax):
+    """The scale of values whose largest magnitude is amax: amax / 448, the smallest normal float32 for zeros."""
+    return tl.maximum(tl.div_rn(amax, _FP8_MAX), _MIN_SCALE)
+
+
+@triton.jit
+def to_fp8(values, scale):
+    """float32 values divided by their scale, in float8_e4m3fn (within ±448: the rounding saturates)."""
+    return tl.clamp(tl.div_rn(values, scale), -_FP8_MAX, _FP8_MAX).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -27,12 +43,11 @@ def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, K, stride_x, stride_out, BL
     for start in range(0, K, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         amax = tl.maximum(amax, tl.abs(tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)))
-    scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), _FP8_MAX), _MIN_SCALE)
+    scale = fp8_scale(tl.max(amax, axis=0))
     for start in range(0, K, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         values = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-        quantized = tl.clamp(tl.div_rn(values, scale), -_FP8_MAX, _FP8_MAX)
-        tl.store(out_ptr + row * stride_out + cols, quantized.to(out_ptr.dtype.element_ty), mask=cols < K)
+        tl.store(out_ptr + row * stride_out + cols, to_fp8(values, scale), mask=cols < K)
     tl.store(scale_ptr + row, scale)
 
 

@@ -41,13 +41,12 @@ import torch
 import triton
 import triton.language as tl
 
-from raylm.kernels.fp8 import FP8_DTYPE, FP8_MAX
+from raylm.kernels.fp8 import FP8_DTYPE
 from raylm.kernels.pdl import launch_options, pdl_trigger_at_tail, pdl_wait
 from raylm.kernels.policy import GEMV_MAX_ROWS
+from raylm.kernels.triton_fp8 import fp8_scale, to_fp8
 
 _BLOCK_M = 16  # tl.dot's smallest tile; rows past M are masked
-_FP8_MAX = tl.constexpr(FP8_MAX)
-_MIN_SCALE = tl.constexpr(torch.finfo(torch.float32).tiny)  # a zero row's scale, as kernels/fp8.py gives it
 _MIN_BLOCK_N = 16  # the narrowest output tile of any configuration: one arrival counter per such tile
 _SPLITS = (2, 4)  # the split-K factors tuned
 _MAX_SPLIT_N = 16384  # split K only for layers of at most this many output features (enough programs above)
@@ -97,7 +96,7 @@ def _x_scales(x_rows, row_mask, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
         for start in range(0, K, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
             amax = tl.maximum(amax, tl.max(tl.abs(_x_tile(x_rows, ks, row_mask, K).to(tl.float32)), axis=1))
-        return tl.maximum(tl.div_rn(amax, _FP8_MAX), _MIN_SCALE)
+        return fp8_scale(amax)
     else:
         return tl.full([BLOCK_M], 1.0, tl.float32)
 
@@ -107,8 +106,7 @@ def _dot(x, w, x_scale, acc, X_MODE: tl.constexpr):
     """acc + x w^T by X_MODE: 0, w widened to x's dtype (a no-op for a half-precision w); 1, both in float16; 2,
     the rows of x quantized by their scales and multiplied with the FP8 w as it is."""
     if X_MODE == 2:
-        quantized = tl.clamp(tl.div_rn(x.to(tl.float32), x_scale[:, None]), -_FP8_MAX, _FP8_MAX).to(w.dtype)
-        return tl.dot(quantized, tl.trans(w), acc)
+        return tl.dot(to_fp8(x.to(tl.float32), x_scale[:, None]), tl.trans(w), acc)
     elif X_MODE == 1:
         return tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
     else:

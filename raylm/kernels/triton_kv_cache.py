@@ -15,12 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from raylm.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8_SCALE_DTYPE
+from raylm.kernels.fp8 import FP8_DTYPE, FP8_SCALE_DTYPE
 from raylm.kernels.pdl import launch_options, pdl_wait
+from raylm.kernels.triton_fp8 import fp8_scale, to_fp8
 from raylm.kernels.triton_ops import cos_sin_row, rope_rows, rotate_heads, rotated_rows
-
-_FP8_MAX = tl.constexpr(FP8_MAX)
-_MIN_SCALE = tl.constexpr(torch.finfo(torch.float32).tiny)  # a zero row's scale, as kernels/fp8.py gives it
 
 
 def check_cache(name: str, cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
@@ -41,10 +39,8 @@ def store_rows(cache_ptr, scale_ptr, rows, cache_offsets, scale_offsets, dims, m
     ([R, 1]) of scale_ptr. mask: the [R, D] elements to store (others must be zero), row_mask: the [R, 1] rows."""
     if KV_FP8:
         values = rows.to(tl.float32)
-        # Divisions rounded as torch rounds them (Triton's `/` is the GPU's approximate one): the same bytes.
-        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(values), axis=1, keep_dims=True), _FP8_MAX), _MIN_SCALE)
-        quantized = tl.clamp(tl.div_rn(values, scale), -_FP8_MAX, _FP8_MAX).to(cache_ptr.dtype.element_ty)
-        tl.store(cache_ptr + cache_offsets + dims[None, :], quantized, mask=mask)
+        scale = fp8_scale(tl.max(tl.abs(values), axis=1, keep_dims=True))
+        tl.store(cache_ptr + cache_offsets + dims[None, :], to_fp8(values, scale), mask=mask)
         tl.store(scale_ptr + scale_offsets, scale, mask=row_mask)
     else:
         tl.store(cache_ptr + cache_offsets + dims[None, :], rows.to(cache_ptr.dtype.element_ty), mask=mask)
