@@ -161,7 +161,8 @@ def paged_attention(
     kv_scales: [num_blocks, block_size, H_kv]). Returns [T, H_q, D]."""
     write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
     k_scale, v_scale = kv_scales or (None, None)
-    if kv_scales:  # the chunks' own keys and values as the cache holds them
+    if kv_scales and any(chunk.context_slots is None for chunk in meta.prefills):
+        # Chunks that attend to their own keys and values alone take them from k and v: as the cache holds them.
         k, v = fake_quantize_kv(k), fake_quantize_kv(v)
     out = torch.empty_like(q)
     num_decodes = meta.num_decode_tokens

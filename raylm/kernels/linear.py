@@ -17,8 +17,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pol
     if policy.gemv_applies(x, weight):
         from raylm.kernels.triton_gemv import gemv
 
-        input_mode = policy.fp8_gemv_input if weight_scale is not None else "model_dtype"
-        return gemv(x, weight, bias, weight_scale=weight_scale, input_mode=input_mode, pdl=policy.pdl)
+        return gemv(x, weight, bias, weight_scale=weight_scale, input_mode=policy.gemv_input_mode(weight_scale),
+                    pdl=policy.pdl)
     if weight_scale is not None:
         from raylm.kernels.fp8 import fp8_linear
 

@@ -60,6 +60,11 @@ class KernelPolicy:
         """Whether an operation on x runs its Triton kernel."""
         return self.triton and x.is_cuda
 
+    def gemv_input_mode(self, weight_scale: torch.Tensor | None) -> str:
+        """How the GEMV takes its input for a weight (triton_gemv.INPUT_MODES): fp8_gemv_input for an FP8 weight
+        (one with a weight_scale), as it is for any other."""
+        return self.fp8_gemv_input if weight_scale is not None else "model_dtype"
+
     def gemv_applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether x @ weight.T goes to the Triton GEMV: a few rows of half-precision input on CUDA, the weight in
         x's dtype or in FP8."""

@@ -92,9 +92,9 @@ class MLP(nn.Module):
         if self.silu and self.kernels.gemv_applies(x, gate_up.weight):  # SiLU-mul in the GEMV's epilogue
             from raylm.kernels.triton_gemv import gemv_silu_mul
 
-            input_mode = self.kernels.fp8_gemv_input if gate_up.weight_scale is not None else "model_dtype"
             activated = gemv_silu_mul(x, gate_up.weight, gate_up.bias, weight_scale=gate_up.weight_scale,
-                                      input_mode=input_mode, pdl=self.kernels.pdl)
+                                      input_mode=self.kernels.gemv_input_mode(gate_up.weight_scale),
+                                      pdl=self.kernels.pdl)
             return self.down_proj(activated, defer_reduce)
         return self.down_proj(self.act(gate_up(x), self.kernels), defer_reduce)
 
