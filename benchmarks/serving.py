@@ -236,15 +236,18 @@ _SERVER_HISTOGRAMS = {"raylm_request_hop_seconds": "hop", "raylm_time_to_first_t
 async def server_histograms(session, base_url: str) -> dict[str, list[float]]:
     """[sum, count] of the server's histograms (its /prometheus/metrics): each hop of raylm_request_hop_seconds by
     its hop label, TTFT and end-to-end latency."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     async with session.get(f"{base_url}/prometheus/metrics") as response:
         text = await response.text()
     sums: dict[str, list[float]] = {}
-    for line in text.splitlines():
-        for family, short in _SERVER_HISTOGRAMS.items():
-            for position, suffix in enumerate(("_sum{", "_count{")):
-                if line.startswith(family + suffix):
-                    name = line.split('hop="', 1)[1].split('"', 1)[0] if short == "hop" else short
-                    sums.setdefault(name, [0.0, 0])[position] += float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        short = _SERVER_HISTOGRAMS.get(family.name)
+        for sample in family.samples if short else ():
+            position = {"_sum": 0, "_count": 1}.get(sample.name.removeprefix(family.name))
+            if position is not None:
+                name = sample.labels["hop"] if short == "hop" else short
+                sums.setdefault(name, [0.0, 0])[position] += sample.value
     return sums
 
 
