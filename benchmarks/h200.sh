@@ -22,11 +22,12 @@
 #                                        # engine replica) against the engine called directly, 8B 256 x (512, 128)
 #                                        # at 64 streaming clients                                    (~7 min)
 #   bash benchmarks/h200.sh serving-1    # the same with one client, 16 x (512, 128)                 (~6 min)
-#   bash benchmarks/h200.sh fp8          # FP8: the GPU tests (torch._scaled_mm against the float32 reference, the
-#                                        # decode GEMV on FP8 weights, the FP8 KV cache's kernels and engine), the
-#                                        # FP8 GEMV per layer, SmolLM2's accuracy with FP8 weights / KV cache (~6 min)
-#   bash benchmarks/h200.sh fp8-latency  # 8B batch 1 and 8 latency: bf16, FP8 weights, FP8 with the GEMV's input
-#                                        # quantized too (kernel_config.fp8_gemv_input=fp8)              (~6 min)
+#   bash benchmarks/h200.sh fp8          # FP8's GPU tests: torch._scaled_mm against the float32 reference, the decode
+#                                        # GEMV on FP8 weights, the FP8 KV cache's kernels and engine    (~8 min)
+#   bash benchmarks/h200.sh fp8-gemv     # the FP8 GEMV's input modes per 8B layer against _scaled_mm (~9 min)
+#   bash benchmarks/h200.sh fp8-accuracy # SmolLM2's accuracy in bf16 with FP8 weights / the FP8 KV cache (~4 min)
+#   bash benchmarks/h200.sh fp8-latency  # 8B batch 1 and 8 latency: bf16, FP8 weights (the GEMV's input in float16),
+#                                        # then the GEMV's other input modes (kernel_config.fp8_gemv_input)  (~6 min)
 #   bash benchmarks/h200.sh fp8-prefill  # 8B prefill alone, 256 x (2048, 1), bf16 then FP8 weights   (~4 min)
 #   bash benchmarks/h200.sh fp8-throughput  # 8B 1000 x (1024, 1024) with FP8 weights, then with the FP8 KV cache
 #                                        # too (max batch 512: the cache holds twice the tokens)   (~9 min)
@@ -167,15 +168,20 @@ case "${1:-}" in
       $(output_json structured-output-llama-3.1-8b) 2>&1 | grep -E '^ *(batch|[0-9]+ )|wrote|Error'
     ;;
   fp8)
-    timeout 240 python -m pytest tests/kernels/test_fp8.py tests/models/test_quantization.py -m gpu -q -rs \
+    # Each GEMV shape the kernels tune takes about 20 s of Triton tuning on a fresh machine.
+    timeout 150 python -m pytest tests/kernels/test_fp8.py tests/models/test_quantization.py -m gpu -q -rs \
       -p no:cacheprovider 2>&1 | tail -12
-    timeout 240 python -m pytest tests/kernels/test_triton_gemv.py tests/kernels/test_triton_kv_cache.py \
+    timeout 400 python -m pytest tests/kernels/test_triton_gemv.py tests/kernels/test_triton_kv_cache.py \
       tests/kernels/test_triton_fp8.py \
       tests/kernels/test_triton_attention.py tests/engine/test_fp8_kv_cache.py -k "fp8 or refuses" -q -rs \
-      -p no:cacheprovider 2>&1 | tail -12
-    timeout 150 python benchmarks/gemv.py --fp8 --rows 1 8 $(output_json gemv-llama-3.1-8b-fp8) 2>&1 | tail -14
+      -p no:cacheprovider 2>&1 | tail -30
+    ;;
+  fp8-gemv)
+    timeout 560 python benchmarks/gemv.py --fp8 --rows 1 8 $(output_json gemv-llama-3.1-8b-fp8) 2>&1 | tail -14
+    ;;
+  fp8-accuracy)
     for setting in quant_config.quant_algo=FP8 kv_cache_config.dtype=fp8; do  # SmolLM2's real weights, bf16
-      timeout 120 python benchmarks/accuracy.py --dtype bfloat16 --set "$setting" \
+      timeout 200 python benchmarks/accuracy.py --dtype bfloat16 --set "$setting" \
         $(output_json "accuracy-smollm2-bf16-${setting##*=}") 2>&1 | tail -4
     done
     ;;
@@ -184,7 +190,7 @@ case "${1:-}" in
     for batch in 1 8; do
       latency "latency-8b-b$batch" "$llama" "$batch"
       latency "latency-8b-b$batch-fp8" "$llama" "$batch" "${fp8[@]}"
-      for mode in float16 fp8; do
+      for mode in model_dtype fp8; do
         latency "latency-8b-b$batch-fp8-$mode-input" "$llama" "$batch" "${fp8[@]}" \
           --set kernel_config.fp8_gemv_input=$mode
       done

@@ -93,10 +93,11 @@ class KernelConfig(StrictModel):
                                   "cuBLAS; null: on for models with at least 4 GiB of weights per rank, whose decode "
                                   "steps stream weights.")
     fp8_gemv_input: Literal["model_dtype", "float16", "fp8"] = Field(
-        default="model_dtype", description="Decode GEMVs on FP8 weights: 'model_dtype' widens the weights to the "
-                                           "activations' dtype; 'float16' multiplies both in float16; 'fp8' "
-                                           "quantizes the activations per token (as prefill's FP8 matmul does) and "
-                                           "multiplies FP8 by FP8.")
+        default="float16", description="Decode GEMVs on FP8 weights: 'float16' multiplies the weights widened to "
+                                       "float16 with the activations rounded to float16 (the fastest on the H200); "
+                                       "'model_dtype' widens the weights to the activations' dtype; 'fp8' quantizes "
+                                       "the activations per token (as prefill's FP8 matmul does) and multiplies FP8 "
+                                       "by FP8.")
     pdl: Literal["auto", "off", "start", "after_wait", "exit", "tail"] = Field(
         default="auto", description="Programmatic dependent launch of the Triton decode kernels (compute capability "
                                     "9.0+): when a kernel lets the next one start. auto: 'tail' for models whose "

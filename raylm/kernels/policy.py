@@ -87,7 +87,7 @@ def streams_weights(weight_bytes: int) -> bool:
 
 def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool = True,
                          decode_gemv: bool | None = None, pdl: str = "auto",
-                         fp8_gemv_input: str = "model_dtype") -> KernelPolicy:
+                         fp8_gemv_input: str = "float16") -> KernelPolicy:
     """The policy for a model of `weight_bytes` per rank on `device`, from kernel_config's fields: Triton where
     asked for, on CUDA, and importable; the GEMV (decode_gemv None) and PDL (pdl "auto") for models that stream
     weights; PDL only on compute capability 9.0+ and never interpreted."""

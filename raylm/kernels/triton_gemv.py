@@ -18,15 +18,17 @@ On by default for models whose decode steps stream weights, with programmatic de
 alone it is level with cuBLAS; with PDL's `tail` it is faster end to end); kernel_config.decode_gemv overrides.
 Under PDL (kernels/pdl.py) a program loads its first weight tile before it waits for the kernel before it.
 
-FP8 weights (float8_e4m3fn with a float32 scale per output row, kernels/fp8.py) stream half the bytes: each tile
-is widened to x's dtype in registers (exactly: every e4m3 value is a bfloat16 / float16 value), multiplied with x
-unquantized, and the row's scale applied to the float32 sum. Decode thus reads FP8 weights at half the cost and
-keeps the activations' precision; their tiles are tuned apart, with wider K tiles (the same bytes in flight).
-Two other ways to multiply an FP8 weight are built for the H200 to choose between (kernel_config.fp8_gemv_input):
-"float16" widens the weight to float16 instead (one conversion per two values; bfloat16 takes three) and rounds
-the input to float16 (exact for bfloat16 values of magnitude 2^-14 to 65504); "fp8" quantizes the input rows per
-token as the FP8 matmul does (the row's amax over the whole of K / 448, so every program and split finds the same
-scale) and multiplies FP8 by FP8 in the tensor cores, no widening at all; both scales go on the float32 sum.
+FP8 weights (float8_e4m3fn with a float32 scale per output row, kernels/fp8.py) stream half the bytes; the row's
+scale goes on the float32 sum, and their tiles are tuned apart, with wider K tiles (the same bytes in flight). How
+the FP8 tile meets x is kernel_config.fp8_gemv_input (INPUT_MODES):
+- "float16" (the default): the weight is widened to float16 (one conversion per two values; bfloat16 takes three)
+  and x rounded to float16, exact for bfloat16 values of magnitude 2^-14 to 65504 (larger ones are held at 65504).
+  Fastest on the H200: 8B batch 1 at 3.66 ms/token against 3.99 widening to bfloat16 (docs/benchmarks.md).
+- "model_dtype": the weight is widened to x's dtype (exactly: every e4m3 value is a bfloat16 / float16 value) and
+  x keeps its precision.
+- "fp8": x's rows are quantized per token as the FP8 matmul does (the row's amax over the whole of K / 448, so
+  every program and split finds the same scale) and FP8 multiplies FP8, no widening; every program re-reads x's
+  whole row for its amax, which made it the slowest (14.4 ms/token).
 
 The SiLU-mul after the gate / up projection runs in that GEMV's epilogue (gemv_silu_mul: each program owns
 matching gate and up rows, so the activation needs nothing from other programs). The add + RMSNorm before qkv
@@ -50,6 +52,7 @@ _BLOCK_M = 16  # tl.dot's smallest tile; rows past M are masked
 _MIN_BLOCK_N = 16  # the narrowest output tile of any configuration: one arrival counter per such tile
 _SPLITS = (2, 4)  # the split-K factors tuned
 _MAX_SPLIT_N = 16384  # split K only for layers of at most this many output features (enough programs above)
+_FLOAT16_MAX = tl.constexpr(65504.0)
 
 
 def _configs(split: bool = False, fp8: bool = False) -> list[triton.Config]:
@@ -107,8 +110,9 @@ def _dot(x, w, x_scale, acc, X_MODE: tl.constexpr):
     the rows of x quantized by their scales and multiplied with the FP8 w as it is."""
     if X_MODE == 2:
         return tl.dot(to_fp8(x.to(tl.float32), x_scale[:, None]), tl.trans(w), acc)
-    elif X_MODE == 1:
-        return tl.dot(x.to(tl.float16), tl.trans(w.to(tl.float16)), acc)
+    elif X_MODE == 1:  # inputs past float16's range are held at its largest value rather than made infinite
+        x16 = tl.clamp(x.to(tl.float32), -_FLOAT16_MAX, _FLOAT16_MAX).to(tl.float16)
+        return tl.dot(x16, tl.trans(w.to(tl.float16)), acc)
     else:
         return tl.dot(x, tl.trans(w.to(x.dtype)), acc)
 
