@@ -1,6 +1,6 @@
 """raylm: a Ray-native LLM inference engine."""
 
-from raylm.config import KvCacheConfig, LlmArgs, PoolingConfig, QuantConfig, SchedulerConfig
+from raylm.config import KvCacheConfig, LlmArgs, NGramDecodingConfig, PoolingConfig, QuantConfig, SchedulerConfig
 from raylm.inputs import TextPrompt, TokensPrompt
 from raylm.llm import LLM
 from raylm.outputs import CompletionOutput, EncoderOutput, Logprob, RequestOutput
@@ -17,6 +17,7 @@ __all__ = [
     "EncoderOutput",
     "GenerationResult",
     "KvCacheConfig",
+    "NGramDecodingConfig",
     "LlmArgs",
     "Logprob",
     "PoolingConfig",

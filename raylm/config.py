@@ -156,6 +156,21 @@ class QuantConfig(StrictModel):
                                            "FP8 keeps its own scales.")
 
 
+class NGramDecodingConfig(StrictModel):
+    """Speculative decoding by prompt lookup (the LLM API's NGramDecodingConfig): each step proposes up to
+    max_draft_len tokens that followed the latest earlier occurrence of the sequence's last n tokens (n from
+    max_matching_ngram_size down to 1) in its own prompt and output, and one target forward verifies them all. No
+    second model; pays where outputs copy their input (edits, extraction, code)."""
+
+    decoding_type: Literal["NGram"] = "NGram"
+    max_draft_len: int = Field(default=4, ge=1, le=64, description="Most tokens proposed per step.")
+    max_matching_ngram_size: int = Field(
+        default=3, ge=1, le=32, description="Longest suffix of the sequence looked up in its earlier tokens.")
+    max_concurrency: int | None = Field(
+        default=None, ge=1, description="Speculate only while at most this many requests run (larger batches are "
+                                        "bound by compute, where rejected drafts cost); null: always.")
+
+
 class LlmArgs(StrictModel):
     """Arguments of `LLM(...)`; see the LLM API reference for each field."""
 
@@ -194,6 +209,10 @@ class LlmArgs(StrictModel):
     kernel_config: KernelConfig = Field(default_factory=KernelConfig)
     quant_config: QuantConfig = Field(default_factory=QuantConfig)
     sleep_config: SleepConfig = Field(default_factory=SleepConfig)
+    speculative_config: NGramDecodingConfig | None = Field(
+        default=None, description="Speculative decoding (NGramDecodingConfig); null: none. Requests with "
+                                  "penalties, min_tokens, guided decoding, beam search or several sequences, and "
+                                  "those that set SamplingParams.use_speculative_decoding=False, decode without.")
 
     worker_extension_cls: Any = Field(
         default=None, description="A class (or 'module.Class') whose methods are mixed into every worker, "

@@ -130,6 +130,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
 
     guided_decoding: GuidedDecodingParams | None = None
+    # False keeps this request out of the engine's speculative decoding (LlmArgs.speculative_config).
+    use_speculative_decoding: bool = True
 
     # Filled from the tokenizer by the driver when end_id is not given.
     _eos_token_ids: tuple[int, ...] = field(default=(), repr=False, compare=False)
@@ -192,6 +194,9 @@ class SamplingParams:
             self._check_int("prompt_logprobs", self.prompt_logprobs, low=0, high=20)
         if self.truncate_prompt_tokens is not None:
             self._check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, low=1)
+        if not isinstance(self.use_speculative_decoding, bool):
+            raise TypeError(f"use_speculative_decoding must be a bool, got "
+                            f"{type(self.use_speculative_decoding).__name__}")
         if self.guided_decoding is not None:
             if isinstance(self.guided_decoding, dict):
                 self.guided_decoding = GuidedDecodingParams(**self.guided_decoding)

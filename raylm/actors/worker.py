@@ -250,7 +250,8 @@ class Worker:
             iter_stats_max_iterations=args.iter_stats_max_iterations,
             overlap_scheduling=not args.disable_overlap_scheduler,
             guarantee_no_evict=args.scheduler_config.capacity_scheduler_policy == "GUARANTEED_NO_EVICT",
-        ), grammar_compiler=None if args.skip_tokenizer_init else self._grammar_compiler)
+        ), grammar_compiler=None if args.skip_tokenizer_init else self._grammar_compiler,
+            speculative_config=args.speculative_config)
         self.timings["py_executor"]["total_py_executor_creation_seconds"] = time.perf_counter() - self._begin
         return self.engine
 

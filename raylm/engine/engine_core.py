@@ -23,12 +23,14 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
+from raylm.config import NGramDecodingConfig
 from raylm.engine.generation_control import GenerationControl
 from raylm.engine.kv_cache import KVCacheManager, weight_version_root
 from raylm.engine.messages import EngineRequest, RequestDelta, SequenceDelta, StepOutput
 from raylm.engine.progress import Progress
 from raylm.engine.request import FinishReason, Request, RequestStatus
 from raylm.engine.scheduler import Scheduler, SchedulerOutput
+from raylm.engine.speculative import NGramProposer, can_speculate
 from raylm.engine.stats import iteration_stats
 from raylm.engine.step_runner import ModelOutput, RanksOutOfStep, StepRunner
 from raylm.engine.structured_output import GrammarCompiler, Guide
@@ -64,9 +66,11 @@ class InFlight:
 
 class EngineCore(GenerationControl):
     def __init__(self, runner: StepRunner, limits: EngineLimits,
-                 grammar_compiler: Callable[[], GrammarCompiler] | None = None):
+                 grammar_compiler: Callable[[], GrammarCompiler] | None = None,
+                 speculative_config: NGramDecodingConfig | None = None):
         """grammar_compiler: makes the compiler for structured output at the first request that needs it (it
-        loads the tokenizer); None where the engine has no tokenizer."""
+        loads the tokenizer); None where the engine has no tokenizer. speculative_config: speculative decoding's
+        proposer (engine/speculative.py), or None."""
         self.runner = runner
         self.limits = limits
         self.kv_cache = KVCacheManager(limits.num_blocks, limits.block_size, limits.enable_block_reuse,
@@ -86,6 +90,7 @@ class EngineCore(GenerationControl):
         self._make_grammar_compiler = grammar_compiler
         self._grammar_compiler: GrammarCompiler | None = None
         self._compiling: list[Request] = []  # requests whose grammar is compiling, in arrival order
+        self.proposer = NGramProposer(speculative_config) if speculative_config is not None else None
 
     @property
     def has_work(self) -> bool:
@@ -102,6 +107,7 @@ class EngineCore(GenerationControl):
             cache_salt=engine_request.cache_salt,
             hash_root=weight_version_root(self.weight_version),
         )
+        request.speculates = self.proposer is not None and can_speculate(request.sampling_params)
         guided = engine_request.sampling_params.guided_decoding
         if guided is not None:
             request.grammar = self.grammar_compiler().compile(guided)
@@ -222,7 +228,11 @@ class EngineCore(GenerationControl):
         if previous is not None and not previous.overlappable:
             deltas, stats = self._finish(previous)
             previous = None
-        out = self.scheduler.schedule()
+        drafts = None
+        if self.proposer is not None:
+            drafts = self.proposer.drafts_for(self.scheduler.running, self.limits.max_seq_len)
+            self.progress.speculating = drafts is not None
+        out = self.scheduler.schedule(drafts)
         if not out.is_empty:
             try:
                 if self.overlap:
@@ -285,5 +295,16 @@ class EngineCore(GenerationControl):
         if not self.limits.iter_stats_max_iterations:
             return None
         num_completed = sum(1 for delta in deltas if delta.finished)
-        return iteration_stats(self.iteration, time.perf_counter() - start, self.scheduler, self.kv_cache,
-                               out, num_completed, self.runner.device)
+        stats = iteration_stats(self.iteration, time.perf_counter() - start, self.scheduler, self.kv_cache,
+                                out, num_completed, self.runner.device)
+        if self.proposer is not None:
+            requests, drafts, accepted = self.progress.step_drafts
+            stats["specDecodingStats"] = {
+                "numRequestsWithDraftTokens": requests,
+                "numDraftTokens": drafts,
+                "numAcceptedTokens": accepted,
+                "acceptanceLength": (requests + accepted) / requests if requests else 0.0,
+                "totalDraftTokens": self.progress.num_draft_tokens,
+                "totalAcceptedTokens": self.progress.num_accepted_drafts,
+            }
+        return stats

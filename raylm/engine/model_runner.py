@@ -20,6 +20,7 @@ from raylm.engine.sampler import (
     PendingSamples,
     Sampler,
     SampleResult,
+    merge_draws,
     put_rows,
     row_index,
     take_rows,
@@ -57,12 +58,21 @@ class LaunchedStep:
     waiting_logits: torch.Tensor | None = None
 
     def sample_slots(self) -> dict[int, int]:
-        """id(sequence) -> the entry of its (single) draw in samples.tokens."""
+        """id(sequence) -> the entry of its (single) draw in samples.tokens (sequences with drafts have none: the
+        step after theirs waits for their results)."""
         if self.samples is None:
             return {}
         scheduled = self.out.scheduled
-        return {id(scheduled[position].seq): entries[0]
-                for position, entries in zip(self.positions, self.samples.entries) if len(entries) == 1}
+        entries = iter(self.samples.entries)
+        slots = {}
+        for position in self.positions:
+            item = scheduled[position]
+            row = next(entries)
+            for _ in item.drafts:
+                next(entries)
+            if len(row) == 1 and not item.drafts:
+                slots[id(item.seq)] = row[0]
+        return slots
 
 
 def logprob_entries(logprobs: torch.Tensor, targets: torch.Tensor, num_top: int) -> list[TokenLogprob]:
@@ -350,15 +360,29 @@ class ModelRunner:
             return positions, None
         graphed = self._graphed
         greedy = graphed.greedy if graphed is not None and graphed.logits is logits else None
-        rows = [scheduled[i].request.sampling_row(scheduled[i].seq) for i in positions]
+        rows = []
+        for i in positions:
+            item = scheduled[i]
+            row = item.request.sampling_row(item.seq)
+            rows.append(row)
+            if item.drafts:  # a draw at each draft's position too, from the same row (its generator in order)
+                rows.extend([row] * len(item.drafts))
         return positions, self.sampler.sample(logits, rows, greedy)
 
     @staticmethod
     def _align(out: SchedulerOutput, positions: list[int], pending: PendingSamples | None
                ) -> list[SampleResult | None]:
+        """One SampleResult per scheduled sequence that drew; a sequence with drafts gets one holding its draw at
+        each of its positions, in order."""
         samples: list[SampleResult | None] = [None] * len(out.scheduled)
         if pending is not None:
-            for position, result in zip(positions, pending.results()):
+            results = iter(pending.results())
+            scheduled = out.scheduled
+            for position in positions:
+                result = next(results)
+                drafts = scheduled[position].drafts
+                if drafts:
+                    result = merge_draws([result] + [next(results) for _ in drafts])
                 samples[position] = result
         return samples
 

@@ -12,6 +12,7 @@ from raylm.engine.messages import RequestDelta, SequenceDelta, TokenLogprob
 from raylm.engine.request import PLACEHOLDER, FinishReason, Request, RequestStatus, Sequence
 from raylm.engine.sampler import SampleResult
 from raylm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from raylm.engine.speculative import accepted_length
 from raylm.engine.step_plan import prompt_logprob_targets
 
 
@@ -52,6 +53,12 @@ class Progress:
         self.scheduler = scheduler
         self.kv_cache = scheduler.kv_cache
         self.max_seq_len = max_seq_len
+        # Speculative decoding: while on, speculating requests get no placeholders (their next proposal needs their
+        # tokens on the host); draft tokens checked and accepted so far, and in the last step applied.
+        self.speculating = False
+        self.num_draft_tokens = 0
+        self.num_accepted_drafts = 0
+        self.step_drafts = (0, 0, 0)  # (requests with drafts, drafts, accepted) of the last apply
 
     def launched(self, out: SchedulerOutput, placeholders: bool) -> bool:
         """A step was queued: its tokens count as computed, so the next schedule moves past them. With
@@ -59,6 +66,7 @@ class Progress:
         its next step can be scheduled before the draw arrives. Returns whether every drawing sequence got one
         (then the next step may be scheduled before this one's results are applied)."""
         every = True
+        speculating = self.speculating
         for item in out.scheduled:
             seq = item.seq
             if item.request.wants_prompt_logprobs:  # this step reports these positions (step_plan.py)
@@ -67,7 +75,8 @@ class Progress:
                     item.request.prompt_logprobs_next = targets[1] + 1
             seq.num_computed_tokens += item.num_tokens
             if item.completes:
-                if placeholders and overlap_safe(item.request):
+                if (placeholders and overlap_safe(item.request) and not item.drafts
+                        and not (speculating and item.request.speculates)):
                     seq.token_ids.append(PLACEHOLDER)
                     item.placeholder = True
                 else:
@@ -90,9 +99,15 @@ class Progress:
                     deltas[request_id] = RequestDelta(request_id, prompt_logprobs=entries)
         sampled: dict[str, tuple[Request, list[tuple[ScheduledSequence, SampleResult]]]] = {}
         register = self.kv_cache.register_full_blocks
+        drafted = [0, 0, 0]
         for item, result in zip(out.scheduled, samples):
             seq, request = item.seq, item.request
             if seq.finish_reason is not None or request.status is RequestStatus.FINISHED:
+                continue
+            if item.drafts:
+                drafted[0] += 1
+                drafted[1] += len(item.drafts)
+                drafted[2] += self._apply_drafted(request, item, result, deltas)
                 continue
             if not item.placeholder:  # a placeholder's block is keyed once its token is in place
                 register(request, seq)
@@ -122,7 +137,49 @@ class Progress:
             if not request.live_sequences:
                 self.scheduler.finish_request(request)
                 delta.finished = True
+        self.step_drafts = tuple(drafted)
+        self.num_draft_tokens += drafted[1]
+        self.num_accepted_drafts += drafted[2]
         return list(deltas.values())
+
+    def _apply_drafted(self, request: Request, item: ScheduledSequence, result: SampleResult,
+                       deltas: dict[str, RequestDelta]) -> int:
+        """A step that computed a sequence's last token and drafts (engine/speculative.py): the drafts equal to
+        the draws at their positions are kept, then the first draw that differs (or the one after the last
+        draft); the positions of rejected drafts stop counting as computed. Each kept token is checked for a stop
+        as a decode's is. Returns how many drafts were accepted."""
+        seq, drafts, draws = item.seq, item.drafts, result.token_ids
+        accepted = accepted_length(drafts, draws)
+        seq.num_computed_tokens -= len(drafts) - accepted
+        delta = deltas.get(request.request_id)
+        if delta is None:
+            delta = deltas[request.request_id] = RequestDelta(request.request_id)
+        delta.num_cached_tokens = request.num_cached_tokens
+        wants_logprobs = request.sampling_params.logprobs is not None
+        new_tokens: list[int] = []
+        new_logprobs: list[TokenLogprob] | None = [] if wants_logprobs else None
+        for draw in range(accepted + 1):
+            token = draws[draw]
+            seq.token_ids.append(token)
+            new_tokens.append(token)
+            seq.cumulative_logprob += result.logprobs[draw]
+            if wants_logprobs:
+                new_logprobs.append((result.logprobs[draw], result.ranks[draw] if result.ranks else None,
+                                     result.top_ids[draw] if result.top_ids else None,
+                                     result.top_logprobs[draw] if result.top_logprobs else None))
+            _check_stop(request, seq, self.max_seq_len, len(seq.token_ids) - 1)
+            if seq.finish_reason is not None:
+                break
+        finish_reason = seq.finish_reason
+        delta.sequences.append(SequenceDelta(
+            seq.index, new_tokens, new_logprobs, seq.cumulative_logprob,
+            finish_reason.value if finish_reason is not None else None, seq.stop_reason))
+        if finish_reason is not None:
+            self.scheduler.finish_request(request)
+            delta.finished = True
+        else:
+            self.kv_cache.register_full_blocks(request, seq)
+        return accepted
 
     # ------------------------------------------------------------------ sampling and parallel samples
 

@@ -57,6 +57,8 @@ class Sequence:
     sampling_row: SamplingRow | None = None
     # Its place in the request's grammar (structured output), advanced by each token it accepts.
     guide: Guide | None = None
+    # Speculative decoding's proposer's index of this sequence's tokens (engine/speculative.py).
+    draft_state: object | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -138,6 +140,8 @@ class Request:
     # Whether each of its steps draws the greedy token and reports nothing but its log-probability (what a decode
     # graph can compute for a step of such requests: sampler.greedy_draws).
     greedy_draws: bool = False
+    # Whether its steps may carry draft tokens to verify (engine/speculative.py), set by the engine.
+    speculates: bool = False
 
     def __post_init__(self) -> None:
         params = self.sampling_params

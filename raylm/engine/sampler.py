@@ -184,6 +184,16 @@ def put_rows(tensor: torch.Tensor, index: torch.Tensor | int, values: torch.Tens
 
 
 
+def merge_draws(results: list[SampleResult]) -> SampleResult:
+    """Single draws of consecutive positions as one result with a draw per position (speculative decoding)."""
+    merged = SampleResult([r.token_ids[0] for r in results], [r.logprobs[0] for r in results],
+                          [r.ranks[0] for r in results] if results[0].ranks else _EMPTY)
+    if results[0].top_ids:
+        merged.top_ids = [r.top_ids[0] for r in results]
+        merged.top_logprobs = [r.top_logprobs[0] for r in results]
+    return merged
+
+
 class PendingSamples:
     """A batch of draws still on the device: their copy to the host is queued behind the step that produced
     them. `tokens` (in draw order, one entry per sample) can feed the next step before the copy completes;

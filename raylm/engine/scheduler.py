@@ -30,10 +30,13 @@ class ScheduledSequence:
     # True when this step computes the sequence's last token (as scheduled), so a new token is drawn.
     completes: bool = False
     placeholder: bool = False  # its draw went into the sequence as a placeholder at launch (overlap)
+    # Draft tokens computed after the sequence's last token (speculative decoding), each position drawn and checked.
+    drafts: list[int] | tuple[()] = ()
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start : self.start + self.num_tokens]
+        tokens = self.seq.token_ids[self.start : self.start + self.num_tokens]
+        return tokens + self.drafts if self.drafts else tokens
 
 
 @dataclass
@@ -176,7 +179,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[int, list[int]] | None = None) -> SchedulerOutput:
+        """This step's work. drafts: draft tokens by id(request) for running requests whose last token is known
+        (speculative decoding), each computed after that token within the budget."""
         out = SchedulerOutput()
         token_budget = self.max_num_tokens
         seq_budget = self.max_batch_size
@@ -186,6 +191,14 @@ class Scheduler:
         while index < len(running) and token_budget > 0:
             request = running[index]
             if self.skip_in_flight and request.awaits_draw:
+                index += 1
+                continue
+            if drafts and id(request) in drafts:
+                scheduled = self._schedule_drafted(out, request, drafts[id(request)], token_budget, seq_budget)
+                if scheduled is None:
+                    break
+                token_budget -= scheduled
+                seq_budget -= 1
                 index += 1
                 continue
             if len(request.sequences) == 1 and seq_budget > 0:
@@ -251,3 +264,22 @@ class Scheduler:
 
         out.block_copies = self.kv_cache.take_pending_copies()
         return out
+
+    def _schedule_drafted(self, out: SchedulerOutput, request: Request, proposal: list[int], token_budget: int,
+                          seq_budget: int) -> int | None:
+        """Schedules a running request's last token and as many of its drafts as the budget takes (preempting
+        the lowest-priority requests for blocks as a decode does); returns the tokens it takes, or None when it
+        cannot run this step."""
+        if seq_budget <= 0:
+            return None
+        seq = request.sequences[0]
+        take = 1 + min(len(proposal), token_budget - 1)
+        while not self._allocate(request, [(seq, take)]):
+            victim = self.running[-1]
+            self.preempt(victim)
+            out.num_preempted += 1
+            if victim is request:
+                return None
+        item = ScheduledSequence(request, seq, seq.num_computed_tokens, take, True, drafts=proposal[: take - 1])
+        (out.prefills if take > 1 else out.decodes).append(item)
+        return take

@@ -49,7 +49,7 @@ def iteration_stats(
 ) -> dict:
     """One iteration's statistics, keyed as the LLM API documents them."""
     context = {item.request.request_id for item in out.scheduled
-               if item.num_tokens > 1 or item.start < item.seq.num_prompt_tokens}
+               if (item.num_tokens > 1 and not item.drafts) or item.start < item.seq.num_prompt_tokens}
     generation = {item.request.request_id for item in out.scheduled} - context
     return {
         "iter": iteration,

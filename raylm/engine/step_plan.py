@@ -84,7 +84,9 @@ def plan_step(out: SchedulerOutput, block_size: int) -> StepPlan:
         slots.extend(blocks[pos // block_size] * block_size + pos % block_size for pos in span)
         offset += item.num_tokens
         plan.prefill_chunks.append((blocks, item.start, item.num_tokens))
-        if item.completes:
+        if item.drafts:  # every position from the last known token on is drawn, to check the drafts
+            sample_rows.extend(range(offset - 1 - len(item.drafts), offset))
+        elif item.completes:
             sample_rows.append(offset - 1)
         spec = _prompt_logprob_spec(item, first_row)
         if spec is not None:

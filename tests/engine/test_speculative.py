@@ -1,0 +1,206 @@
+"""Speculative decoding by prompt lookup (NGramDecodingConfig): proposals, greedy outputs equal to decoding without
+it (batched, preempted, stopped, with log-probabilities), sampled outputs that follow the target distribution, and
+its statistics."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from raylm import LLM, KvCacheConfig, NGramDecodingConfig, SamplingParams
+from raylm.config import LlmArgs
+from raylm.engine.request import Sequence
+from raylm.engine.speculative import NGramProposer, accepted_length, can_speculate
+
+TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. How vexingly quick "
+        "daft zebras jump!")
+COPY_PROMPTS = [f"Repeat this text exactly: {TEXT}\nRepeated text:", f"Copy: {TEXT} {TEXT}\nCopy:",
+                "The capital of France is", "List the numbers from 1 to 30, separated by commas:"]
+
+
+def _proposer(max_draft_len: int = 4, ngram: int = 3) -> NGramProposer:
+    return NGramProposer(NGramDecodingConfig(max_draft_len=max_draft_len, max_matching_ngram_size=ngram))
+
+
+def test_a_proposal_continues_the_latest_earlier_occurrence_of_the_longest_matching_suffix():
+    proposer = _proposer()
+    seq = Sequence(0, [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3], 13)
+    # [2, 3] occurs at 1-2 (then 9) and 6-7 (then 7): the latest wins; no 3-gram [5, 2, 3] occurs before.
+    assert proposer.propose(seq, 4) == [7, 8, 5, 2]
+    assert proposer.propose(seq, 2) == [7, 8]
+    seq.token_ids += [7]  # [2, 3, 7] now matches 3 tokens at 6-8
+    assert proposer.propose(seq, 3) == [8, 5, 2]
+    assert proposer.propose(Sequence(0, [4, 5, 6], 3), 4) == []  # nothing repeats
+    assert proposer.propose(Sequence(0, [5], 1), 4) == []
+
+
+def test_the_index_a_sequence_keeps_gives_what_a_fresh_lookup_gives():
+    proposer = _proposer(max_draft_len=3, ngram=2)
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5]
+    grown = Sequence(0, tokens[:2], 2)
+    for length in range(2, len(tokens)):
+        grown.token_ids = tokens[:length]
+        assert proposer.propose(grown, 3) == proposer.propose(Sequence(0, tokens[:length], 2), 3)
+
+
+def test_accepted_length_counts_the_leading_drafts_equal_to_the_draws():
+    assert accepted_length([5, 6, 7], [5, 6, 7, 8]) == 3
+    assert accepted_length([5, 6, 7], [5, 4, 7, 8]) == 1
+    assert accepted_length([5], [4, 5]) == 0
+
+
+def test_requests_whose_draws_depend_on_earlier_draws_of_the_step_do_not_speculate():
+    assert can_speculate(SamplingParams())
+    assert can_speculate(SamplingParams(temperature=0.8, top_p=0.9, seed=3, logprobs=2))
+    assert not can_speculate(SamplingParams(use_speculative_decoding=False))
+    assert not can_speculate(SamplingParams(repetition_penalty=1.2))
+    assert not can_speculate(SamplingParams(min_tokens=2, max_tokens=4))
+    assert not can_speculate(SamplingParams(n=2, temperature=1.0))
+    assert not can_speculate(SamplingParams(use_beam_search=True, n=2))
+    with pytest.raises(TypeError, match="use_speculative_decoding must be a bool"):
+        SamplingParams(use_speculative_decoding="yes")
+
+
+def test_the_config_is_validated_and_in_the_serve_schema():
+    args = LlmArgs(speculative_config={"decoding_type": "NGram", "max_draft_len": 3})
+    assert args.speculative_config == NGramDecodingConfig(max_draft_len=3)
+    with pytest.raises(ValidationError, match="max_draft_len"):
+        NGramDecodingConfig(max_draft_len=0)
+    with pytest.raises(ValidationError, match="decoding_type"):
+        LlmArgs(speculative_config={"decoding_type": "Eagle"})
+    assert "NGramDecodingConfig" in LlmArgs.model_json_schema()["$defs"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy outputs of the copy prompts without speculation, with log-probabilities."""
+    with LLM(dtype="float32") as llm:
+        yield llm.generate(COPY_PROMPTS, SamplingParams(max_tokens=48, logprobs=2))
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in outputs]
+
+
+def test_greedy_speculation_gives_the_tokens_and_logprobs_of_decoding_without_it(reference):
+    with LLM(dtype="float32", speculative_config=NGramDecodingConfig(max_draft_len=4)) as llm:
+        outputs = llm.generate(COPY_PROMPTS, SamplingParams(max_tokens=48, logprobs=2))
+        stats = llm.get_stats(timeout=2)
+    assert _tokens(outputs) == _tokens(reference)
+    for got, expected in zip(outputs, reference):
+        for got_step, expected_step in zip(got.outputs[0].logprobs, expected.outputs[0].logprobs):
+            assert got_step.keys() == expected_step.keys()
+            for token, logprob in expected_step.items():
+                assert got_step[token].logprob == pytest.approx(logprob.logprob, abs=1e-4)
+                assert got_step[token].rank == logprob.rank
+    spec = stats[-1]["specDecodingStats"]
+    assert spec["totalAcceptedTokens"] > 0.3 * spec["totalDraftTokens"] > 0  # the copy prompts accept many
+
+
+def test_speculation_under_preemption_and_a_per_request_opt_out_gives_the_same_tokens(reference):
+    # A cache of 160 tokens cannot hold four requests of 10-70 prompt tokens growing by 48: some are preempted and
+    # recomputed.
+    with LLM(dtype="float32", kv_cache_config=KvCacheConfig(max_tokens=160, tokens_per_block=16),
+             speculative_config=NGramDecodingConfig(max_draft_len=6)) as llm:
+        params = [SamplingParams(max_tokens=48, logprobs=2, use_speculative_decoding=index % 2 == 0)
+                  for index in range(len(COPY_PROMPTS))]
+        outputs = llm.generate(COPY_PROMPTS, params)
+        stats = llm.get_stats(timeout=2)
+    assert _tokens(outputs) == _tokens(reference)
+    assert sum(entry["inflightBatchingStats"]["numPausedRequests"] for entry in stats) > 0
+
+
+def test_stops_inside_accepted_drafts_end_the_output_where_decoding_without_them_does():
+    params = [SamplingParams(max_tokens=n, stop=stop) for n, stop in ((5, None), (17, None), (48, "lazy"))]
+    prompts = COPY_PROMPTS[:3]
+    with LLM(dtype="float32") as llm:
+        expected = llm.generate(prompts, params)
+    with LLM(dtype="float32", speculative_config=NGramDecodingConfig(max_draft_len=8)) as llm:
+        got = llm.generate(prompts, params)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in expected]
+    assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in expected]
+    assert [len(o.outputs[0].token_ids) for o in got[:2]] == [5, 17]
+
+
+# A Markov chain over four tokens, as a tiny Llama: the attention and MLP outputs are zero, so the residual stream
+# is the token's embedding (a scaled basis vector) and the logits depend on the current token alone. From each
+# token the chain goes on around the cycle CHAIN[0] -> CHAIN[1] -> ... with probability about 0.6, which is what
+# prompt lookup proposes after a prompt that walks the cycle: drafts are accepted about as often as rejected.
+CHAIN = [300, 301, 302, 303]
+CHAIN_LOGITS = torch.tensor([[0.0, 2.0, 0.5, 0.0], [0.3, 0.0, 2.0, 0.6], [0.2, 0.7, 0.0, 2.0], [2.0, 0.0, 0.9, 0.4]])
+
+
+@pytest.fixture(scope="module")
+def markov_model(tmp_path_factory, tiny_model_dirs):
+    """(directory, transition matrix P[a, b] over CHAIN) of the tiny Llama made into a Markov chain."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"], dtype=torch.float32)
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        for k, token in enumerate(CHAIN):
+            model.model.embed_tokens.weight[token] = 0.0
+            model.model.embed_tokens.weight[token, k] = 10.0
+        # The normalized state of CHAIN[k] is sqrt(hidden) along dimension k; every other token scores -30.
+        head = torch.full_like(model.lm_head.weight, 0.0)
+        head[:, : len(CHAIN)] = -30.0 / hidden**0.5
+        for j, token in enumerate(CHAIN):
+            head[token, : len(CHAIN)] = CHAIN_LOGITS[:, j] / hidden**0.5
+        model.lm_head.weight.copy_(head)
+        logits = model(torch.tensor([CHAIN])).logits[0]  # each position's next-token logits: its own token's row
+    transitions = torch.softmax(logits.double(), dim=-1)[:, CHAIN]
+    assert transitions.sum(dim=-1).min() > 1 - 1e-9  # the chain stays on its four tokens
+    directory = tmp_path_factory.mktemp("markov")
+    model.save_pretrained(directory)
+    return directory, transitions
+
+
+def test_sampled_speculation_draws_from_the_target_distribution(markov_model):
+    """Chi-square tests of each output position's token and of consecutive pairs against the chain's exact
+    distribution, with speculation (drafts accepted and rejected many times) and without it (the same test's
+    control). Accepting every draft, or keeping a draft with any probability but the target's, fails them."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    directory, transitions = markov_model
+    prompt = {"prompt_token_ids": CHAIN * 3 + CHAIN[:2]}
+    count, length = 800, 6
+    params = [SamplingParams(max_tokens=length, temperature=1.0, seed=seed, ignore_eos=True) for seed in range(count)]
+    runs = {}
+    for name, config in (("plain", None), ("speculative", NGramDecodingConfig(max_draft_len=4))):
+        with LLM(str(directory), dtype="float32", skip_tokenizer_init=True, speculative_config=config) as llm:
+            runs[name] = [output.outputs[0].token_ids for output in llm.generate([prompt] * count, params)]
+            if config is not None:
+                totals = llm.get_stats(timeout=2)[-1]["specDecodingStats"]
+    assert count < totals["totalAcceptedTokens"] < totals["totalDraftTokens"] - count
+    index = {token: k for k, token in enumerate(CHAIN)}
+    for name, outputs in runs.items():
+        assert all(len(tokens) == length and set(tokens) <= set(CHAIN) for tokens in outputs)
+        state = transitions[index[CHAIN[1]]]  # the distribution of the first output token
+        for position in range(length):
+            observed = Counter(index[tokens[position]] for tokens in outputs)
+            expected = state * count
+            p_value = scipy_stats.chisquare([observed[k] for k in range(4)], expected.tolist())[1]
+            assert p_value > 1e-3, (name, position, observed, expected)
+            if position + 1 < length:  # the pair (this token, the next): the transitions themselves
+                pairs = Counter((index[tokens[position]], index[tokens[position + 1]]) for tokens in outputs)
+                joint = (state[:, None] * transitions).flatten() * count
+                p_value = scipy_stats.chisquare([pairs[(a, b)] for a in range(4) for b in range(4)],
+                                                joint.tolist())[1]
+                assert p_value > 1e-3, (name, position, pairs)
+            state = state @ transitions
+
+
+def test_greedy_speculation_on_the_chain_gives_the_chain_s_greedy_walk(markov_model):
+    directory, _ = markov_model
+    prompts = [{"prompt_token_ids": CHAIN * 3 + CHAIN[:n]} for n in range(4)]
+    outputs = {}
+    for name, config in (("plain", None), ("speculative", NGramDecodingConfig(max_draft_len=3))):
+        with LLM(str(directory), dtype="float32", skip_tokenizer_init=True, speculative_config=config) as llm:
+            outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=10))]
+    assert outputs["speculative"] == outputs["plain"]
