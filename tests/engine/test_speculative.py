@@ -204,3 +204,22 @@ def test_greedy_speculation_on_the_chain_gives_the_chain_s_greedy_walk(markov_mo
         with LLM(str(directory), dtype="float32", skip_tokenizer_init=True, speculative_config=config) as llm:
             outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=10))]
     assert outputs["speculative"] == outputs["plain"]
+
+
+def test_prometheus_counts_drafts_from_the_engine_s_totals_even_when_iterations_were_dropped():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from raylm.serving.metrics import ServingMetrics
+
+    metrics = ServingMetrics("m")
+
+    def spec(total_drafts: int, total_accepted: int) -> dict:
+        return {"specDecodingStats": {"numDraftTokens": 4, "numAcceptedTokens": 2, "totalDraftTokens": total_drafts,
+                                      "totalAcceptedTokens": total_accepted}}
+
+    metrics.ingest_iteration_stats([spec(4, 2), spec(8, 3)])
+    metrics.ingest_iteration_stats([spec(20, 11)])  # iterations in between never reached the server
+    samples = {sample.name: sample.value for family in text_string_to_metric_families(metrics.render().decode())
+               for sample in family.samples}
+    assert samples["raylm_spec_decode_num_draft_tokens_total"] == 20
+    assert samples["raylm_spec_decode_num_accepted_tokens_total"] == 11
