@@ -36,6 +36,7 @@ def cluster():
         cluster.shutdown()
 
 
+@pytest.mark.slow  # ~32 s on the CI machine: a three-node cluster and a node removed mid-job
 def test_replicas_spread_over_nodes_and_a_node_removed_mid_job_loses_no_row(cluster, tiny_model_dirs, tmp_path):
     cluster, workers = cluster
     ids = _write_rows(tmp_path / "rows.jsonl", 64)

@@ -169,7 +169,7 @@ def test_sampled_speculation_draws_from_the_target_distribution(markov_model):
     scipy_stats = pytest.importorskip("scipy.stats")
     directory, transitions = markov_model
     prompt = {"prompt_token_ids": CHAIN * 3 + CHAIN[:2]}
-    count, length = 800, 6
+    count, length = 600, 6
     params = [SamplingParams(max_tokens=length, temperature=1.0, seed=seed, ignore_eos=True) for seed in range(count)]
     runs = {}
     for name, config in (("plain", None), ("speculative", NGramDecodingConfig(max_draft_len=4))):

@@ -104,6 +104,7 @@ def test_streamed_text_equals_non_streamed_with_a_final_usage_chunk(client):
     assert (usage.prompt_tokens, usage.completion_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
 
 
+@pytest.mark.slow  # ~37 s on the CI machine; test_completions checks the same stream on the in-process server
 def test_a_long_streamed_completion_crosses_the_replicas_as_new_parts_only(client):
     check_long_stream_sends_only_new_parts(client, MODEL)
 
