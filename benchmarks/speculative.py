@@ -6,6 +6,8 @@ end-to-end latency, ms per output token (of the batch's longest output), output 
 
     python benchmarks/speculative.py --batch_sizes 1 4 16 --output_len 128
     python benchmarks/speculative.py --set speculative_config.max_draft_len=6
+    python benchmarks/speculative.py --set speculative_config.decoding_type=DraftTarget \
+        --set speculative_config.speculative_model=PATH
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def main() -> None:
     parser.add_argument("--output_len", type=int, default=128)
     parser.add_argument("--num_iters", type=int, default=3)
     args = parser.parse_args()
-    if not any(setting.startswith("speculative_config") for setting in args.settings):
+    if not any(setting.startswith("speculative_config.decoding_type") for setting in args.settings):
         args.settings = ["speculative_config.decoding_type=NGram", *args.settings]
 
     llm = build_llm(args, max_seq_len=1024)

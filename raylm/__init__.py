@@ -1,6 +1,14 @@
 """raylm: a Ray-native LLM inference engine."""
 
-from raylm.config import KvCacheConfig, LlmArgs, NGramDecodingConfig, PoolingConfig, QuantConfig, SchedulerConfig
+from raylm.config import (
+    DraftTargetDecodingConfig,
+    KvCacheConfig,
+    LlmArgs,
+    NGramDecodingConfig,
+    PoolingConfig,
+    QuantConfig,
+    SchedulerConfig,
+)
 from raylm.inputs import TextPrompt, TokensPrompt
 from raylm.llm import LLM
 from raylm.outputs import CompletionOutput, EncoderOutput, Logprob, RequestOutput
@@ -14,6 +22,7 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "CompletionOutput",
+    "DraftTargetDecodingConfig",
     "EncoderOutput",
     "GenerationResult",
     "KvCacheConfig",

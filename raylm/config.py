@@ -6,7 +6,7 @@ objects and never re-validates.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -171,6 +171,23 @@ class NGramDecodingConfig(StrictModel):
                                         "bound by compute, where rejected drafts cost); null: always.")
 
 
+class DraftTargetDecodingConfig(StrictModel):
+    """Speculative decoding with a draft model (the LLM API's DraftTargetDecodingConfig): a small model sharing
+    the target's tokenizer proposes max_draft_len tokens greedily, one target forward verifies them. The draft runs
+    on the engine's first rank, unsharded, its KV cache laid out as the target's (the same blocks, so a sequence's
+    block table serves both)."""
+
+    decoding_type: Literal["DraftTarget"] = "DraftTarget"
+    max_draft_len: int = Field(default=4, ge=1, le=64, description="Tokens the draft model proposes per step.")
+    speculative_model: str = Field(description="The draft model: HF id, local directory or .gguf file, with the "
+                                               "target's vocabulary.")
+    max_concurrency: int | None = Field(
+        default=None, ge=1, description="Speculate only while at most this many requests run; null: always.")
+
+
+SpeculativeConfig = Annotated[NGramDecodingConfig | DraftTargetDecodingConfig, Field(discriminator="decoding_type")]
+
+
 class LlmArgs(StrictModel):
     """Arguments of `LLM(...)`; see the LLM API reference for each field."""
 
@@ -209,8 +226,9 @@ class LlmArgs(StrictModel):
     kernel_config: KernelConfig = Field(default_factory=KernelConfig)
     quant_config: QuantConfig = Field(default_factory=QuantConfig)
     sleep_config: SleepConfig = Field(default_factory=SleepConfig)
-    speculative_config: NGramDecodingConfig | None = Field(
-        default=None, description="Speculative decoding (NGramDecodingConfig); null: none. Requests with "
+    speculative_config: SpeculativeConfig | None = Field(
+        default=None, description="Speculative decoding (NGramDecodingConfig, DraftTargetDecodingConfig); null: "
+                                  "none. Requests with "
                                   "penalties, min_tokens, guided decoding, beam search or several sequences, and "
                                   "those that set SamplingParams.use_speculative_decoding=False, decode without.")
 

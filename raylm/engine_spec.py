@@ -31,6 +31,7 @@ class WorkerSpec:
     cpu_threads: int | None = None  # torch threads of a CPU worker (None: torch's default)
     pooling: PoolingSpec | None = None  # set for an encode_only engine (no KV cache; engine/pooling_engine.py)
     fp8: Fp8Weights | None = None  # FP8 linear weights (models/quantization.py), from quant_config and the checkpoint
+    draft_source: ModelSource | None = None  # speculative decoding's draft model (DraftTargetDecodingConfig)
 
 
 @dataclass

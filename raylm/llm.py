@@ -97,7 +97,8 @@ class LLM:
         device = resolve_device(self.args.device)
         dtype = resolve_dtype(self.args.dtype, device, config_dtype(hf_config))
         spec = WorkerSpec(self.args, source, device, dtype, self._max_seq_len(source, hf_config, pooling),
-                          pooling=pooling, fp8=resolve_fp8_weights(self.args.quant_config, hf_config))
+                          pooling=pooling, fp8=resolve_fp8_weights(self.args.quant_config, hf_config),
+                          draft_source=self._draft_source(hf_config, pooling))
         self._executor = self._create_executor(spec, device)
         self.info: EngineInfo = self._executor.info
         self._client = EngineClient(self._executor, self._tokenizer, self.args.iter_stats_max_iterations,
@@ -108,6 +109,22 @@ class LLM:
         self._startup_metrics["py_executor"]["config_and_checkpoint_loader_initialization_seconds"] = (
             prepared - begin)
         self._startup_metrics["total_llm_creation_seconds"] = time.perf_counter() - begin
+
+    def _draft_source(self, hf_config: Any, pooling: PoolingSpec | None) -> ModelSource | None:
+        """The draft model of a DraftTargetDecodingConfig, checked against the target: its tokens must be the
+        target's (a vocabulary no larger), and the engine must generate."""
+        config = self.args.speculative_config
+        if config is None or config.decoding_type != "DraftTarget":
+            return None
+        if pooling is not None:
+            raise ValueError("speculative_config needs an engine that generates, not an encode_only one")
+        source = resolve_model(config.speculative_model)
+        draft_vocab = load_hf_config(source, self.args.trust_remote_code).vocab_size
+        if draft_vocab > hf_config.vocab_size:
+            raise ValueError(f"speculative_config.speculative_model {config.speculative_model!r} has a vocabulary of "
+                             f"{draft_vocab} tokens, more than the target's {hf_config.vocab_size}: the draft must "
+                             "share the target's tokenizer")
+        return source
 
     def _pooling(self, source: ModelSource, hf_config: Any) -> PoolingSpec | None:
         """The engine's pooling when it is encode_only (encode_only=True, or unset for an encoder-only model),

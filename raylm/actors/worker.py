@@ -13,6 +13,7 @@ from raylm.engine.engine_core import EngineCore, EngineLimits
 from raylm.engine.model_runner import ModelRunner
 from raylm.engine.pooling_engine import PoolingEngine
 from raylm.engine.pooling_runner import PoolingRunner
+from raylm.engine.speculative import make_proposer
 from raylm.engine_spec import EngineInfo, WorkerSpec
 from raylm.models.loader import load_hf_config, load_model
 from raylm.models.parallel import SINGLE, ParallelContext
@@ -34,6 +35,7 @@ class Worker:
         self.timings: dict[str, dict[str, float]] = {"py_executor": {}}
         self.engine: EngineCore | PoolingEngine | None = None
         self.runner: ModelRunner | PoolingRunner | None = None
+        self.draft_runner: ModelRunner | None = None  # speculative decoding's draft model, on the first rank
         self.arch = None
         self._checkpoint_shapes: dict[str, tuple[int, ...]] | None = None  # read at the first weight update
         self._weight_group = None  # a trainer's weight-update group (actors/weight_group.py)
@@ -108,7 +110,7 @@ class Worker:
         if isinstance(self.runner, ModelRunner):
             self.runner.drop_graphs()
             self.runner.kv_caches = []
-        self.engine = self.runner = self._memory = None
+        self.engine = self.runner = self.draft_runner = self._memory = None
         self.destroy_weight_update_group()
         if self.device.type == "cuda":
             import gc
@@ -201,8 +203,24 @@ class Worker:
                                   attention_backend=args.attention_backend, kernel_config=args.kernel_config,
                                   capture_logits=args.cuda_graph_config is not None
                                   and args.cuda_graph_config.capture_logits)
+        if self.spec.draft_source is not None and self.ctx.tp_rank == 0 and self.ctx.pp_rank == 0:
+            self.draft_runner = self._load_draft()
         self.timings["py_executor"]["model_engine_creation_seconds"] = time.perf_counter() - begin
         return self._num_blocks(self.kv_dtype)
+
+    def _load_draft(self) -> ModelRunner:
+        """The draft model (DraftTargetDecodingConfig), whole on this device, in the target's dtype and kernels."""
+        from raylm.engine.device_memory import region
+
+        args, source = self.spec.args, self.spec.draft_source
+        begin = time.perf_counter()
+        with region(self._fixed, "model_weights", keep_contents=args.sleep_config.model_weights == "host_copy"):
+            draft = load_model(source, load_hf_config(source, args.trust_remote_code), self.dtype, self.device,
+                               self.spec.max_seq_len, args.load_format, seed=args.seed + 1)
+        self.timings["model_loader"]["draft_weight_population_seconds"] = time.perf_counter() - begin
+        return ModelRunner(draft.model, draft.arch, self.device, self.dtype, args.kv_cache_config.tokens_per_block,
+                           seed=args.seed, attention_backend=args.attention_backend, kernel_config=args.kernel_config,
+                           capture_logits=False)
 
     def init_cache(self, num_blocks: int) -> EngineInfo:
         from raylm.engine.device_memory import region
@@ -212,10 +230,14 @@ class Worker:
         begin = time.perf_counter()
         with region(self._fixed, "kv_cache"):
             self.runner.allocate_kv_cache(num_blocks, self.kv_dtype)
+            if self.draft_runner is not None:
+                self.draft_runner.allocate_kv_cache(num_blocks, self.kv_dtype)
         seconds = time.perf_counter() - begin
         self.timings["py_executor"]["final_kv_cache_creation_seconds"] = seconds
         self.timings["py_executor"]["kv_cache_capacity_configuration_seconds"] = seconds
         self.runner.warm_up_decode(self.spec.max_seq_len)
+        if self.draft_runner is not None:
+            self.draft_runner.warm_up_decode(self.spec.max_seq_len)
         sizes = self._graph_batch_sizes()
         if sizes:
             begin = time.perf_counter()
@@ -251,7 +273,7 @@ class Worker:
             overlap_scheduling=not args.disable_overlap_scheduler,
             guarantee_no_evict=args.scheduler_config.capacity_scheduler_policy == "GUARANTEED_NO_EVICT",
         ), grammar_compiler=None if args.skip_tokenizer_init else self._grammar_compiler,
-            speculative_config=args.speculative_config)
+            proposer=make_proposer(args.speculative_config, self.draft_runner, self.arch.vocab_size))
         self.timings["py_executor"]["total_py_executor_creation_seconds"] = time.perf_counter() - self._begin
         return self.engine
 
@@ -287,6 +309,8 @@ class Worker:
         kv_config = self.spec.args.kv_cache_config
         block_size = kv_config.tokens_per_block
         per_block = self.runner.kv_bytes_per_block(kv_dtype)
+        if self.draft_runner is not None:  # the draft's cache has as many blocks
+            per_block += self.draft_runner.kv_bytes_per_block(kv_dtype)
         token_cap = -(-kv_config.max_tokens // block_size) if kv_config.max_tokens else None
         if self.device.type == "cuda":
             args = self.spec.args

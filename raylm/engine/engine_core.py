@@ -23,14 +23,13 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
-from raylm.config import NGramDecodingConfig
 from raylm.engine.generation_control import GenerationControl
 from raylm.engine.kv_cache import KVCacheManager, weight_version_root
 from raylm.engine.messages import EngineRequest, RequestDelta, SequenceDelta, StepOutput
 from raylm.engine.progress import Progress
 from raylm.engine.request import FinishReason, Request, RequestStatus
 from raylm.engine.scheduler import Scheduler, SchedulerOutput
-from raylm.engine.speculative import NGramProposer, can_speculate
+from raylm.engine.speculative import DraftModelProposer, NGramProposer, can_speculate
 from raylm.engine.stats import iteration_stats
 from raylm.engine.step_runner import ModelOutput, RanksOutOfStep, StepRunner
 from raylm.engine.structured_output import GrammarCompiler, Guide
@@ -67,10 +66,10 @@ class InFlight:
 class EngineCore(GenerationControl):
     def __init__(self, runner: StepRunner, limits: EngineLimits,
                  grammar_compiler: Callable[[], GrammarCompiler] | None = None,
-                 speculative_config: NGramDecodingConfig | None = None):
+                 proposer: NGramProposer | DraftModelProposer | None = None):
         """grammar_compiler: makes the compiler for structured output at the first request that needs it (it
-        loads the tokenizer); None where the engine has no tokenizer. speculative_config: speculative decoding's
-        proposer (engine/speculative.py), or None."""
+        loads the tokenizer); None where the engine has no tokenizer. proposer: speculative decoding's
+        (engine/speculative.py), or None."""
         self.runner = runner
         self.limits = limits
         self.kv_cache = KVCacheManager(limits.num_blocks, limits.block_size, limits.enable_block_reuse,
@@ -90,7 +89,7 @@ class EngineCore(GenerationControl):
         self._make_grammar_compiler = grammar_compiler
         self._grammar_compiler: GrammarCompiler | None = None
         self._compiling: list[Request] = []  # requests whose grammar is compiling, in arrival order
-        self.proposer = NGramProposer(speculative_config) if speculative_config is not None else None
+        self.proposer = proposer
 
     @property
     def has_work(self) -> bool:
@@ -233,6 +232,8 @@ class EngineCore(GenerationControl):
             drafts = self.proposer.drafts_for(self.scheduler.running, self.limits.max_seq_len)
             self.progress.speculating = drafts is not None
         out = self.scheduler.schedule(drafts)
+        if drafts:
+            self.proposer.fill(out)
         if not out.is_empty:
             try:
                 if self.overlap:

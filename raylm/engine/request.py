@@ -95,6 +95,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0
         self.last_block_hash = None
+        self.draft_state = None  # a draft model's cache of it is gone with its blocks
 
     def fork(self, index: int, generator: torch.Generator | None) -> Sequence:
         """A copy sharing history (the caller shares the blocks through reference counts)."""

@@ -13,8 +13,14 @@ length and is overwritten by the next step.
 
 from __future__ import annotations
 
-from raylm.config import NGramDecodingConfig
+from dataclasses import dataclass
+
+import torch
+
+from raylm.config import DraftTargetDecodingConfig, NGramDecodingConfig
 from raylm.engine.request import PLACEHOLDER, Request, Sequence
+from raylm.engine.scheduler import SchedulerOutput
+from raylm.engine.step_plan import StepPlan
 from raylm.sampling_params import SamplingParams
 
 
@@ -24,6 +30,19 @@ def can_speculate(params: SamplingParams) -> bool:
     min_tokens, a grammar)."""
     return (params.use_speculative_decoding and params.num_sequences == 1 and not params.use_beam_search
             and not params.has_penalties and not params.min_tokens and params.guided_decoding is None)
+
+
+def draft_room(request: Request, max_draft_len: int, max_seq_len: int) -> int:
+    """How many drafts a running request that speculates can take this step (0: none): its sequence's last token
+    must be known and all it has uncomputed, and the step's tokens must stay within max_tokens and max_seq_len."""
+    if not request.speculates:
+        return 0
+    seq = request.sequences[0]
+    length = len(seq.token_ids)
+    if seq.finish_reason is not None or length - seq.num_computed_tokens != 1 or seq.token_ids[-1] == PLACEHOLDER:
+        return 0
+    return max(0, min(max_draft_len, request.sampling_params.max_tokens - seq.num_output_tokens - 1,
+                      max_seq_len - length - 1))
 
 
 class NGramProposer:
@@ -54,28 +73,21 @@ class NGramProposer:
         return drafts
 
     def drafts_for(self, running: list[Request], max_seq_len: int) -> dict[int, list[int]] | None:
-        """Drafts for the running requests that speculate, by id(request): each a sequence whose last token is
-        known and uncomputed, proposing at most what its max_tokens and max_seq_len leave after the step's own
-        token. None when more requests run than max_concurrency."""
+        """Drafts for the running requests that speculate, by id(request) (draft_room says which and how many).
+        None when more requests run than max_concurrency."""
         if self.max_concurrency is not None and len(running) > self.max_concurrency:
             return None
         drafts: dict[int, list[int]] = {}
         for request in running:
-            if not request.speculates:
-                continue
-            seq = request.sequences[0]
-            length = len(seq.token_ids)
-            if seq.finish_reason is not None or length - seq.num_computed_tokens != 1:
-                continue
-            if seq.token_ids[-1] == PLACEHOLDER:
-                continue
-            room = min(self.max_draft_len, request.sampling_params.max_tokens - seq.num_output_tokens - 1,
-                       max_seq_len - length - 1)
-            if room > 0:
-                proposal = self.propose(seq, room)
+            room = draft_room(request, self.max_draft_len, max_seq_len)
+            if room:
+                proposal = self.propose(request.sequences[0], room)
                 if proposal:
                     drafts[id(request)] = proposal
         return drafts
+
+    def fill(self, out: SchedulerOutput) -> None:
+        """Nothing: prompt lookup's drafts are known before the step is scheduled."""
 
 
 class _NGramIndex:
@@ -105,3 +117,103 @@ def accepted_length(drafts: list[int] | tuple[int, ...], draws: list[int]) -> in
             break
         accepted += 1
     return accepted
+
+
+@dataclass
+class _DraftState:
+    written: int = 0  # positions of the sequence whose keys and values the draft model wrote (its cache)
+
+
+class DraftModelProposer:
+    """A draft model proposing greedily. Its KV cache has the target's block layout, so each sequence's block
+    table addresses both; the draft runs after the step is scheduled (its blocks then cover every position it
+    writes), in max_draft_len forwards: first the positions it has not seen (a new request's whole prompt, else
+    the tokens accepted since its last proposal) ending with the last token, then one position per draft. Its
+    cache is valid up to the last position whose token the target kept: the next proposal starts there."""
+
+    def __init__(self, config: DraftTargetDecodingConfig, runner, target_vocab_size: int):
+        """runner: the draft model's ModelRunner (engine/model_runner.py), its KV cache allocated."""
+        self.max_draft_len = config.max_draft_len
+        self.max_concurrency = config.max_concurrency
+        self.runner = runner
+        self.block_size = runner.block_size
+        self.target_vocab_size = target_vocab_size
+
+    def drafts_for(self, running: list[Request], max_seq_len: int) -> dict[int, list[int]] | None:
+        """Places for the drafts (placeholders, filled by fill once the step is scheduled), by id(request)."""
+        if self.max_concurrency is not None and len(running) > self.max_concurrency:
+            return None
+        drafts = {}
+        for request in running:
+            room = draft_room(request, self.max_draft_len, max_seq_len)
+            if room:
+                drafts[id(request)] = [PLACEHOLDER] * room
+        return drafts
+
+    @torch.inference_mode()
+    def fill(self, out: SchedulerOutput) -> None:
+        """Runs the draft model for the scheduled sequences with drafts and puts its tokens in their places (before
+        the step launches: item.start is the sequence's last token, the first position the target computes)."""
+        items = [item for item in out.decodes + out.prefills if item.drafts]
+        if not items:
+            return
+        starts = {}
+        for item in items:
+            state = item.seq.draft_state
+            if not isinstance(state, _DraftState):
+                state = item.seq.draft_state = _DraftState()
+            starts[id(item)] = min(state.written, item.start)
+        # What the draft has not seen, through the last token: one-token catch-ups are decode rows and go first.
+        items.sort(key=lambda item: item.start != starts[id(item)])
+        plan = StepPlan()
+        for item in items:
+            start = starts[id(item)]
+            _append_rows(plan, item.seq.block_ids, item.seq.token_ids[start : item.start + 1], start, self.block_size)
+            plan.sample_rows.append(plan.num_tokens - 1)
+            item.seq.draft_state.written = item.start + 1
+        tokens = self._greedy(plan)
+        step = 0
+        while True:
+            for item, token in zip(items, tokens):
+                item.drafts[step] = token
+            fed = [(item, token) for item, token in zip(items, tokens) if step + 1 < len(item.drafts)]
+            if not fed:
+                return
+            plan = StepPlan()
+            for item, token in fed:  # draft `step` at its position, for the next draft
+                _append_rows(plan, item.seq.block_ids, [token], item.start + 1 + step, self.block_size)
+                plan.sample_rows.append(plan.num_tokens - 1)
+                item.seq.draft_state.written = item.start + 2 + step
+            items = [item for item, _ in fed]
+            tokens = self._greedy(plan)
+            step += 1
+
+    def _greedy(self, plan: StepPlan) -> list[int]:
+        hidden = self.runner.forward(plan)
+        logits, _ = self.runner.compute_outputs(plan, hidden)
+        return logits[:, : self.target_vocab_size].argmax(dim=-1).tolist()
+
+
+def _append_rows(plan: StepPlan, blocks: list[int], tokens: list[int], start: int, block_size: int) -> None:
+    """Adds tokens at positions start.. of a sequence with block table `blocks` to a plan: one token as a decode
+    row, more as a prefill chunk (decode rows must all come before the chunks)."""
+    span = range(start, start + len(tokens))
+    plan.input_ids.extend(tokens)
+    plan.positions.extend(span)
+    plan.slot_mapping.extend(blocks[pos // block_size] * block_size + pos % block_size for pos in span)
+    if len(tokens) == 1:
+        plan.decode_contexts.append((blocks, start + 1))
+    else:
+        plan.prefill_chunks.append((blocks, start, len(tokens)))
+
+
+def make_proposer(config: NGramDecodingConfig | DraftTargetDecodingConfig | None, draft_runner=None,
+                  target_vocab_size: int = 0):
+    """The proposer of a speculative_config (None without one); a draft model's needs its runner."""
+    if config is None:
+        return None
+    if config.decoding_type == "NGram":
+        return NGramProposer(config)
+    if draft_runner is None:
+        raise ValueError("DraftTargetDecodingConfig needs the draft model loaded on the engine's first rank")
+    return DraftModelProposer(config, draft_runner, target_vocab_size)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from raylm import LLM, KvCacheConfig, NGramDecodingConfig, SamplingParams
+from raylm import LLM, DraftTargetDecodingConfig, KvCacheConfig, NGramDecodingConfig, SamplingParams
 from raylm.config import LlmArgs
 from raylm.engine.request import Sequence
 from raylm.engine.speculative import NGramProposer, accepted_length, can_speculate
@@ -162,17 +162,21 @@ def markov_model(tmp_path_factory, tiny_model_dirs):
     return directory, transitions
 
 
-def test_sampled_speculation_draws_from_the_target_distribution(markov_model):
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_sampled_speculation_draws_from_the_target_distribution(markov_model, proposer):
     """Chi-square tests of each output position's token and of consecutive pairs against the chain's exact
     distribution, with speculation (drafts accepted and rejected many times) and without it (the same test's
-    control). Accepting every draft, or keeping a draft with any probability but the target's, fails them."""
+    control). Accepting every draft, or keeping a draft with any probability but the target's, fails them. The
+    draft model is the chain itself, proposing its greedy walk."""
     scipy_stats = pytest.importorskip("scipy.stats")
     directory, transitions = markov_model
     prompt = {"prompt_token_ids": CHAIN * 3 + CHAIN[:2]}
     count, length = 600, 6
     params = [SamplingParams(max_tokens=length, temperature=1.0, seed=seed, ignore_eos=True) for seed in range(count)]
+    speculative = (NGramDecodingConfig(max_draft_len=4) if proposer == "ngram"
+                   else DraftTargetDecodingConfig(max_draft_len=4, speculative_model=str(directory)))
     runs = {}
-    for name, config in (("plain", None), ("speculative", NGramDecodingConfig(max_draft_len=4))):
+    for name, config in (("plain", None), ("speculative", speculative)):
         with LLM(str(directory), dtype="float32", skip_tokenizer_init=True, speculative_config=config) as llm:
             runs[name] = [output.outputs[0].token_ids for output in llm.generate([prompt] * count, params)]
             if config is not None:
@@ -223,3 +227,42 @@ def test_prometheus_counts_drafts_from_the_engine_s_totals_even_when_iterations_
                for sample in family.samples}
     assert samples["raylm_spec_decode_num_draft_tokens_total"] == 20
     assert samples["raylm_spec_decode_num_accepted_tokens_total"] == 11
+
+
+# ---------------------------------------------------------------------- a draft model (DraftTargetDecodingConfig)
+
+
+def test_smollm2_drafting_for_itself_is_accepted_and_gives_the_tokens_and_logprobs_without_it(reference, smollm2_dir):
+    config = DraftTargetDecodingConfig(max_draft_len=4, speculative_model=str(smollm2_dir))
+    with LLM(dtype="float32", speculative_config=config) as llm:
+        outputs = llm.generate(COPY_PROMPTS, SamplingParams(max_tokens=48, logprobs=2))
+        spec = llm.get_stats(timeout=2)[-1]["specDecodingStats"]
+        assert llm.startup_metrics["model_loader"]["draft_weight_population_seconds"] > 0
+    assert _tokens(outputs) == _tokens(reference)
+    for got, expected in zip(outputs, reference):
+        for got_step, expected_step in zip(got.outputs[0].logprobs, expected.outputs[0].logprobs):
+            for token, logprob in expected_step.items():
+                assert got_step[token].logprob == pytest.approx(logprob.logprob, abs=1e-4)
+    assert spec["totalAcceptedTokens"] > 0.9 * spec["totalDraftTokens"] > 0  # the same model: its own greedy walk
+
+
+def test_a_random_draft_model_under_preemption_changes_no_token(reference, tiny_model_dirs):
+    config = DraftTargetDecodingConfig(max_draft_len=3, speculative_model=str(tiny_model_dirs["llama"]))
+    with LLM(dtype="float32", kv_cache_config=KvCacheConfig(max_tokens=160, tokens_per_block=16),
+             speculative_config=config) as llm:
+        outputs = llm.generate(COPY_PROMPTS, SamplingParams(max_tokens=48, logprobs=2))
+        stats = llm.get_stats(timeout=2)
+    assert _tokens(outputs) == _tokens(reference)
+    assert sum(entry["inflightBatchingStats"]["numPausedRequests"] for entry in stats) > 0
+    assert stats[-1]["specDecodingStats"]["totalDraftTokens"] > 0
+
+
+def test_a_draft_model_with_a_larger_vocabulary_is_refused_by_name(tmp_path, tiny_model_dirs):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_model_dirs["llama"])
+    config.vocab_size = 60000
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="speculative_config.speculative_model .* vocabulary of 60000"):
+        LLM(str(tiny_model_dirs["llama"]), load_format="dummy", skip_tokenizer_init=True,
+            speculative_config=DraftTargetDecodingConfig(speculative_model=str(tmp_path)))
