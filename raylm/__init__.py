@@ -1,8 +1,9 @@
 """raylm: a Ray-native LLM inference engine."""
 
-from raylm.config import KvCacheConfig, LlmArgs, PoolingConfig, QuantConfig, SchedulerConfig
+from raylm.config import KvCacheConfig, LlmArgs, LoraConfig, PoolingConfig, QuantConfig, SchedulerConfig
 from raylm.inputs import TextPrompt, TokensPrompt
 from raylm.llm import LLM
+from raylm.lora_request import LoRARequest
 from raylm.outputs import CompletionOutput, EncoderOutput, Logprob, RequestOutput
 from raylm.results import GenerationResult, RequestError
 from raylm.rl_api import AsyncLLM
@@ -19,6 +20,8 @@ __all__ = [
     "KvCacheConfig",
     "LlmArgs",
     "Logprob",
+    "LoRARequest",
+    "LoraConfig",
     "PoolingConfig",
     "QuantConfig",
     "RequestError",
