@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 DEFAULT_MODEL_ALIAS = "smollm2-135m-instruct"
 
@@ -174,7 +174,7 @@ class LoraConfig(StrictModel):
 
     @field_validator("max_loras", "max_lora_rank")
     @classmethod
-    def _at_least_one(cls, value: int, info) -> int:
+    def _at_least_one(cls, value: int, info: ValidationInfo) -> int:
         if value < 1:
             raise ValueError(f"lora_config.{info.field_name} must be >= 1, got {value}")
         return value

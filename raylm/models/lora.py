@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -44,13 +45,11 @@ class LoraBatch:
 
     def set_rows(self, row_slots: list[int], device: torch.device) -> None:
         """row_slots: each row's slot, -1 for the base model (empty: no row has an adapter)."""
-        rows_of: dict[int, list[int]] = {}
-        for row, slot in enumerate(row_slots):
-            if slot >= 0:
-                rows_of.setdefault(slot, []).append(row)
-        self.groups = [(slot, None if len(rows) == len(row_slots) else
-                        torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True))
-                       for slot, rows in rows_of.items()]
+        slots = np.asarray(row_slots, dtype=np.int64)
+        self.groups = []
+        for slot in np.unique(slots[slots >= 0]).tolist():
+            rows = np.flatnonzero(slots == slot)
+            self.groups.append((slot, None if len(rows) == len(slots) else torch.from_numpy(rows).to(device)))
 
 
 class LayerAdapters(nn.Module):
