@@ -98,6 +98,36 @@ def test_prefix_cache_blocks_are_not_shared_across_adapters(llm, tiny_model_dirs
     assert cached(None) == (48, base[1])
 
 
+def test_preempted_requests_take_a_slot_again_and_keep_their_adapter(tiny_model_dirs, tiny_lora_dirs):
+    """A KV cache of 4 blocks for requests of 1 or 2 blocks each: requests are preempted and computed again, each
+    with its adapter (in whichever slot it has then)."""
+    names = ["r8", None, "r64", None, "qv", "r8", None, "r64"]
+    rows = [(name, index % len(PROMPTS)) for index, name in enumerate(names)]
+    with LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, max_seq_len=512,
+             kv_cache_config=KvCacheConfig(max_tokens=64, tokens_per_block=16),
+             lora_config=LoraConfig(max_loras=2)) as small:
+        outputs = _generate(small, [PROMPTS[p] for _, p in rows], [_request(tiny_lora_dirs, n) for n, _ in rows])
+        stats = small.get_stats(timeout=1)
+    assert sum(entry["inflightBatchingStats"]["numPausedRequests"] for entry in stats) > 0
+    for (name, prompt_index), output in zip(rows, outputs):
+        assert output.outputs[0].token_ids == _reference(tiny_model_dirs, tiny_lora_dirs, name)[prompt_index], name
+
+
+def test_workers_reload_an_evicted_adapter_from_their_cpu_copy(tiny_model_dirs, tiny_lora_dirs, tmp_path):
+    """One device slot and two CPU copies: an adapter whose slot another took comes back from the workers' copy
+    (its files are gone by then)."""
+    copies = {name: shutil.copytree(tiny_lora_dirs[name], tmp_path / name) for name in ("r8", "qv")}
+    requests = {name: LoRARequest(name, index + 1, str(path)) for index, (name, path) in enumerate(copies.items())}
+    with LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, kv_cache_config=KV, max_seq_len=512,
+             lora_config=LoraConfig(max_loras=1, max_cpu_loras=2)) as llm:
+        first = _generate(llm, PROMPTS, requests["r8"])
+        _generate(llm, PROMPTS, requests["qv"])
+        shutil.rmtree(copies["r8"])
+        again = _generate(llm, PROMPTS, requests["r8"])
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first] == \
+        _reference(tiny_model_dirs, tiny_lora_dirs, "r8")
+
+
 # ---------------------------------------------------------------------- refusals
 
 
@@ -158,3 +188,4 @@ def test_bad_lora_config_values_are_refused_naming_the_field(fields, message):
 def test_bad_lora_requests_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         LoRARequest(**{"lora_name": "a", "lora_int_id": 1, "lora_path": "/a", **fields})
+
