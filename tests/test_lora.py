@@ -137,7 +137,7 @@ def test_lora_request_without_lora_config_is_refused(tiny_model_dirs, tiny_lora_
             _generate(plain, PROMPTS[:1], _request(tiny_lora_dirs, "r8"))
 
 
-def test_adapter_above_max_lora_rank_is_refused_at_submit(llm, tiny_model_dirs, tiny_lora_dirs):
+def test_adapter_above_max_lora_rank_is_refused_at_submit(tiny_model_dirs, tiny_lora_dirs):
     with LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, kv_cache_config=KV, max_seq_len=512,
              lora_config=LoraConfig(max_lora_rank=16)) as narrow:
         with pytest.raises(ValueError, match=r"r=64 exceeds lora_config.max_lora_rank \(16\)"):
