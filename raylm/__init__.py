@@ -4,6 +4,7 @@ from raylm.config import (
     DraftTargetDecodingConfig,
     KvCacheConfig,
     LlmArgs,
+    LoraConfig,
     NGramDecodingConfig,
     PoolingConfig,
     QuantConfig,
@@ -11,6 +12,7 @@ from raylm.config import (
 )
 from raylm.inputs import TextPrompt, TokensPrompt
 from raylm.llm import LLM
+from raylm.lora_request import LoRARequest
 from raylm.outputs import CompletionOutput, EncoderOutput, Logprob, RequestOutput
 from raylm.results import GenerationResult, RequestError
 from raylm.rl_api import AsyncLLM
@@ -29,6 +31,8 @@ __all__ = [
     "NGramDecodingConfig",
     "LlmArgs",
     "Logprob",
+    "LoRARequest",
+    "LoraConfig",
     "PoolingConfig",
     "QuantConfig",
     "RequestError",

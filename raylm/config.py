@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 DEFAULT_MODEL_ALIAS = "smollm2-135m-instruct"
 
@@ -188,6 +188,41 @@ class DraftTargetDecodingConfig(StrictModel):
 SpeculativeConfig = Annotated[NGramDecodingConfig | DraftTargetDecodingConfig, Field(discriminator="decoding_type")]
 
 
+class LoraConfig(StrictModel):
+    """Multi-LoRA serving: PEFT-format adapters (adapter_config.json + adapter_model.safetensors) applied per request
+    on top of the base model. Adapters live in max_loras device slots at once (loaded at their first request, the
+    least recently used one without running requests making room); the workers keep max_cpu_loras adapters read
+    from disk."""
+
+    lora_dir: list[str] = Field(
+        default_factory=list, description="Adapter directories checked against the model when the engine starts; a "
+                                          "LoRARequest may name any adapter directory.")
+    max_loras: int = Field(default=4, description="Adapters resident on the device at once.")
+    max_cpu_loras: int | None = Field(
+        default=None, description="Adapters each worker keeps read from disk (least recently used go first); null: "
+                                  "max_loras. At least max_loras.")
+    max_lora_rank: int = Field(default=64, description="The largest adapter rank accepted; device slots are this "
+                                                       "wide.")
+
+    @field_validator("max_loras", "max_lora_rank")
+    @classmethod
+    def _at_least_one(cls, value: int, info: ValidationInfo) -> int:
+        if value < 1:
+            raise ValueError(f"lora_config.{info.field_name} must be >= 1, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _cpu_cache_holds_the_slots(self) -> LoraConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"lora_config.max_cpu_loras must be >= max_loras ({self.max_loras}), "
+                             f"got {self.max_cpu_loras}")
+        return self
+
+    @property
+    def cpu_cache_size(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
 class LlmArgs(StrictModel):
     """Arguments of `LLM(...)`; see the LLM API reference for each field."""
 
@@ -231,6 +266,7 @@ class LlmArgs(StrictModel):
                                   "none. Requests with "
                                   "penalties, min_tokens, guided decoding, beam search or several sequences, and "
                                   "those that set SamplingParams.use_speculative_decoding=False, decode without.")
+    lora_config: LoraConfig | None = Field(default=None, description="Multi-LoRA serving; None: no adapters.")
 
     worker_extension_cls: Any = Field(
         default=None, description="A class (or 'module.Class') whose methods are mixed into every worker, "

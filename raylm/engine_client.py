@@ -11,6 +11,7 @@ from typing import Any
 
 from raylm.actors.executor import Executor
 from raylm.engine.messages import EncodeRequest, EngineRequest, StepOutput
+from raylm.lora_request import LoRARequest
 from raylm.output_processor import EncodeState, RequestState
 from raylm.results import GenerationResult
 from raylm.sampling_params import SamplingParams
@@ -57,9 +58,11 @@ class EngineClient:
                 self._news.wait(min(left, 0.05))
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-            priority: float, cache_salt: str | None, streaming: bool) -> GenerationResult:
+            priority: float, cache_salt: str | None, streaming: bool,
+            lora_request: LoRARequest | None = None) -> GenerationResult:
         state = RequestState(request_id, prompt, prompt_token_ids, params, self.tokenizer, streaming)
-        return self._add(state, EngineRequest(request_id, prompt_token_ids, params, priority, cache_salt), streaming)
+        request = EngineRequest(request_id, prompt_token_ids, params, priority, cache_salt, lora_request)
+        return self._add(state, request, streaming)
 
     def add_encode(self, requests: list[tuple[str, str | None, list[int]]]) -> list[GenerationResult]:
         """Submits prompts to encode, (request id, text, token ids) each, in one message to the engine; each

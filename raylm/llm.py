@@ -18,7 +18,8 @@ from raylm.config import LlmArgs
 from raylm.engine_client import EngineClient
 from raylm.engine_spec import EngineInfo, WorkerSpec, resolve_device, resolve_dtype
 from raylm.inputs import PromptInputs, check_prompt_length, is_single_prompt, to_prompt_list, tokenize_prompt
-from raylm.models.arch import config_dtype
+from raylm.lora_request import LoRARequest
+from raylm.models.arch import ArchConfig, config_dtype
 from raylm.models.loader import load_hf_config
 from raylm.models.quantization import resolve_fp8_weights
 from raylm.models.registry import resolve_architecture
@@ -93,6 +94,8 @@ class LLM:
         self._tokenizer = load_tokenizer(self.args, source)
         self._eos_ids = _eos_token_ids(source, hf_config, self._tokenizer)
         pooling = self._pooling(source, hf_config)
+        self._lora_arch = self._check_lora_config(hf_config, pooling)
+        self._adapters: dict[int, LoRARequest] = {}  # lora_int_id -> the adapter checked under it
         prepared = time.perf_counter()
         device = resolve_device(self.args.device)
         dtype = resolve_dtype(self.args.dtype, device, config_dtype(hf_config))
@@ -143,6 +146,23 @@ class LLM:
             raise ValueError(f"encode_only engines run on one device: tensor_parallel_size and pipeline_parallel_size "
                              f"must be 1, got {args.tensor_parallel_size} and {args.pipeline_parallel_size}")
         return resolve_pooling(source.config_dir, hf_config, args.pooling_config, entry.encoder_only)
+
+    def _check_lora_config(self, hf_config: Any, pooling: PoolingSpec | None) -> ArchConfig | None:
+        """With lora_config: the model's architecture, which adapters are checked against, after checking that the
+        model takes adapters and that every adapter of lora_config.lora_dir fits it. None without lora_config."""
+        config = self.args.lora_config
+        if config is None:
+            return None
+        from raylm.models.llama import LlamaForCausalLM
+        from raylm.models.lora_adapter import check_adapter
+
+        entry, arch = resolve_architecture(hf_config)
+        if pooling is not None or entry.model_class is not LlamaForCausalLM:
+            raise ValueError(f"lora_config needs a generating model of the Llama family, got "
+                             f"{entry.model_class.__name__}{' (encode_only)' if pooling is not None else ''}")
+        for path in config.lora_dir:
+            check_adapter(path, arch, config.max_lora_rank)
+        return arch
 
     def _max_seq_len(self, source: ModelSource, hf_config: Any, pooling: PoolingSpec | None) -> int:
         """max_seq_len, else the model's positions (for encode_only, capped by the longest input its
@@ -238,8 +258,29 @@ class LLM:
             raise ValueError(f"request needs up to {needed} KV cache blocks but the cache holds "
                              f"{self.info.num_blocks}; raise kv_cache_config.max_tokens or lower max_tokens")
 
+    def _check_lora_request(self, lora_request: LoRARequest | None) -> None:
+        """A request's adapter must be a LoRARequest for an engine with lora_config, whose files fit the model (read
+        once per id), under an id that no other path took."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        config = self.args.lora_config
+        if config is None:
+            raise ValueError("lora_request needs an engine started with lora_config")
+        known = self._adapters.get(lora_request.lora_int_id)
+        if known is not None:
+            if known.lora_path != lora_request.lora_path:
+                raise ValueError(f"lora_int_id {lora_request.lora_int_id} is already the adapter at "
+                                 f"{known.lora_path!r}, got lora_path {lora_request.lora_path!r}")
+            return
+        from raylm.models.lora_adapter import check_adapter
+
+        check_adapter(lora_request.lora_path, self._lora_arch, config.max_lora_rank)
+        self._adapters[lora_request.lora_int_id] = lora_request
+
     def _submit(self, prompt: PromptInputs, params: SamplingParams, priority: float, streaming: bool,
-                cache_salt: str | None = None) -> GenerationResult:
+                cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> GenerationResult:
         if not 0.0 <= priority <= 1.0:
             raise ValueError(f"priority must be in [0, 1], got {priority}")
         if self._client is None:
@@ -251,8 +292,9 @@ class LLM:
                                           params.truncate_prompt_tokens)
         self._check_token_ids(token_ids)
         self._check_fits(len(token_ids), params)
+        self._check_lora_request(lora_request)
         request_id = str(next(self._request_ids))
-        return self._client.add(request_id, text, token_ids, params, priority, cache_salt, streaming)
+        return self._client.add(request_id, text, token_ids, params, priority, cache_salt, streaming, lora_request)
 
     def _check_token_ids(self, token_ids: list[int]) -> None:
         vocab = self.info.vocab_size
@@ -267,18 +309,21 @@ class LLM:
         use_tqdm: bool = True,
         priority: float | list[float] = 0.5,
         cache_salt: str | Sequence[str] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> RequestOutput | list[RequestOutput]:
-        """Generates for one prompt or a batch; returns one RequestOutput per prompt, in order."""
+        """Generates for one prompt or a batch; returns one RequestOutput per prompt, in order. lora_request: the
+        adapter of every prompt, or a list with one per prompt (None: the base model)."""
         single = is_single_prompt(inputs)
         prompts = to_prompt_list(inputs)
         params_list = self._per_prompt(sampling_params, len(prompts), "sampling_params")
         priorities = self._per_prompt(priority, len(prompts), "priority")
         salts = self._per_prompt(cache_salt, len(prompts), "cache_salt")
+        adapters = self._per_prompt(lora_request, len(prompts), "lora_request")
         prepared = {id(p): self._prepare_params(p) for p in params_list}
         results = []
         try:
-            for prompt, params, prio, salt in zip(prompts, params_list, priorities, salts):
-                results.append(self._submit(prompt, prepared[id(params)], prio, False, salt))
+            for prompt, params, prio, salt, adapter in zip(prompts, params_list, priorities, salts, adapters):
+                results.append(self._submit(prompt, prepared[id(params)], prio, False, salt, adapter))
         except Exception:
             for result in results:
                 result.abort()
@@ -322,11 +367,14 @@ class LLM:
         streaming: bool = False,
         priority: float = 0.5,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> GenerationResult:
-        """Submits one prompt; await the result for the final output or `async for` over it to stream."""
+        """Submits one prompt; await the result for the final output or `async for` over it to stream.
+        lora_request: the adapter it generates with (None: the base model)."""
         if not is_single_prompt(inputs):
             raise TypeError("generate_async takes a single prompt; call it once per prompt")
-        return self._submit(inputs, self._prepare_params(sampling_params), priority, streaming, cache_salt)
+        return self._submit(inputs, self._prepare_params(sampling_params), priority, streaming, cache_salt,
+                            lora_request)
 
     # ------------------------------------------------------------------ encode
 

@@ -108,6 +108,41 @@ def tiny_model_dirs() -> dict[str, Path]:
     return dirs
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> (rank, alpha, use_rslora, target modules, seed) of the PEFT adapters tiny_lora_dirs makes
+TINY_LORAS = {
+    "r8": (8, 16, False, LORA_TARGETS, 1),
+    "r64": (64, 32, True, LORA_TARGETS, 2),
+    "qv": (4, 8, False, ["q_proj", "v_proj"], 3),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_dirs(tiny_model_dirs, tmp_path_factory) -> dict[str, Path]:
+    """PEFT LoRA adapters of the tiny Llama (TINY_LORAS), with random non-zero A and B (init_lora_weights=False),
+    saved as adapter_config.json + adapter_model.safetensors."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    root = tmp_path_factory.mktemp("loras")
+    dirs = {}
+    for name, (rank, alpha, rslora, targets, seed) in TINY_LORAS.items():
+        torch.manual_seed(seed)
+        config = PeftLoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, target_modules=targets,
+                                init_lora_weights=False)
+        get_peft_model(hf_model(tiny_model_dirs["llama"]), config).save_pretrained(root / name)
+        dirs[name] = root / name
+    return dirs
+
+
+def hf_peft_model(base_path: Path, adapter_path: Path | None):
+    """HF's model with a PEFT adapter applied (None: the base model alone)."""
+    from peft import PeftModel
+
+    model = hf_model(base_path)
+    return model if adapter_path is None else PeftModel.from_pretrained(model, str(adapter_path)).eval()
+
+
 def hf_model(path: Path):
     from transformers import AutoModelForCausalLM
 

@@ -48,6 +48,7 @@ def split_schedule(out: SchedulerOutput, parts: int) -> list[SchedulerOutput]:
                                 prefills=[i for i in chunk if i.num_tokens > 1])
         slices.append(piece)
     slices[0].block_copies = out.block_copies
+    slices[0].lora_loads = out.lora_loads  # loaded before the first micro-batch's forward
     return slices
 
 

@@ -191,6 +191,11 @@ class Worker:
             loaded = load_model(self.spec.source, hf_config, self.dtype, self.device, self.spec.max_seq_len,
                                 args.load_format, ctx=self.ctx, seed=args.seed, encode_only=encode_only,
                                 fp8=self.spec.fp8)
+        lora = None
+        if args.lora_config is not None and not encode_only:  # adapter slots: buffers of the model's layers
+            from raylm.models.lora import LoraRuntime
+
+            lora = LoraRuntime(loaded.model, loaded.arch, args.lora_config, self.dtype, self.device)
         move_into_region(self._fixed, list(loaded.model.buffers()), "model", keep_contents=True)
         self.arch = loaded.arch
         self.timings["model_loader"] = loaded.timings
@@ -203,6 +208,7 @@ class Worker:
                                   attention_backend=args.attention_backend, kernel_config=args.kernel_config,
                                   capture_logits=args.cuda_graph_config is not None
                                   and args.cuda_graph_config.capture_logits)
+        self.runner.lora = lora
         if self.spec.draft_source is not None and self.ctx.tp_rank == 0 and self.ctx.pp_rank == 0:
             self.draft_runner = self._load_draft()
         self.timings["py_executor"]["model_engine_creation_seconds"] = time.perf_counter() - begin
@@ -272,6 +278,7 @@ class Worker:
             iter_stats_max_iterations=args.iter_stats_max_iterations,
             overlap_scheduling=not args.disable_overlap_scheduler,
             guarantee_no_evict=args.scheduler_config.capacity_scheduler_policy == "GUARANTEED_NO_EVICT",
+            max_loras=args.lora_config.max_loras if args.lora_config is not None else 0,
         ), grammar_compiler=None if args.skip_tokenizer_init else self._grammar_compiler,
             proposer=make_proposer(args.speculative_config, self.draft_runner, self.arch.vocab_size))
         self.timings["py_executor"]["total_py_executor_creation_seconds"] = time.perf_counter() - self._begin
@@ -295,12 +302,13 @@ class Worker:
         return info
 
     def _graph_batch_sizes(self) -> list[int]:
-        """The decode graphs' batch sizes (none off CUDA or without cuda_graph_config)."""
+        """The decode graphs' batch sizes (none off CUDA, without cuda_graph_config, or with LoRA adapters, whose
+        rows the graphs do not take yet)."""
         from raylm.engine.cuda_graphs import default_batch_sizes
 
         args = self.spec.args
         graph_config = args.cuda_graph_config
-        if graph_config is None or self.device.type != "cuda":
+        if graph_config is None or self.device.type != "cuda" or args.lora_config is not None:
             return []
         limit = min(graph_config.max_batch_size or args.max_batch_size, args.max_batch_size)
         return graph_config.batch_sizes or default_batch_sizes(limit)

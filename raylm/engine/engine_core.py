@@ -24,7 +24,8 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
 from raylm.engine.generation_control import GenerationControl
-from raylm.engine.kv_cache import KVCacheManager, weight_version_root
+from raylm.engine.kv_cache import KVCacheManager, hash_chain_root
+from raylm.engine.lora_slots import LoraSlots
 from raylm.engine.messages import EngineRequest, RequestDelta, SequenceDelta, StepOutput
 from raylm.engine.progress import Progress
 from raylm.engine.request import FinishReason, Request, RequestStatus
@@ -52,6 +53,7 @@ class EngineLimits:
     iter_stats_max_iterations: int
     overlap_scheduling: bool = True
     guarantee_no_evict: bool = False  # scheduler_config.capacity_scheduler_policy == "GUARANTEED_NO_EVICT"
+    max_loras: int = 0  # LoRA adapter slots on the device (lora_config.max_loras); 0: no adapters
 
 
 @dataclass
@@ -75,7 +77,8 @@ class EngineCore(GenerationControl):
         self.kv_cache = KVCacheManager(limits.num_blocks, limits.block_size, limits.enable_block_reuse,
                                        limits.event_buffer_max_size)
         self.scheduler = Scheduler(self.kv_cache, limits.max_batch_size, limits.max_num_tokens,
-                                   limits.enable_chunked_prefill, limits.guarantee_no_evict)
+                                   limits.enable_chunked_prefill, limits.guarantee_no_evict,
+                                   LoraSlots(limits.max_loras) if limits.max_loras else None)
         self.progress = Progress(self.scheduler, limits.max_seq_len)
         self.requests: dict[str, Request] = {}
         self.iteration = 0
@@ -98,13 +101,17 @@ class EngineCore(GenerationControl):
     def add_request(self, engine_request: EngineRequest) -> None:
         if engine_request.request_id in self.requests:
             raise ValueError(f"request id {engine_request.request_id!r} is already in use")
+        lora = engine_request.lora_request
+        if lora is not None and self.scheduler.lora_slots is None:
+            raise ValueError("lora_request needs an engine started with lora_config")
         request = Request(
             request_id=engine_request.request_id,
             prompt_token_ids=list(engine_request.prompt_token_ids),
             sampling_params=engine_request.sampling_params,
             priority=engine_request.priority,
             cache_salt=engine_request.cache_salt,
-            hash_root=weight_version_root(self.weight_version),
+            hash_root=hash_chain_root(self.weight_version, lora.lora_int_id if lora is not None else None),
+            lora_request=lora,
         )
         request.speculates = self.proposer is not None and can_speculate(request.sampling_params)
         guided = engine_request.sampling_params.guided_decoding
@@ -186,10 +193,10 @@ class EngineCore(GenerationControl):
         now on (or still waiting with nothing computed) start their prefix-cache chains from its root, so they
         never reuse KV computed with earlier weights but share prefixes among themselves."""
         self.weight_version += 1
-        root = weight_version_root(self.weight_version)
         for request in self.scheduler.waiting:
             if all(seq.num_computed_tokens == 0 for seq in request.sequences):
-                request.hash_root = root
+                lora = request.lora_request
+                request.hash_root = hash_chain_root(self.weight_version, lora.lora_int_id if lora else None)
                 request.prompt_block_hashes = []
         return self.weight_version
 
@@ -287,6 +294,8 @@ class EngineCore(GenerationControl):
         if isinstance(exc, RanksOutOfStep):  # the ranks cannot go on together: the engine stops
             raise exc
         logger.exception("engine step failed")
+        if self.scheduler.lora_slots is not None:  # it may have failed while loading adapters into slots
+            self.scheduler.lora_slots.forget()
         failed = {item.request.request_id for item in out.scheduled}
         message = f"engine step failed: {type(exc).__name__}: {exc}"
         return [delta for rid in failed if (delta := self.abort_request(rid, message)) is not None]

@@ -23,12 +23,14 @@ from raylm.engine.request import Request, Sequence
 NULL_BLOCK = 0
 
 
-def weight_version_root(version: int) -> int | None:
-    """The key every block-hash chain of requests admitted under weight `version` starts from: KV computed with
-    other weights never matches (None, no root, for the weights the engine started with)."""
-    if not version:
+def hash_chain_root(weight_version: int, lora_int_id: int | None = None) -> int | None:
+    """The key every block-hash chain of a request starts from: the weight version it was admitted under and the
+    LoRA adapter it runs with, so KV computed with other weights or another adapter never matches (None, no root,
+    for the weights the engine started with and no adapter)."""
+    if not weight_version and not lora_int_id:
         return None
-    return int.from_bytes(hashlib.blake2b(f"weight-version:{version}".encode(), digest_size=8).digest(), "little")
+    text = f"weight-version:{weight_version}" + (f"/lora:{lora_int_id}" if lora_int_id else "")
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
 def hash_block(parent_hash: int | None, token_ids: list[int], salt: str | None) -> int:

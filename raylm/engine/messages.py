@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from raylm.lora_request import LoRARequest
 from raylm.sampling_params import SamplingParams
 
 # Per generated token: (logprob, rank, top-k token ids, top-k logprobs). Rank and top-k may be None.
@@ -18,6 +19,7 @@ class EngineRequest:
     sampling_params: SamplingParams
     priority: float = 0.5
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

@@ -139,6 +139,7 @@ class ModelRunner:
                                             config.pdl, config.fp8_gemv_input)
         set_kernel_policy(model, self.kernels)
         self.capture_logits = capture_logits
+        self.lora = None  # a LoraRuntime (models/lora.py) on engines serving LoRA adapters
         self.attention_backend = resolve_attention_backend(attention_backend, self.kernels)
         self.build_metadata = build_metadata
         if self.attention_backend == "triton":
@@ -298,6 +299,8 @@ class ModelRunner:
         feed = (rows: a sampler.row_index, token ids on the device) fills input rows whose token a step in flight
         is sampling."""
         self._copy_blocks(plan.block_copies)
+        if self.lora is not None:
+            self.lora.prepare(plan.lora_loads, plan.lora_slots)
         self._graphed = None
         if (self.graphs is not None and intermediate is None and not plan.prefill_chunks
                 and self.graphs.fits(len(plan.decode_contexts), max(len(b) for b, _ in plan.decode_contexts))):

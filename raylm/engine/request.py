@@ -15,6 +15,7 @@ import torch
 from raylm.engine.beam_search import candidates_per_beam
 from raylm.engine.sampler import SamplingRow
 from raylm.engine.structured_output import Guide
+from raylm.lora_request import LoRARequest
 from raylm.sampling_params import SamplingParams
 
 # The token id at a position whose token a step still in flight is sampling (overlapped scheduling).
@@ -125,8 +126,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     sequences: list[Sequence] = field(default_factory=list)
     prompt_block_hashes: list[int] = field(default_factory=list)
-    # Where its block-hash chains start: the weight version's root (kv_cache.weight_version_root) when it came in.
+    # Where its block-hash chains start: the root of the weight version when it came in and of its adapter
+    # (kv_cache.hash_chain_root).
     hash_root: int | None = None
+    lora_request: LoRARequest | None = None  # the LoRA adapter it generates with, or None: the base model
+    lora_slot: int = -1  # the device slot holding its adapter while it runs (engine/lora_slots.py); -1: none
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     forked: bool = False

@@ -9,6 +9,9 @@ admitted in the same order until one does not fit. A request's sequences are sch
 Under the GUARANTEED_NO_EVICT policy a waiting request is admitted only when the free blocks cover all it may ever
 need (its prompt and max_tokens, for each of its sequences) beside what every running request may still need, so
 no request is preempted; MAX_UTILIZATION (the default) admits while the next chunk fits and preempts when needed.
+
+On an engine serving LoRA adapters, a waiting request with an adapter is admitted only once its adapter has a
+device slot (engine/lora_slots.py); it waits while every slot holds an adapter that running requests use.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from raylm.engine.kv_cache import KVCacheManager
+from raylm.engine.lora_slots import LoraSlots
 from raylm.engine.request import Request, RequestStatus, Sequence
 
 
@@ -44,6 +48,8 @@ class SchedulerOutput:
     decodes: list[ScheduledSequence] = field(default_factory=list)  # one token each
     prefills: list[ScheduledSequence] = field(default_factory=list)  # chunks of several tokens
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Adapters to load into device slots before this step's forward: (slot, LoRARequest).
+    lora_loads: list[tuple] = field(default_factory=list)
     num_preempted: int = 0
 
     @property
@@ -61,8 +67,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_batch_size: int, max_num_tokens: int,
-                 enable_chunked_prefill: bool = True, guarantee_no_evict: bool = False):
+                 enable_chunked_prefill: bool = True, guarantee_no_evict: bool = False,
+                 lora_slots: LoraSlots | None = None):
         self.kv_cache = kv_cache
+        self.lora_slots = lora_slots  # None: the engine serves no LoRA adapters
         self.guarantee_no_evict = guarantee_no_evict
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
@@ -236,6 +244,8 @@ class Scheduler:
                 break
             if self.guarantee_no_evict and self.running and not self._fits_for_good(request):
                 break  # (with nothing running it goes ahead: it could never be admitted otherwise)
+            if request.lora_request is not None and not self._place_adapter(request):
+                break  # every adapter slot is in use by running requests
             looks_up = not request.forked and request.sequences[0].num_computed_tokens == 0
             hits = self.kv_cache.match_prefix(request) if looks_up else []
             first = request.sequences[0]
@@ -263,6 +273,8 @@ class Scheduler:
             seq_budget -= len(plan)
 
         out.block_copies = self.kv_cache.take_pending_copies()
+        if self.lora_slots is not None and not out.is_empty:  # else they wait for the next step that runs
+            out.lora_loads = self.lora_slots.take_pending_loads()
         return out
 
     def _schedule_drafted(self, out: SchedulerOutput, request: Request, proposal: list[int], token_budget: int,
@@ -283,3 +295,14 @@ class Scheduler:
         item = ScheduledSequence(request, seq, seq.num_computed_tokens, take, True, drafts=proposal[: take - 1])
         (out.prefills if take > 1 else out.decodes).append(item)
         return take
+
+    def _place_adapter(self, request: Request) -> bool:
+        """Gives a request about to be admitted the slot of its adapter; False when none is free for it."""
+        if self.lora_slots is None:
+            raise ValueError(f"request {request.request_id!r} asks for a LoRA adapter, but the engine serves none "
+                             "(lora_config)")
+        slot = self.lora_slots.acquire(request.lora_request, self.running)
+        if slot is None:
+            return False
+        request.lora_slot = slot
+        return True

@@ -42,6 +42,10 @@ class StepPlan:
     # Whether every row is a decode of a request with greedy draws (Request.greedy_draws): a decode graph then
     # computes the draws too.
     greedy: bool = False
+    # LoRA: adapters to load into device slots before the forward, (slot, LoRARequest); each row's slot (-1: the
+    # base model), empty when no row has an adapter.
+    lora_loads: list[tuple] = field(default_factory=list)
+    lora_slots: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -91,7 +95,19 @@ def plan_step(out: SchedulerOutput, block_size: int) -> StepPlan:
         spec = _prompt_logprob_spec(item, first_row)
         if spec is not None:
             plan.prompt_logprobs.append(spec)
+    plan.lora_loads = list(out.lora_loads)
+    plan.lora_slots = _lora_slots(out)
     return plan
+
+
+def _lora_slots(out: SchedulerOutput) -> list[int]:
+    """Each row's adapter slot, in the plan's row order (-1: the base model); empty when no row has an adapter."""
+    if all(item.request.lora_slot < 0 for item in out.scheduled):
+        return []
+    slots = [item.request.lora_slot for item in out.decodes]
+    for item in out.prefills:
+        slots.extend([item.request.lora_slot] * item.num_tokens)
+    return slots
 
 
 def prompt_logprob_targets(item: ScheduledSequence) -> tuple[int, int] | None:

@@ -137,13 +137,15 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _weight(self.out_per_rank, in_features, fp8, self._load)
         self.weight_scale = _weight_scale(self.out_per_rank, fp8, self._load)
         self.bias = _set_loader(nn.Parameter(torch.empty(self.out_per_rank)), self._load) if bias else None
+        self.lora: nn.Module | None = None  # adapter slots (models/lora.py), on engines serving LoRA adapters
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
         start = self.ctx.tp_rank * param.shape[0]
         param.data.copy_(loaded.narrow(0, start, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.kernels, self.weight_scale)
+        out = linear(x, self.weight, self.bias, self.kernels, self.weight_scale)
+        return out if self.lora is None else self.lora(out, x)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -223,6 +225,8 @@ class RowParallelLinear(nn.Module):
         self.weight = _weight(out_features, self.in_per_rank, fp8, self._load)
         self.weight_scale = _weight_scale(out_features, fp8, copy_whole)
         self.bias = _set_loader(nn.Parameter(torch.empty(out_features)), default_weight_loader) if bias else None
+        # Adapter slots (models/lora.py), on engines serving LoRA adapters: their products are partial sums too.
+        self.lora: nn.Module | None = None
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None) -> None:
         start = self.ctx.tp_rank * param.shape[1]
@@ -231,6 +235,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor | Unreduced:
         """With defer_reduce (and no bias), the partial sum as Unreduced: the next RMSNorm all-reduces it."""
         out = linear(x, self.weight, None, self.kernels, self.weight_scale)
+        if self.lora is not None:
+            out = self.lora(out, x)
         if defer_reduce and self.bias is None:
             return Unreduced(out, self.ctx)
         out = self.ctx.all_reduce(out)

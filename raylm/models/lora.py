@@ -1,0 +1,163 @@
+"""LoRA on a worker: adapter slots in the model's linear layers, and loading adapters into them.
+
+Every adapted layer holds max_loras slots in two stacked tensors allocated once, lora_a [slots, slices * max_rank,
+in] and lora_b [slots, out, max_rank] (ranks padded with zeros), so that the kernels (and later CUDA graphs) read
+them in place. A fused layer holds one adapter per projection it fuses (q / k / v, gate / up): their A matrices
+side by side in lora_a, their B matrices at their projection's output rows in lora_b.
+
+Tensor parallelism shards adapters as it shards their layers, through the layers' own weight loaders: a
+column-parallel layer (qkv, gate_up) keeps A whole and this rank's rows of B; a row-parallel layer (o, down) keeps
+this rank's input columns of A and B whole, and its product joins the partial sums the layer all-reduces.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+from torch import nn
+
+from raylm.config import LoraConfig
+from raylm.kernels.lora import SlotRows, add_lora
+from raylm.lora_request import LoRARequest
+from raylm.models.arch import ArchConfig
+from raylm.models.lora_adapter import ModuleKey, read_adapter
+
+# A PEFT projection -> (the fused layer holding it inside a decoder layer, its shard id there). The shard ids are
+# those the layers' weight loaders take (LlamaForCausalLM.stacked_params); None: the layer is that projection alone.
+FUSED_TARGETS: dict[str, tuple[str, object]] = {
+    "q_proj": ("self_attn.qkv_proj", "q"),
+    "k_proj": ("self_attn.qkv_proj", "k"),
+    "v_proj": ("self_attn.qkv_proj", "v"),
+    "o_proj": ("self_attn.o_proj", None),
+    "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", None),
+}
+
+
+class LoraBatch:
+    """The rows of the current step that use each adapter slot, shared by every adapted layer of a model."""
+
+    def __init__(self) -> None:
+        self.groups: list[SlotRows] = []
+
+    def set_rows(self, row_slots: list[int], device: torch.device) -> None:
+        """row_slots: each row's slot, -1 for the base model (empty: no row has an adapter)."""
+        slots = np.asarray(row_slots, dtype=np.int64)
+        self.groups = []
+        for slot in np.unique(slots[slots >= 0]).tolist():
+            rows = np.flatnonzero(slots == slot)
+            self.groups.append((slot, None if len(rows) == len(slots) else torch.from_numpy(rows).to(device)))
+
+
+class LayerAdapters(nn.Module):
+    """One linear layer's adapter slots (see the module's docstring); called with the layer's output and input, it
+    adds each row's adapter product."""
+
+    def __init__(self, layer: nn.Module, shard_ids: list[object], slice_sizes: list[int], row_parallel: bool,
+                 batch: LoraBatch, max_loras: int, max_rank: int, dtype: torch.dtype):
+        super().__init__()
+        out_features, in_features = layer.weight.shape
+        device = layer.weight.device
+        self.shard_ids = shard_ids
+        self.slice_sizes = slice_sizes
+        self.row_parallel = row_parallel
+        self.max_rank = max_rank
+        self.batch = batch
+        self._load_shard = layer._load  # the layer's own loader shards adapters as it shards weights
+        self.register_buffer("lora_a", torch.zeros(max_loras, len(slice_sizes) * max_rank, in_features, dtype=dtype,
+                                                   device=device), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device),
+                             persistent=False)
+
+    def forward(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        groups = self.batch.groups
+        if not groups:
+            return out
+        return add_lora(out, x, self.lora_a, self.lora_b, self.slice_sizes, groups)
+
+    def clear(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+
+    def load(self, slot: int, shard_id: object, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Puts this rank's share of one projection's full A [r, in] and B [out, r] into `slot`."""
+        rank = a.shape[0]
+        if self.row_parallel:
+            self._load_shard(self.lora_a[slot, :rank], a)
+            self.lora_b[slot, :, :rank].copy_(b)
+            return
+        start = self.shard_ids.index(shard_id) * self.max_rank
+        self.lora_a[slot, start : start + rank].copy_(a)
+        self._load_shard(self.lora_b[slot, :, :rank], b, shard_id)
+
+
+def _slices(layer: nn.Module, path: str) -> tuple[list[object], list[int]]:
+    """The shard ids a fused layer takes, in the order of its output rows, and each one's rows on this rank."""
+    if path.endswith("qkv_proj"):
+        return ["q", "k", "v"], [layer.q_size, layer.kv_size, layer.kv_size]
+    if path.endswith("gate_up_proj"):
+        return [0, 1], list(layer.shard_sizes)
+    return [None], [layer.weight.shape[0]]
+
+
+class LoraRuntime:
+    """A worker's LoRA state: the slots of every adapted layer of its stage, the adapters read from disk (the
+    max_cpu_loras least recently used), and the rows of the step (prepare, before each forward)."""
+
+    def __init__(self, model: nn.Module, arch: ArchConfig, config: LoraConfig, dtype: torch.dtype,
+                 device: torch.device):
+        self.arch = arch
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.batch = LoraBatch()
+        self.targets: dict[ModuleKey, tuple[LayerAdapters, object]] = {}
+        self.layers: list[LayerAdapters] = []
+        for index in range(model.start_layer, model.end_layer):
+            decoder_layer = model.layers[index]
+            for path in dict.fromkeys(target for target, _ in FUSED_TARGETS.values()):
+                if path.startswith("mlp.") and arch.is_moe_layer(index):
+                    continue
+                layer = decoder_layer.get_submodule(path)
+                shard_ids, sizes = _slices(layer, path)
+                adapters = LayerAdapters(layer, shard_ids, sizes, path.endswith(("o_proj", "down_proj")), self.batch,
+                                         config.max_loras, config.max_lora_rank, dtype)
+                layer.lora = adapters
+                self.layers.append(adapters)
+                for module, (target, shard_id) in FUSED_TARGETS.items():
+                    if target == path:
+                        self.targets[(index, module)] = (adapters, shard_id)
+        self._read: OrderedDict[int, dict[ModuleKey, tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+
+    def prepare(self, loads: list[tuple[int, LoRARequest]], row_slots: list[int]) -> None:
+        """Before a step's forward: loads the adapters the engine placed in slots for it, and takes its rows'
+        slots (-1: the base model)."""
+        for slot, request in loads:
+            self.load(slot, request)
+        self.batch.set_rows(row_slots, self.device)
+
+    def load(self, slot: int, request: LoRARequest) -> None:
+        """Fills `slot` with the adapter: this stage's layers it adapts, zeros elsewhere."""
+        matrices = self._matrices(request)
+        for adapters in self.layers:
+            adapters.clear(slot)
+        for key, (a, b) in matrices.items():
+            target = self.targets.get(key)
+            if target is not None:  # None: a layer of another pipeline stage
+                adapters, shard_id = target
+                adapters.load(slot, shard_id, a, b)
+
+    def _matrices(self, request: LoRARequest) -> dict[ModuleKey, tuple[torch.Tensor, torch.Tensor]]:
+        """The adapter's matrices from the cache of those read, else from disk."""
+        cached = self._read.get(request.lora_int_id)
+        if cached is not None:
+            self._read.move_to_end(request.lora_int_id)
+            return cached
+        _, matrices = read_adapter(request.lora_path, self.arch, self.config.max_lora_rank, self.dtype)
+        self._read[request.lora_int_id] = matrices
+        while len(self._read) > self.config.cpu_cache_size:
+            self._read.popitem(last=False)
+        return matrices
