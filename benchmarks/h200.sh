@@ -31,6 +31,14 @@
 #   bash benchmarks/h200.sh fp8-prefill  # 8B prefill alone, 256 x (2048, 1), bf16 then FP8 weights   (~4 min)
 #   bash benchmarks/h200.sh fp8-throughput  # 8B 1000 x (1024, 1024) with FP8 weights, then with the FP8 KV cache
 #                                        # too (max batch 512: the cache holds twice the tokens)   (~9 min)
+#   bash benchmarks/h200.sh lora         # multi-LoRA: 8B batch 8, 8 random rank-16 adapters against no LoRA; the time a
+#                                        # new adapter takes to load                                   (~5 min)
+#   bash benchmarks/h200.sh speculative  # prompt lookup against plain decoding on SmolLM2's real weights, batch 1 to 64,
+#                                        # a copy workload; needs the GGUF at $SMOLLM2_GGUF (default
+#                                        # /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf). It is larger than a run may
+#                                        # carry: `split -b 30M <gguf> .gpu-smollm2/part-` here, then on a warm machine
+#                                        # one call per part, back to back, each carrying [".gpu/setup.sh", that part]:
+#                                        # mkdir -p /tmp/smollm2 && cat .gpu-smollm2/part-a? >> /tmp/smollm2/<file> (~6 min)
 #   bash benchmarks/h200.sh flashinfer   # attention_backend="flashinfer": its GPU tests, then 8B latency batch 8
 #                                        # and 8B 256 x (512, 128); needs .gpu/flashinfer.tar.xz from
 #                                        # benchmarks/flashinfer_bundle.sh (its first JIT compiles take minutes)
@@ -206,6 +214,15 @@ case "${1:-}" in
     throughput throughput-8b-fp8 "$llama" 1000 1024 1024 256 280 --set quant_config.quant_algo=FP8
     throughput throughput-8b-fp8-kv "$llama" 1000 1024 1024 512 280 --set quant_config.quant_algo=FP8 \
       --set kv_cache_config.dtype=fp8
+    ;;
+  lora)
+    watched 400 python benchmarks/lora.py --model "$llama" "${dummy[@]}" --batch_size 8 --rank 16 --input_len 32 \
+      --output_len 128 --num_iters 3 $(output_json lora-llama-3.1-8b-b8-r16) 2>&1 | tail -6
+    ;;
+  speculative)
+    watched 500 python benchmarks/speculative.py --model "${SMOLLM2_GGUF:-/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}" \
+      --batch_sizes 1 2 4 8 16 32 64 --output_len 128 --num_iters 3 $(output_json speculative-smollm2-o128-cuda) \
+      2>&1 | tail -10
     ;;
   serving|serving-1)
     # `both` runs the engine directly too, once; the app on the engine replica is then compared with that run's rows.

@@ -1,0 +1,136 @@
+"""Multi-LoRA's cost: batch B decode where every request has its own adapter, against the same batch on an engine
+without adapters; and the time a new adapter takes to load. The adapters are random PEFT adapters of rank R on
+q/k/v/o/gate/up/down, made for the model's shapes (so --load_format dummy works for large shapes).
+
+    python benchmarks/lora.py --batch_size 8 --rank 16
+    python benchmarks/lora.py --model benchmarks/configs/llama-3.1-8b --load_format dummy --batch_size 8 --rank 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import add_model_args, build_llm, random_prompts, run_suffix, write_result  # noqa: E402
+
+_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_random_adapter(directory: Path, hf_config, rank: int, seed: int) -> None:
+    """A PEFT LoRA adapter of `rank` on every projection of every layer, random A and B (B non-zero, so it
+    changes the outputs), in the files PEFT saves."""
+    from safetensors.torch import save_file
+
+    hidden = hf_config.hidden_size
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
+    shapes = {"q_proj": (hidden, hf_config.num_attention_heads * head_dim),
+              "k_proj": (hidden, hf_config.num_key_value_heads * head_dim),
+              "v_proj": (hidden, hf_config.num_key_value_heads * head_dim),
+              "o_proj": (hf_config.num_attention_heads * head_dim, hidden),
+              "gate_proj": (hidden, hf_config.intermediate_size), "up_proj": (hidden, hf_config.intermediate_size),
+              "down_proj": (hf_config.intermediate_size, hidden)}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(hf_config.num_hidden_layers):
+        for module in _MODULES:
+            part = "self_attn" if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            fan_in, fan_out = shapes[module]
+            prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=generator) / fan_in**0.5
+                                                  ).to(torch.bfloat16)
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=generator) / rank
+                                                  ).to(torch.bfloat16)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    (directory / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(_MODULES),
+        "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM"}))
+
+
+def timed_runs(llm, prompts, output_len: int, lora_requests, iters: int) -> list[float]:
+    from raylm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    llm.generate(inputs, params, use_tqdm=False, lora_request=lora_requests)  # warm-up (loads the adapters)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        llm.generate(inputs, params, use_tqdm=False, lora_request=lora_requests)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(parser, peer=False)
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--input_len", type=int, default=32)
+    parser.add_argument("--output_len", type=int, default=128)
+    parser.add_argument("--num_iters", type=int, default=3)
+    args = parser.parse_args()
+
+    from raylm import LoraConfig, LoRARequest
+    from raylm.models.loader import load_hf_config
+    from raylm.models.source import resolve_model
+
+    hf_config = load_hf_config(resolve_model(args.model), False)
+    max_seq_len = args.input_len + args.output_len + 16
+    result = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        adapters = []
+        for index in range(args.batch_size + 1):  # one more, to time a load
+            path = Path(scratch) / f"adapter-{index}"
+            write_random_adapter(path, hf_config, args.rank, seed=index)
+            adapters.append(LoRARequest(f"adapter-{index}", index + 1, str(path)))
+        llm = build_llm(args, max_seq_len=max_seq_len)
+        prompts = random_prompts(args.batch_size, args.input_len, llm.info.vocab_size, args.seed)
+        base = timed_runs(llm, prompts, args.output_len, None, args.num_iters)
+        llm.shutdown()
+        llm = build_llm(args, max_seq_len=max_seq_len,
+                        lora_config=LoraConfig(max_loras=args.batch_size, max_cpu_loras=args.batch_size + 1,
+                                               max_lora_rank=args.rank))
+        with_lora = timed_runs(llm, prompts, args.output_len, adapters[: args.batch_size], args.num_iters)
+        same_engine_base = timed_runs(llm, prompts, args.output_len, None, args.num_iters)
+        # A new adapter: read from disk and copied into a slot (the LRU one), then one token.
+        from raylm import SamplingParams, TokensPrompt
+
+        one = [TokensPrompt(prompt_token_ids=prompts[0])]
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(one, params, use_tqdm=False, lora_request=adapters[0])
+        resident = time.perf_counter() - start
+        start = time.perf_counter()
+        llm.generate(one, params, use_tqdm=False, lora_request=adapters[-1])
+        fresh = time.perf_counter() - start
+        llm.shutdown()
+    tokens = args.output_len
+    for name, times in (("no_lora_engine", base), ("lora_engine_no_adapter", same_engine_base),
+                        ("lora_engine_adapters", with_lora)):
+        median = statistics.median(times)
+        result[name] = {"latency_s": times, "median_latency_s": median, "ms_per_token": 1000 * median / tokens}
+    result["slowdown"] = result["lora_engine_adapters"]["median_latency_s"] / result["no_lora_engine"][
+        "median_latency_s"]
+    result["adapter_load_s"] = fresh - resident
+    name = f"lora-{Path(args.model or 'smollm2').name}-b{args.batch_size}-r{args.rank}-{llm.info.device}" \
+           f"{run_suffix(args)}"
+    print(f"batch {args.batch_size}, {args.batch_size} adapters of rank {args.rank}, {args.input_len} in / "
+          f"{args.output_len} out on {llm.info.device}")
+    for key in ("no_lora_engine", "lora_engine_no_adapter", "lora_engine_adapters"):
+        print(f"{key:<26}{result[key]['median_latency_s']:>10.3f} s{result[key]['ms_per_token']:>10.2f} ms/token")
+    print(f"with adapters / without: {result['slowdown']:.3f}x; a new adapter loads in "
+          f"{1000 * result['adapter_load_s']:.1f} ms")
+    print(f"wrote {write_result(name, args, result)}")
+
+
+if __name__ == "__main__":
+    main()
