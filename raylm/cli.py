@@ -165,6 +165,10 @@ _SERVE_FLAGS: list[tuple[tuple[str, ...], str, dict, str]] = [
      "return a reasoning model's <think> part as reasoning_content: deepseek_r1 or qwen3"),
     (("--num_replicas",), "num_replicas", {"type": int}, "engine replicas, each with its HTTP front end (data "
                                                           "parallelism; default 1)"),
+    (("--lora_modules",), "lora_modules", {"nargs": "+", "metavar": "NAME=PATH"},
+     "serve PEFT LoRA adapters as models of their own, each NAME=PATH (turns lora_config on)"),
+    (("--enable_lora_loading",), "enable_lora_loading", {"action": "store_true", "default": None},
+     "serve /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api_key when set)"),
     (("--api_key",), "api_key", {}, "require 'Authorization: Bearer KEY' on every route but /health "
                                     "(default: $RAYLM_API_KEY)"),
     (("--enable_rl_endpoints",), "enable_rl_endpoints", {"action": "store_true", "default": None},

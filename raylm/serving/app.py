@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -17,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from raylm import __version__
+from raylm.lora_request import LoRARequest
 from raylm.serving.chat import message_dicts
 from raylm.serving.chat_completions import ChatCompletionRoute
 from raylm.serving.completions import CompletionRoute
@@ -35,11 +37,13 @@ from raylm.serving.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    LoadLoraAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
     TokenizerInfo,
+    UnloadLoraAdapterRequest,
 )
 from raylm.serving.request_body import BodySizeLimit, json_body
 from raylm.serving.responses import ResponsesRoute
@@ -102,13 +106,44 @@ def build_models_app(models: Sequence[tuple[ServingEngine, ServingConfig]]) -> F
     def model_card(context: ServingContext) -> ModelCard:
         return ModelCard(id=context.model_name, created=created, max_model_len=context.max_seq_len)
 
+    def adapter_card(context: ServingContext, adapter: LoRARequest) -> ModelCard:
+        return ModelCard(id=adapter.lora_name, created=created, max_model_len=context.max_seq_len,
+                         root=adapter.lora_path, parent=context.model_name)
+
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card(context) for context in router.contexts])
+        return ModelList(data=[card for context in router.contexts for card in (
+            model_card(context), *(adapter_card(context, adapter) for adapter in context.adapters.values()))])
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> ModelCard:
-        return model_card(router.route(model))
+        context = router.route(model)
+        adapter = context.lora_for(model)
+        return model_card(context) if adapter is None else adapter_card(context, adapter)
+
+    if config.enable_lora_loading:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoraAdapterRequest = Depends(json_body(LoadLoraAdapterRequest))
+                                    ) -> ModelCard:
+            """Serves a PEFT adapter as a model of its own from now on; its files are checked against the model
+            when its first request arrives (a 400 then, naming what does not fit)."""
+            context = router.route(body.model)
+            if context.engine.info.pooling is not None:
+                raise OpenAIError(400, f"model `{context.model_name}` encodes (encode_only): it takes no LoRA "
+                                       "adapters", "model")
+            path = Path(body.lora_path)
+            if not (path / "adapter_config.json").is_file():
+                raise OpenAIError(400, f"lora_path {body.lora_path!r} is not a PEFT adapter directory (no "
+                                       "adapter_config.json)", "lora_path")
+            return adapter_card(context, context.add_adapter(body.lora_name, body.lora_path))
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(
+                body: UnloadLoraAdapterRequest = Depends(json_body(UnloadLoraAdapterRequest))) -> dict:
+            for context in router.contexts:
+                if context.adapters.pop(body.lora_name, None) is not None:
+                    return {"unloaded": body.lora_name}
+            raise OpenAIError(404, f"no LoRA adapter `{body.lora_name}` is served", "lora_name", "model_not_found")
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest = Depends(json_body(CompletionRequest))

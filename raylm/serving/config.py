@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from raylm.config import LlmArgs, StrictModel
+from raylm.config import LlmArgs, LoraConfig, StrictModel
 
 SCHEMA_PATH = Path(__file__).with_name("config_schema.json")
 API_KEY_ENV = "RAYLM_API_KEY"
@@ -61,6 +61,32 @@ class ModelOptions(StrictModel):
     )
 
 
+    lora_modules: list[str] = Field(
+        default_factory=list,
+        description="LoRA adapters served as models of their own, 'name=path' (a PEFT adapter directory): a request "
+                    "whose model is `name` runs the base model with that adapter; /v1/models lists them with the "
+                    "base model as parent. Needs lora_config (its defaults when unset).",
+    )
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _lora_modules_are_name_path(cls, value: list[str]) -> list[str]:
+        names = set()
+        for entry in value:
+            name, sep, path = entry.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"lora_modules entries are 'name=path', got {entry!r}")
+            if name in names:
+                raise ValueError(f"lora_modules names each adapter once, got {name!r} twice")
+            names.add(name)
+        return value
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """lora_modules as name -> path."""
+        return dict(entry.partition("=")[::2] for entry in self.lora_modules)
+
+
 class ServerOptions(ModelOptions):
     """Settings of the HTTP front end shared by every way of running it."""
 
@@ -91,6 +117,12 @@ class ServerOptions(ModelOptions):
         description=f"Where /start_profile writes chrome traces; a request's output_dir may only name a sub-folder "
                     f"of it. Default: the {PROFILE_DIR_ENV} environment variable, else raylm-profiles in the "
                     f"system's temporary directory.",
+    )
+    enable_lora_loading: bool = Field(
+        default=False,
+        description="Serve /v1/load_lora_adapter and /v1/unload_lora_adapter, which add and remove served LoRA "
+                    "adapters at run time (lora_modules at start). A loaded adapter is read from the server's own "
+                    "disk: set api_key too unless only trusted clients reach the server.",
     )
     enable_rl_endpoints: bool = Field(
         default=False,
@@ -171,6 +203,12 @@ class ModelArgs(LlmArgs, ModelOptions):
             return Path(value).read_text(encoding="utf-8") if Path(value).is_file() else value
         except OSError:  # not a usable path (too long, say): the template itself
             return value
+
+    @model_validator(mode="after")
+    def _lora_modules_need_lora_config(self) -> ModelArgs:
+        if self.lora_modules and self.lora_config is None:
+            self.lora_config = LoraConfig()
+        return self
 
     @model_validator(mode="after")
     def _check_replicas(self) -> ModelArgs:

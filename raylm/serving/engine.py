@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from raylm.engine_spec import EngineInfo
 from raylm.inputs import PromptInputs, TokensPrompt
+from raylm.lora_request import LoRARequest
 from raylm.outputs import EncoderOutput
 from raylm.results import GenerationResult
 from raylm.sampling_params import SamplingParams
@@ -51,10 +52,11 @@ class ServingEngine(Protocol):
         """Why the engine cannot serve requests, or None while it can."""
 
     def stream(self, inputs: PromptInputs, sampling_params: SamplingParams, priority: float,
-               cache_salt: str | None, each_step: bool = True) -> GenerationStream:
-        """Submits one prompt. Errors in it are raised here or by the stream's admitted(). Without `each_step`
-        the stream holds one chunk, the request's last: a response that is not streamed costs the engine's
-        process no per-step work for it."""
+               cache_salt: str | None, each_step: bool = True,
+               lora_request: LoRARequest | None = None) -> GenerationStream:
+        """Submits one prompt (with a LoRA adapter when lora_request names one). Errors in it are raised here or
+        by the stream's admitted(). Without `each_step` the stream holds one chunk, the request's last: a
+        response that is not streamed costs the engine's process no per-step work for it."""
 
     async def embed(self, prompts: list[TokensPrompt]) -> list[EncoderOutput]:
         """Encodes prompts (an encode_only engine), one output each in order; raises ValueError or TypeError for bad
@@ -148,9 +150,10 @@ class LocalEngine:
         return self.llm.dead_reason
 
     def stream(self, inputs: PromptInputs, sampling_params: SamplingParams, priority: float,
-               cache_salt: str | None, each_step: bool = True) -> LocalGeneration:
+               cache_salt: str | None, each_step: bool = True,
+               lora_request: LoRARequest | None = None) -> LocalGeneration:
         result = self.llm.generate_async(inputs, sampling_params, streaming=each_step, priority=priority,
-                                         cache_salt=cache_salt)
+                                         cache_salt=cache_salt, lora_request=lora_request)
         return LocalGeneration(result, sampling_params)
 
     async def embed(self, prompts: list[TokensPrompt]) -> list[EncoderOutput]:

@@ -16,7 +16,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -25,6 +25,7 @@ from pydantic import BaseModel
 
 from raylm.engine_client import EngineDeadError
 from raylm.inputs import PromptInputs, TokensPrompt, check_prompt_length, tokenize_prompt
+from raylm.lora_request import LoRARequest
 from raylm.outputs import CompletionOutput, RequestOutput
 from raylm.rl_api import MemoryReleasedError
 from raylm.sampling_params import SamplingParams
@@ -122,10 +123,29 @@ class ServingContext:
     engine: ServingEngine
     config: ServingConfig
     metrics: ServingMetrics
+    # The LoRA adapters served as models of their own, by name (lora_modules, then /v1/load_lora_adapter).
+    adapters: dict[str, LoRARequest] = field(default_factory=dict)
+    last_lora_id: int = 0  # ids are never reused: the engine keys an adapter's slot and cached blocks by its id
+
+    def __post_init__(self) -> None:
+        for name, path in self.config.lora_adapters.items():
+            self.add_adapter(name, path)
 
     @property
     def model_name(self) -> str:
         return self.config.served_model_name
+
+    def add_adapter(self, name: str, path: str) -> LoRARequest:
+        """Serves the adapter at `path` as model `name`, under an id no adapter of this server had."""
+        if name == self.model_name or name in self.adapters:
+            raise OpenAIError(400, f"the model name `{name}` is taken", "lora_name", "model_name_taken")
+        self.last_lora_id += 1
+        adapter = self.adapters[name] = LoRARequest(name, self.last_lora_id, path)
+        return adapter
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's model names (None: the base model)."""
+        return None if model is None or model == self.model_name else self.adapters.get(model)
 
     @property
     def tokenizer(self) -> Any:
@@ -136,7 +156,7 @@ class ServingContext:
         return self.engine.info.max_seq_len
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.adapters:
             raise OpenAIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
                               "model", "model_not_found")
 
@@ -173,7 +193,7 @@ class ServingContext:
         # Chat templates and tokenizers take seconds over a long input: the loop serves other requests meanwhile.
         prompts, params = await asyncio.to_thread(self._prepare, route)
         timers = [self.metrics.timer() for _ in prompts]  # from the submission on
-        streams = await self.submit(prompts, params, body, route.response_id)
+        streams = await self.submit(prompts, params, body, route.response_id, self.lora_for(body.model))
         stream = ResponseStream(streams, self.metrics, lambda exc: self._request_failed(exc, route.response_id),
                                 timers)
         if body.stream:
@@ -190,7 +210,7 @@ class ServingContext:
         self.check_generates()
         prompts, params = await asyncio.to_thread(self._prepare, route)
         timers = [self.metrics.timer() for _ in prompts]  # from the submission on
-        streams = await self.submit(prompts, params, body, route.response_id)
+        streams = await self.submit(prompts, params, body, route.response_id, self.lora_for(body.model))
         stream = ResponseStream(streams, self.metrics, lambda exc: self._request_failed(exc, route.response_id),
                                 timers)
         await stream.run_to_end()
@@ -216,7 +236,7 @@ class ServingContext:
         return tokens
 
     async def submit(self, prompts: Sequence[PromptInputs], params: SamplingParams, body: GenerationBody,
-                     request_id: str) -> list[GenerationStream]:
+                     request_id: str, lora_request: LoRARequest | None = None) -> list[GenerationStream]:
         """Submits every prompt, or none: a rejected prompt aborts those already submitted.
 
         Errors the engine raises for bad input become 400s whose param is the body's field they name. A remote
@@ -230,7 +250,7 @@ class ServingContext:
             with _field_errors(body), _released_memory_is_unavailable():
                 for prompt in prompts:
                     streams.append(self.engine.stream(prompt, params, body.priority, body.cache_salt,
-                                                      each_step=body.stream))
+                                                      each_step=body.stream, lora_request=lora_request))
                 for stream in streams:  # all are on their way: awaiting them in turn costs the slowest
                     await stream.admitted()
         except RuntimeError as exc:

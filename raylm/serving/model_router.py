@@ -43,6 +43,8 @@ class ModelRouter:
                                   "model", "missing_required_parameter")
             return self.contexts[0]
         context = self._by_name.get(model)
+        if context is None:  # an adapter served as a model of its own (its base model's context answers)
+            context = next((each for each in self.contexts if model in each.adapters), None)
         if context is None:
             raise OpenAIError(404, f"The model `{model}` does not exist; this server serves {self._names()}",
                               "model", "model_not_found")

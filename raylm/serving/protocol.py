@@ -471,6 +471,22 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "raylm"
     max_model_len: int
+    root: str | None = None  # a LoRA adapter's directory
+    parent: str | None = None  # a LoRA adapter's base model
+
+
+class LoadLoraAdapterRequest(RequestModel):
+    """POST /v1/load_lora_adapter: serve the PEFT adapter at lora_path as model lora_name."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    model: str | None = Field(default=None, description="The base model (needed on a server of several).")
+
+
+class UnloadLoraAdapterRequest(RequestModel):
+    """POST /v1/unload_lora_adapter: stop serving adapter lora_name (requests running with it finish)."""
+
+    lora_name: str = Field(min_length=1)
 
 
 class ModelList(BaseModel):

@@ -49,6 +49,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from raylm.engine_spec import resolve_device
 from raylm.inputs import PromptInputs, TokensPrompt
+from raylm.lora_request import LoRARequest
 from raylm.outputs import EncoderOutput
 from raylm.sampling_params import SamplingParams
 from raylm.serving.app import build_models_app
@@ -131,7 +132,8 @@ class EngineReplica:
             request.cancel()  # aborts the prompts unless they have finished
 
     async def stream(self, inputs: PromptInputs, params: SamplingParams, priority: float,
-                     cache_salt: str | None, each_step: bool = True) -> AsyncIterator[Any]:
+                     cache_salt: str | None, each_step: bool = True,
+                     lora_request: LoRARequest | None = None) -> AsyncIterator[Any]:
         """Streams one request's messages (engine_stream); cancelling the call aborts the request.
 
         Serve cancels a call with ray.cancel(recursive=True), which also cancels every Ray call made from the
@@ -143,7 +145,8 @@ class EngineReplica:
 
         async def relay() -> None:
             try:
-                async for message in stream_request(self.llm, inputs, params, priority, cache_salt, each_step):
+                async for message in stream_request(self.llm, inputs, params, priority, cache_salt, each_step,
+                                                    lora_request):
                     messages.put_nowait(message)
                 messages.put_nowait(_END)
             except Exception as exc:

@@ -27,6 +27,7 @@ from raylm.config import LlmArgs
 from raylm.engine_client import EngineDeadError
 from raylm.engine_spec import EngineInfo
 from raylm.inputs import PromptInputs, TokensPrompt
+from raylm.lora_request import LoRARequest
 from raylm.models.source import resolve_model
 from raylm.outputs import EncoderOutput
 from raylm.results import RequestError
@@ -189,11 +190,12 @@ class RemoteEngine:
     # ------------------------------------------------------------------ requests
 
     def stream(self, inputs: PromptInputs, sampling_params: SamplingParams, priority: float,
-               cache_salt: str | None, each_step: bool = True) -> RemoteGeneration:
+               cache_salt: str | None, each_step: bool = True,
+               lora_request: LoRARequest | None = None) -> RemoteGeneration:
         """Submits one prompt; errors the engine finds in it surface from the stream's admitted()."""
         large = _request_bytes(inputs, sampling_params) > GRPC_REQUEST_BYTES
         handle = self._large_stream_handle if large else self._stream_handle
-        call = handle.stream.remote(inputs, sampling_params, priority, cache_salt, each_step)
+        call = handle.stream.remote(inputs, sampling_params, priority, cache_salt, each_step, lora_request)
         return RemoteGeneration(call, self._mark_unreachable)
 
     async def embed(self, prompts: list[TokensPrompt]) -> list[EncoderOutput]:
