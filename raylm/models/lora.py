@@ -12,6 +12,7 @@ this rank's input columns of A and B whole, and its product joins the partial su
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 
 import numpy as np
@@ -37,15 +38,34 @@ FUSED_TARGETS: dict[str, tuple[str, object]] = {
 }
 
 
+# Steps of at most this many rows run the adapters' products in the Triton kernels on CUDA (one program per row:
+# decode-sized steps); larger ones group rows by slot in torch, where each slot's rows make one matmul.
+TRITON_MAX_ROWS = 64
+
+
+@functools.cache
+def triton_lora_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 class LoraBatch:
     """The rows of the current step that use each adapter slot, shared by every adapted layer of a model."""
 
     def __init__(self) -> None:
         self.groups: list[SlotRows] = []
+        # Each row's slot on the device, for the Triton kernels (a CUDA step of at most TRITON_MAX_ROWS rows).
+        self.row_slots: torch.Tensor | None = None
 
     def set_rows(self, row_slots: list[int], device: torch.device) -> None:
         """row_slots: each row's slot, -1 for the base model (empty: no row has an adapter)."""
         slots = np.asarray(row_slots, dtype=np.int64)
+        self.row_slots = None
+        if device.type == "cuda" and 0 < len(row_slots) <= TRITON_MAX_ROWS and triton_lora_available():
+            self.row_slots = torch.from_numpy(slots.astype(np.int32)).to(device, non_blocking=True)
         self.groups = []
         for slot in np.unique(slots[slots >= 0]).tolist():
             rows = np.flatnonzero(slots == slot)
@@ -76,6 +96,11 @@ class LayerAdapters(nn.Module):
         groups = self.batch.groups
         if not groups:
             return out
+        row_slots = self.batch.row_slots
+        if row_slots is not None and row_slots.shape[0] == x.shape[0]:
+            from raylm.kernels.triton_lora import add_lora_rows
+
+            return add_lora_rows(out, x, self.lora_a, self.lora_b, self.slice_sizes, row_slots)
         return add_lora(out, x, self.lora_a, self.lora_b, self.slice_sizes, groups)
 
     def clear(self, slot: int) -> None:

@@ -1,0 +1,56 @@
+"""The batched LoRA kernels (kernels/triton_lora.py) against kernels/lora.py's add_lora: rows of several adapters
+and of none in one launch, plain and fused (q / k / v, gate / up) layers, ranks padded to the slots' width."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels import GPU_ONLY, MODULE_MARKS, kernel_device
+
+DEVICE = kernel_device()
+
+from raylm.kernels.lora import add_lora  # noqa: E402
+from raylm.kernels.triton_lora import add_lora_rows  # noqa: E402
+
+pytestmark = MODULE_MARKS
+
+
+def _case(slice_sizes: list[int], k: int, rank: int, dtype: torch.dtype, row_slots: list[int]):
+    generator = torch.Generator().manual_seed(sum(slice_sizes) + k + rank)
+    slots = 3
+    n = sum(slice_sizes)
+    lora_a = torch.randn(slots, len(slice_sizes) * rank, k, generator=generator) / k**0.5
+    lora_b = torch.randn(slots, n, rank, generator=generator) / rank
+    lora_a[1, :, :] = 0.0  # an empty slot
+    lora_b[2, :, rank // 2 :] = 0.0  # an adapter of half the slots' rank
+    lora_a[2, :, :][torch.arange(len(slice_sizes) * rank) % rank >= rank // 2] = 0.0
+    x = torch.randn(len(row_slots), k, generator=generator)
+    out = torch.randn(len(row_slots), n, generator=generator)
+    return [t.to(DEVICE, dtype) for t in (out, x, lora_a, lora_b)]
+
+
+def _groups(row_slots: list[int]):
+    groups = []
+    for slot in sorted({s for s in row_slots if s >= 0}):
+        rows = [i for i, s in enumerate(row_slots) if s == slot]
+        groups.append((slot, None if len(rows) == len(row_slots) else torch.tensor(rows, device=DEVICE)))
+    return groups
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=GPU_ONLY)])
+@pytest.mark.parametrize(("slice_sizes", "k"), [([96], 80), ([64, 32, 32], 64), ([48, 48], 200)], ids=str)
+@pytest.mark.parametrize("row_slots", [[0, -1, 2, 0, 1], [2], [-1, -1]], ids=str)
+def test_each_row_adds_its_own_adapter_as_the_reference_does(dtype, slice_sizes, k, row_slots):
+    out, x, lora_a, lora_b = _case(slice_sizes, k, 8, dtype, row_slots)
+    expected = add_lora(out.float().clone(), x.float(), lora_a.float(), lora_b.float(), slice_sizes,
+                        _groups(row_slots))
+    got = add_lora_rows(out.clone(), x, lora_a, lora_b, slice_sizes, torch.tensor(row_slots, device=DEVICE))
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_slices_that_do_not_fit_the_slots_are_refused():
+    out, x, lora_a, lora_b = _case([32, 32], 16, 4, torch.float32, [0])
+    with pytest.raises(ValueError, match="do not fit"):
+        add_lora_rows(out, x, lora_a, lora_b, [32, 16], torch.tensor([0], device=DEVICE))
