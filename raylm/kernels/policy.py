@@ -54,7 +54,7 @@ class KernelPolicy:
     triton: bool = False
     decode_gemv: bool = False
     pdl: int = 0
-    fp8_gemv_input: str = "model_dtype"  # how GEMVs on FP8 weights take their input (triton_gemv.INPUT_MODES)
+    fp8_gemv_input: str = "float16"  # how GEMVs on FP8 weights take their input (triton_gemv.INPUT_MODES)
 
     def on_triton(self, x: torch.Tensor) -> bool:
         """Whether an operation on x runs its Triton kernel."""

@@ -211,7 +211,7 @@ class RecordedEngine(LocalEngine):
         self.next_output = ""
         self.submitted: list[SamplingParams] = []
 
-    def stream(self, inputs, sampling_params, priority, cache_salt, each_step=True):
+    def stream(self, inputs, sampling_params, priority, cache_salt, each_step=True, lora_request=None):
         self.submitted.append(sampling_params)
         return _RecordedGeneration(self.next_output, self.tokenizer, inputs)
 

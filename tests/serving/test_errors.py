@@ -48,7 +48,7 @@ class FailingEngine:
         self.dead_reason = None
         self.startup_metrics = {}
 
-    def stream(self, inputs, sampling_params, priority, cache_salt, each_step=True):
+    def stream(self, inputs, sampling_params, priority, cache_salt, each_step=True, lora_request=None):
         return FailingStream()
 
     def get_kv_cache_capacity(self):
