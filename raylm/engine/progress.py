@@ -36,6 +36,13 @@ def _check_stop(request: Request, seq: Sequence, max_seq_len: int, position: int
         del seq.token_ids[length:]
 
 
+def _token_logprob(result: SampleResult, draw: int) -> TokenLogprob:
+    """What a delta reports of draw number `draw` of result: its log-probability, rank and top alternatives."""
+    return (result.logprobs[draw], result.ranks[draw] if result.ranks else None,
+            result.top_ids[draw] if result.top_ids else None,
+            result.top_logprobs[draw] if result.top_logprobs else None)
+
+
 def overlap_safe(request: Request) -> bool:
     """Whether the request's next step can be scheduled before its current draw reaches the host: its
     sampling needs no output token ids (penalties), its draw does not fork it (several sequences) and no
@@ -164,9 +171,7 @@ class Progress:
             new_tokens.append(token)
             seq.cumulative_logprob += result.logprobs[draw]
             if wants_logprobs:
-                new_logprobs.append((result.logprobs[draw], result.ranks[draw] if result.ranks else None,
-                                     result.top_ids[draw] if result.top_ids else None,
-                                     result.top_logprobs[draw] if result.top_logprobs else None))
+                new_logprobs.append(_token_logprob(result, draw))
             _check_stop(request, seq, self.max_seq_len, len(seq.token_ids) - 1)
             if seq.finish_reason is not None:
                 break
@@ -218,12 +223,7 @@ class Progress:
             self.kv_cache.free(seq)
         new_logprobs = None
         if request.sampling_params.logprobs is not None:
-            new_logprobs = [(
-                result.logprobs[draw],
-                result.ranks[draw] if result.ranks else None,
-                result.top_ids[draw] if result.top_ids else None,
-                result.top_logprobs[draw] if result.top_logprobs else None,
-            )]
+            new_logprobs = [_token_logprob(result, draw)]
         delta.sequences.append(SequenceDelta(
             seq.index, [seq.token_ids[position]], new_logprobs, seq.cumulative_logprob,
             finish_reason.value if finish_reason is not None else None, seq.stop_reason,

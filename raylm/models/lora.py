@@ -12,7 +12,6 @@ this rank's input columns of A and B whole, and its product joins the partial su
 
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
 
 import numpy as np
@@ -21,6 +20,7 @@ from torch import nn
 
 from raylm.config import LoraConfig
 from raylm.kernels.lora import SlotRows, add_lora
+from raylm.kernels.policy import KernelPolicy
 from raylm.lora_request import LoRARequest
 from raylm.models.arch import ArchConfig
 from raylm.models.lora_adapter import ModuleKey, read_adapter
@@ -38,18 +38,9 @@ FUSED_TARGETS: dict[str, tuple[str, object]] = {
 }
 
 
-# Steps of at most this many rows run the adapters' products in the Triton kernels on CUDA (one program per row:
-# decode-sized steps); larger ones group rows by slot in torch, where each slot's rows make one matmul.
+# Steps of at most this many rows run the adapters' products in the Triton kernels where the kernel policy runs
+# Triton (one program per row: decode-sized steps); larger ones group rows by slot in torch, one matmul a slot.
 TRITON_MAX_ROWS = 64
-
-
-@functools.cache
-def triton_lora_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class LoraBatch:
@@ -64,7 +55,7 @@ class LoraBatch:
         """row_slots: each row's slot, -1 for the base model (empty: no row has an adapter)."""
         slots = np.asarray(row_slots, dtype=np.int64)
         self.row_slots = None
-        if device.type == "cuda" and 0 < len(row_slots) <= TRITON_MAX_ROWS and triton_lora_available():
+        if device.type == "cuda" and 0 < len(row_slots) <= TRITON_MAX_ROWS:
             self.row_slots = torch.from_numpy(slots.astype(np.int32)).to(device, non_blocking=True)
         self.groups = []
         for slot in np.unique(slots[slots >= 0]).tolist():
@@ -86,6 +77,7 @@ class LayerAdapters(nn.Module):
         self.row_parallel = row_parallel
         self.max_rank = max_rank
         self.batch = batch
+        self.kernels = KernelPolicy()  # the model's, once the runner sets it (kernels/policy.py)
         self._load_shard = layer._load  # the layer's own loader shards adapters as it shards weights
         self.register_buffer("lora_a", torch.zeros(max_loras, len(slice_sizes) * max_rank, in_features, dtype=dtype,
                                                    device=device), persistent=False)
@@ -97,7 +89,7 @@ class LayerAdapters(nn.Module):
         if not groups:
             return out
         row_slots = self.batch.row_slots
-        if row_slots is not None and row_slots.shape[0] == x.shape[0]:
+        if row_slots is not None and row_slots.shape[0] == x.shape[0] and self.kernels.on_triton(x):
             from raylm.kernels.triton_lora import add_lora_rows
 
             return add_lora_rows(out, x, self.lora_a, self.lora_b, self.slice_sizes, row_slots)

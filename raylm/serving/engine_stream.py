@@ -18,6 +18,7 @@ from typing import Any
 
 from raylm.engine_client import EngineDeadError
 from raylm.inputs import PromptInputs
+from raylm.lora_request import LoRARequest
 from raylm.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from raylm.results import GenerationResult, RequestError
 from raylm.rl_api import MemoryReleasedError
@@ -165,14 +166,14 @@ async def output_chunks(result: GenerationResult, params: SamplingParams | None)
 
 
 async def stream_request(llm: Any, inputs: PromptInputs, params: SamplingParams | None, priority: float,
-                         cache_salt: str | None, each_step: bool = True, lora_request: Any = None,
+                         cache_salt: str | None, each_step: bool = True, lora_request: LoRARequest | None = None,
                          ) -> AsyncIterator[Admitted | Rejected | OutputChunk | Failed]:
     """Runs one request on `llm` (an LLM or AsyncLLM) and yields its messages: a chunk per engine step, or with
     each_step False only the last. Closing the iterator early (or cancelling the task that drives it) aborts the
     request, which frees its KV blocks."""
     try:
         result = llm.generate_async(inputs, params, streaming=each_step, priority=priority, cache_salt=cache_salt,
-                                    **({"lora_request": lora_request} if lora_request is not None else {}))
+                                    lora_request=lora_request)
     except (ValueError, TypeError, RuntimeError) as exc:
         yield Rejected.from_error(exc)
         return
