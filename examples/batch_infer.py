@@ -20,7 +20,7 @@ ROWS = [
     {"custom_id": "request-1", "method": "POST", "url": "/v1/completions",
      "body": {"prompt": "Once upon a time", "max_tokens": 16}},
     {"custom_id": "request-2", "method": "POST", "url": "/v1/chat/completions",
-     "body": {"messages": [{"role": "user", "content": "Say hello in French."}]}},
+     "body": {"messages": [{"role": "user", "content": "Say hello in French."}], "max_tokens": 16}},
 ]
 
 
@@ -28,7 +28,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF directory, .gguf or hub id (default: embedded SmolLM2)")
     parser.add_argument("--replicas", type=int, default=1)
-    parser.add_argument("--max_tokens", type=int, default=16)
+    parser.add_argument("--max_tokens", type=int, default=16,
+                        help="the table rows' max_tokens (an OpenAI request carries its own)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as work:
         rows = Path(work) / "rows.jsonl"
