@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Sequence
@@ -95,7 +96,10 @@ class LLM:
         self._eos_ids = _eos_token_ids(source, hf_config, self._tokenizer)
         pooling = self._pooling(source, hf_config)
         self._lora_arch = self._check_lora_config(hf_config, pooling)
-        self._adapters: dict[int, LoRARequest] = {}  # lora_int_id -> the adapter checked under it
+        self._adapters: dict[int, LoRARequest] = {}  # lora_int_id -> the adapter under it, as requests carry it
+        self._added_in_memory: dict[int, weakref.ref] = {}  # lora_int_id -> the in-memory LoRARequest that added it
+        self._pinned: set[LoRARequest] = set()  # adapters add_lora loaded from their path
+        self._lora_lock = threading.Lock()
         prepared = time.perf_counter()
         device = resolve_device(self.args.device)
         dtype = resolve_dtype(self.args.dtype, device, config_dtype(hf_config))
@@ -258,26 +262,112 @@ class LLM:
             raise ValueError(f"request needs up to {needed} KV cache blocks but the cache holds "
                              f"{self.info.num_blocks}; raise kv_cache_config.max_tokens or lower max_tokens")
 
-    def _check_lora_request(self, lora_request: LoRARequest | None) -> None:
-        """A request's adapter must be a LoRARequest for an engine with lora_config, whose files fit the model (read
-        once per id), under an id that no other path took."""
+    def _check_lora_request(self, lora_request: LoRARequest | None) -> LoRARequest | None:
+        """The adapter a request runs with, as it goes to the engine: a LoRARequest for an engine with lora_config,
+        whose files fit the model (read once per id) under an id no other adapter holds; one in memory is added to
+        the workers first (add_lora) and travels by name and id."""
         if lora_request is None:
-            return
+            return None
         if not isinstance(lora_request, LoRARequest):
             raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
-        config = self.args.lora_config
-        if config is None:
+        if self.args.lora_config is None:
             raise ValueError("lora_request needs an engine started with lora_config")
-        known = self._adapters.get(lora_request.lora_int_id)
-        if known is not None:
-            if known.lora_path != lora_request.lora_path:
-                raise ValueError(f"lora_int_id {lora_request.lora_int_id} is already the adapter at "
-                                 f"{known.lora_path!r}, got lora_path {lora_request.lora_path!r}")
-            return
-        from raylm.models.lora_adapter import check_adapter
+        with self._lora_lock:
+            known = self._adapters.get(lora_request.lora_int_id)
+            if known is None:
+                if lora_request.in_memory:
+                    return self._add_lora_locked(lora_request)
+                if not lora_request.lora_path:
+                    raise ValueError(f"no LoRA adapter was added under lora_int_id {lora_request.lora_int_id}: "
+                                     "give its lora_path, or the adapter in memory (peft_config, lora_tensors)")
+                from raylm.models.lora_adapter import check_adapter
 
-        check_adapter(lora_request.lora_path, self._lora_arch, config.max_lora_rank)
-        self._adapters[lora_request.lora_int_id] = lora_request
+                check_adapter(lora_request.lora_path, self._lora_arch, self.args.lora_config.max_lora_rank)
+                self._adapters[lora_request.lora_int_id] = lora_request
+                return lora_request
+            self._check_same_adapter(known, lora_request)
+            return known
+
+    def _check_same_adapter(self, known: LoRARequest, lora_request: LoRARequest) -> None:
+        """A request naming an id that holds an adapter must mean that adapter: by id alone, by its path, or (in
+        memory) as the very LoRARequest that added it."""
+        if not (lora_request.lora_path or lora_request.in_memory):
+            return
+        if known.lora_path and lora_request.lora_path == known.lora_path:
+            return
+        added_by = self._added_in_memory.get(known.lora_int_id)
+        if lora_request.in_memory and added_by is not None and added_by() is lora_request:
+            return
+        raise ValueError(f"lora_int_id {known.lora_int_id} already holds the adapter {known.source!r}, got "
+                         f"{lora_request.source!r}: use another lora_int_id, or remove_lora({known.lora_int_id}) "
+                         "first to replace it")
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads a LoRA adapter (its path, or in memory: peft_config and lora_tensors) on every worker ahead of its
+        requests and keeps it there until remove_lora; requests may then name it by name and id alone
+        (LoRARequest(name, id)). False when the id already holds this adapter. An RL loop replaces its adapter with
+        remove_lora(id) then add_lora under the same id: no request runs with a mix of the two, and KV cached with
+        the old one is never reused."""
+        if not isinstance(lora_request, LoRARequest):
+            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if self.args.lora_config is None:
+            raise ValueError("add_lora needs an engine started with lora_config")
+        with self._lora_lock:
+            known = self._adapters.get(lora_request.lora_int_id)
+            if known is not None:
+                self._check_same_adapter(known, lora_request)
+                if known.lora_int_id in self._added_in_memory or known in self._pinned:
+                    return False
+            elif not (lora_request.lora_path or lora_request.in_memory):
+                raise ValueError(f"add_lora needs the adapter's lora_path, or the adapter in memory (peft_config, "
+                                 f"lora_tensors); lora_int_id {lora_request.lora_int_id} holds none")
+            self._add_lora_locked(known or lora_request)
+            return True
+
+    def _add_lora_locked(self, lora_request: LoRARequest) -> LoRARequest:
+        """Checks the adapter here, then has every worker keep its matrices; returns what requests carry."""
+        from raylm.models.lora_adapter import check_adapter, check_adapter_in_memory
+
+        max_rank = self.args.lora_config.max_lora_rank
+        if lora_request.in_memory:
+            check_adapter_in_memory(lora_request.lora_name, lora_request.peft_config, lora_request.lora_tensors,
+                                    self._lora_arch, max_rank)
+        else:
+            check_adapter(lora_request.lora_path, self._lora_arch, max_rank)
+        self._executor.collective_rpc("add_lora", (lora_request,), None, None)
+        carried = lora_request.reference()
+        self._adapters[lora_request.lora_int_id] = carried
+        if lora_request.in_memory:
+            self._added_in_memory[lora_request.lora_int_id] = weakref.ref(lora_request)
+        else:
+            self._pinned.add(carried)
+        return carried
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Frees a LoRA adapter's id, device slot and worker copies; False when no adapter holds the id. Refused
+        (ValueError) while unfinished requests use it."""
+        if self.args.lora_config is None:
+            raise ValueError("remove_lora needs an engine started with lora_config")
+        if self._client is None:
+            raise RuntimeError("the LLM is shut down")
+        with self._lora_lock:
+            known = self._adapters.get(lora_int_id)
+            if known is None:
+                return False
+            self._executor.engine_call("remove_lora", (lora_int_id,))
+            self._executor.collective_rpc("remove_lora", (lora_int_id,), None, None)
+            del self._adapters[lora_int_id]
+            self._added_in_memory.pop(lora_int_id, None)
+            self._pinned.discard(known)
+            return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters the engine knows, by id (those added, and those requests brought), without their
+        tensors."""
+        with self._lora_lock:
+            return [self._adapters[lora_id] for lora_id in sorted(self._adapters)]
 
     def _submit(self, prompt: PromptInputs, params: SamplingParams, priority: float, streaming: bool,
                 cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> GenerationResult:
@@ -292,7 +382,7 @@ class LLM:
                                           params.truncate_prompt_tokens)
         self._check_token_ids(token_ids)
         self._check_fits(len(token_ids), params)
-        self._check_lora_request(lora_request)
+        lora_request = self._check_lora_request(lora_request)
         request_id = str(next(self._request_ids))
         return self._client.add(request_id, text, token_ids, params, priority, cache_salt, streaming, lora_request)
 

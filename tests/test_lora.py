@@ -158,7 +158,7 @@ def test_bad_adapter_in_lora_dir_is_refused_at_start(tiny_model_dirs, tiny_lora_
 
 def test_one_id_names_one_adapter(llm, tiny_lora_dirs):
     _generate(llm, PROMPTS[:1], _request(tiny_lora_dirs, "r8"))
-    with pytest.raises(ValueError, match="lora_int_id 1 is already the adapter"):
+    with pytest.raises(ValueError, match="lora_int_id 1 already holds the adapter .*: use another lora_int_id"):
         _generate(llm, PROMPTS[:1], LoRARequest("other", 1, str(tiny_lora_dirs["qv"])))
 
 
@@ -183,7 +183,7 @@ def test_bad_lora_config_values_are_refused_naming_the_field(fields, message):
 @pytest.mark.parametrize(("fields", "message"), [
     ({"lora_int_id": 0}, "lora_int_id must be an integer >= 1, got 0"),
     ({"lora_int_id": True}, "lora_int_id must be an integer >= 1"),
-    ({"lora_path": ""}, "lora_path must name"),
+    ({"lora_path": 3}, "lora_path must be a string"),
 ])
 def test_bad_lora_requests_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):

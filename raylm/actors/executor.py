@@ -13,7 +13,7 @@ from raylm.engine.messages import EngineRequest, StepOutput
 from raylm.engine_spec import EngineInfo, WorkerSpec
 
 # EngineCore methods the driver may run on the engine thread between iterations (Executor.engine_call).
-ENGINE_CONTROLS = frozenset({"pause", "resume_generation", "new_weight_version", "forget_kv"})
+ENGINE_CONTROLS = frozenset({"pause", "resume_generation", "new_weight_version", "forget_kv", "remove_lora"})
 
 
 def control_engine(loop: EngineLoop, method: str, args: tuple) -> Any:

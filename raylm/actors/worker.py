@@ -15,6 +15,7 @@ from raylm.engine.pooling_engine import PoolingEngine
 from raylm.engine.pooling_runner import PoolingRunner
 from raylm.engine.speculative import make_proposer
 from raylm.engine_spec import EngineInfo, WorkerSpec
+from raylm.lora_request import LoRARequest
 from raylm.models.loader import load_hf_config, load_model
 from raylm.models.parallel import SINGLE, ParallelContext
 
@@ -103,6 +104,28 @@ class Worker:
         if self._weight_group is not None:
             self._weight_group.destroy()
             self._weight_group = None
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Keeps a LoRA adapter's matrices on this rank until remove_lora (LLM.add_lora calls it on every rank, as
+        collective_rpc("add_lora", (lora_request,)) would); the engine loads them into a device slot when a request
+        uses it."""
+        self._lora_runtime("add_lora").add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forgets a LoRA adapter's matrices on this rank; whether it held any. The engine's side (its device slot,
+        its cached prefixes) is LLM.remove_lora's."""
+        return self._lora_runtime("remove_lora").remove(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        """The ids of the adapters added on this rank."""
+        return self._lora_runtime("list_loras").added()
+
+    def _lora_runtime(self, what: str):
+        lora = getattr(self.runner, "lora", None)
+        if lora is None:
+            raise ValueError(f"{what} needs an engine started with lora_config")
+        return lora
 
     def close(self) -> None:
         """Lets go of the model, the KV cache and the graphs and gives their device memory back (the local

@@ -34,6 +34,7 @@ from raylm.engine.speculative import DraftModelProposer, NGramProposer, can_spec
 from raylm.engine.stats import iteration_stats
 from raylm.engine.step_runner import ModelOutput, RanksOutOfStep, StepRunner
 from raylm.engine.structured_output import GrammarCompiler, Guide
+from raylm.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class EngineCore(GenerationControl):
         self._grammar_compiler: GrammarCompiler | None = None
         self._compiling: list[Request] = []  # requests whose grammar is compiling, in arrival order
         self.proposer = proposer
+        self._lora_generations: dict[int, int] = {}  # lora_int_id -> how many times remove_lora freed it
 
     @property
     def has_work(self) -> bool:
@@ -110,7 +112,7 @@ class EngineCore(GenerationControl):
             sampling_params=engine_request.sampling_params,
             priority=engine_request.priority,
             cache_salt=engine_request.cache_salt,
-            hash_root=hash_chain_root(self.weight_version, lora.lora_int_id if lora is not None else None),
+            hash_root=self._hash_root(lora),
             lora_request=lora,
         )
         request.speculates = self.proposer is not None and can_speculate(request.sampling_params)
@@ -195,10 +197,26 @@ class EngineCore(GenerationControl):
         self.weight_version += 1
         for request in self.scheduler.waiting:
             if all(seq.num_computed_tokens == 0 for seq in request.sequences):
-                lora = request.lora_request
-                request.hash_root = hash_chain_root(self.weight_version, lora.lora_int_id if lora else None)
+                request.hash_root = self._hash_root(request.lora_request)
                 request.prompt_block_hashes = []
         return self.weight_version
+
+    def _hash_root(self, lora: LoRARequest | None) -> int | None:
+        if lora is None:
+            return hash_chain_root(self.weight_version)
+        return hash_chain_root(self.weight_version, lora.lora_int_id, self._lora_generations.get(lora.lora_int_id, 0))
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """The adapter under lora_int_id goes (LLM.remove_lora): its device slot is freed, and KV computed with it
+        is never matched again (the id may come back as another adapter). Refused while requests use it."""
+        users = [request.request_id for request in self.requests.values()
+                 if request.lora_request is not None and request.lora_request.lora_int_id == lora_int_id]
+        if users:
+            raise ValueError(f"LoRA adapter {lora_int_id} is in use by {len(users)} unfinished request(s) "
+                             f"({', '.join(users[:3])}): wait for them or abort them before removing it")
+        if self.scheduler.lora_slots is not None:
+            self.scheduler.lora_slots.evict(lora_int_id)
+        self._lora_generations[lora_int_id] = self._lora_generations.get(lora_int_id, 0) + 1
 
     def forget_kv(self) -> int:
         """The KV cache's contents are going away (release of kv_cache): parked requests are preempted, to be

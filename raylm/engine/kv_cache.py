@@ -23,13 +23,16 @@ from raylm.engine.request import Request, Sequence
 NULL_BLOCK = 0
 
 
-def hash_chain_root(weight_version: int, lora_int_id: int | None = None) -> int | None:
+def hash_chain_root(weight_version: int, lora_int_id: int | None = None, lora_generation: int = 0) -> int | None:
     """The key every block-hash chain of a request starts from: the weight version it was admitted under and the
-    LoRA adapter it runs with, so KV computed with other weights or another adapter never matches (None, no root,
-    for the weights the engine started with and no adapter)."""
+    LoRA adapter it runs with (its id, and how many times an adapter under that id was removed: a replaced adapter's
+    KV is another's), so KV computed with other weights or another adapter never matches (None, no root, for the
+    weights the engine started with and no adapter)."""
     if not weight_version and not lora_int_id:
         return None
-    text = f"weight-version:{weight_version}" + (f"/lora:{lora_int_id}" if lora_int_id else "")
+    text = f"weight-version:{weight_version}"
+    if lora_int_id:
+        text += f"/lora:{lora_int_id}" + (f".{lora_generation}" if lora_generation else "")
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 

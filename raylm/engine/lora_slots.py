@@ -47,6 +47,12 @@ class LoraSlots:
         loads, self.pending_loads = self.pending_loads, []
         return loads
 
+    def evict(self, lora_int_id: int) -> None:
+        """The adapter goes (LLM.remove_lora): its slot is free, and a load of it not yet done is dropped."""
+        slot = self.resident.pop(lora_int_id, None)
+        if slot is not None:
+            self.pending_loads = [(pending, request) for pending, request in self.pending_loads if pending != slot]
+
     def forget(self) -> None:
         """The slots' contents are unknown (a step failed, perhaps while loading): every adapter is loaded again
         when next used."""

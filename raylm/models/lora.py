@@ -23,7 +23,7 @@ from raylm.kernels.lora import SlotRows, add_lora
 from raylm.kernels.policy import KernelPolicy
 from raylm.lora_request import LoRARequest
 from raylm.models.arch import ArchConfig
-from raylm.models.lora_adapter import ModuleKey, read_adapter
+from raylm.models.lora_adapter import ModuleKey, adapter_matrices, check_adapter_in_memory, read_adapter
 
 # A PEFT projection -> (the fused layer holding it inside a decoder layer, its shard id there). The shard ids are
 # those the layers' weight loaders take (LlamaForCausalLM.stacked_params); None: the layer is that projection alone.
@@ -122,7 +122,8 @@ def _slices(layer: nn.Module, path: str) -> tuple[list[object], list[int]]:
 
 class LoraRuntime:
     """A worker's LoRA state: the slots of every adapted layer of its stage, the adapters read from disk (the
-    max_cpu_loras least recently used), and the rows of the step (prepare, before each forward)."""
+    max_cpu_loras least recently used), those added (add_lora: kept until removed), and the rows of the step
+    (prepare, before each forward)."""
 
     def __init__(self, model: nn.Module, arch: ArchConfig, config: LoraConfig, dtype: torch.dtype,
                  device: torch.device):
@@ -148,6 +149,7 @@ class LoraRuntime:
                     if target == path:
                         self.targets[(index, module)] = (adapters, shard_id)
         self._read: OrderedDict[int, dict[ModuleKey, tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        self._added: dict[int, dict[ModuleKey, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def prepare(self, loads: list[tuple[int, LoRARequest]], row_slots: list[int]) -> None:
         """Before a step's forward: loads the adapters the engine placed in slots for it, and takes its rows'
@@ -167,12 +169,40 @@ class LoraRuntime:
                 adapters, shard_id = target
                 adapters.load(slot, shard_id, a, b)
 
+    def add(self, request: LoRARequest) -> None:
+        """Keeps the adapter's matrices (read from its path, or taken from memory) until remove: adapters added so
+        are not subject to the cache of those read (an RL trainer's in-memory adapter has nowhere to be read
+        again from)."""
+        if request.in_memory:
+            spec = check_adapter_in_memory(request.lora_name, request.peft_config, request.lora_tensors, self.arch,
+                                           self.config.max_lora_rank)
+            matrices = adapter_matrices(spec, request.lora_tensors, self.dtype)
+        else:
+            _, matrices = read_adapter(request.lora_path, self.arch, self.config.max_lora_rank, self.dtype)
+        self._read.pop(request.lora_int_id, None)
+        self._added[request.lora_int_id] = matrices
+
+    def remove(self, lora_int_id: int) -> bool:
+        """Forgets the adapter's matrices (added or read); whether there were any."""
+        added = self._added.pop(lora_int_id, None)
+        read = self._read.pop(lora_int_id, None)
+        return added is not None or read is not None
+
+    def added(self) -> list[int]:
+        return sorted(self._added)
+
     def _matrices(self, request: LoRARequest) -> dict[ModuleKey, tuple[torch.Tensor, torch.Tensor]]:
-        """The adapter's matrices from the cache of those read, else from disk."""
+        """The adapter's matrices: those added, else from the cache of those read, else from disk."""
+        added = self._added.get(request.lora_int_id)
+        if added is not None:
+            return added
         cached = self._read.get(request.lora_int_id)
         if cached is not None:
             self._read.move_to_end(request.lora_int_id)
             return cached
+        if not request.lora_path:
+            raise ValueError(f"LoRA adapter {request.lora_int_id} ({request.lora_name!r}) is not loaded on this "
+                             "worker: add it first (add_lora)")
         _, matrices = read_adapter(request.lora_path, self.arch, self.config.max_lora_rank, self.dtype)
         self._read[request.lora_int_id] = matrices
         while len(self._read) > self.config.cpu_cache_size:

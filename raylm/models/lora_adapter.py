@@ -1,15 +1,18 @@
 """PEFT-format LoRA adapters: reading adapter_config.json and adapter_model.safetensors, and checking that an
 adapter fits the model and what raylm's LoRA layers do (models/lora.py). The driver checks an adapter before it
 submits a request with it, so a bad adapter is refused with a ValueError that says what is wrong; the workers
-read the same files the same way."""
+read the same files the same way. An adapter handed over in memory (its config dict and state dict) is checked
+the same way."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -78,9 +81,9 @@ def _expected_shape(arch: ArchConfig, module: str) -> tuple[int, int]:
     }[module]
 
 
-def _check_config(path: Path, config: dict, max_rank: int) -> tuple[int, float]:
+def _check_config(source: str, config: dict, max_rank: int) -> tuple[int, float]:
     """The rank and scaling of an adapter whose config raylm can serve; a ValueError naming what it cannot."""
-    where = f"LoRA adapter {str(path)!r}"
+    where = f"LoRA adapter {source!r}"
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{where}: peft_type must be 'LORA', got {config.get('peft_type')!r}")
     for key, what in _UNSUPPORTED_WHEN_SET.items():
@@ -89,7 +92,7 @@ def _check_config(path: Path, config: dict, max_rank: int) -> tuple[int, float]:
     if config.get("bias", "none") != "none":
         raise ValueError(f"{where}: trained biases are not supported: bias must be 'none', got {config['bias']!r}")
     targets = config.get("target_modules")
-    if isinstance(targets, (list, tuple)):
+    if isinstance(targets, (list, tuple, set, frozenset)):  # a set in a PEFT config object's to_dict()
         unsupported = sorted(set(targets) - set(SUPPORTED_MODULES))
         if unsupported:
             raise ValueError(f"{where}: target_modules {unsupported} are not supported; supported: "
@@ -106,11 +109,11 @@ def _check_config(path: Path, config: dict, max_rank: int) -> tuple[int, float]:
     return rank, scaling
 
 
-def _check_tensors(path: Path, shapes: dict[str, tuple[int, ...]], arch: ArchConfig,
+def _check_tensors(source: str, shapes: dict[str, tuple[int, ...]], arch: ArchConfig,
                    rank: int) -> tuple[ModuleKey, ...]:
     """The (layer, module) pairs the tensors adapt; a ValueError for a tensor raylm cannot apply or a shape that does
     not fit the model."""
-    where = f"LoRA adapter {str(path)!r}"
+    where = f"LoRA adapter {source!r}"
     found: dict[ModuleKey, set[str]] = {}
     for name, shape in shapes.items():
         match = _TENSOR_NAME.match(name)
@@ -135,7 +138,7 @@ def _check_tensors(path: Path, shapes: dict[str, tuple[int, ...]], arch: ArchCon
         layer, module = lonely[0]
         raise ValueError(f"{where}: layer {layer} {module} has lora_A or lora_B but not both")
     if not found:
-        raise ValueError(f"{where}: adapter_model.safetensors holds no LoRA matrices")
+        raise ValueError(f"{where}: the adapter holds no LoRA matrices")
     return tuple(sorted(found))
 
 
@@ -147,10 +150,23 @@ def check_adapter(path: str | Path, arch: ArchConfig, max_rank: int) -> AdapterS
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"LoRA adapter {str(path)!r} is not a directory")
-    rank, scaling = _check_config(path, _config(path), max_rank)
+    rank, scaling = _check_config(str(path), _config(path), max_rank)
     with safe_open(str(_weights_file(path)), framework="pt", device="cpu") as handle:
         shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
-    return AdapterSpec(str(path), rank, scaling, _check_tensors(path, shapes, arch, rank))
+    return AdapterSpec(str(path), rank, scaling, _check_tensors(str(path), shapes, arch, rank))
+
+
+def check_adapter_in_memory(name: str, config: Mapping[str, Any], tensors: Mapping[str, Any], arch: ArchConfig,
+                            max_rank: int) -> AdapterSpec:
+    """check_adapter for an adapter handed over in memory: PEFT's config as a dict and its state dict."""
+    where = f"<in memory: {name}>"
+    rank, scaling = _check_config(where, dict(config), max_rank)
+    not_tensors = sorted(key for key, value in tensors.items() if not isinstance(value, torch.Tensor))
+    if not_tensors:
+        raise ValueError(f"LoRA adapter {where!r}: lora_tensors must map names to torch tensors, got "
+                         f"{type(tensors[not_tensors[0]]).__name__} for {not_tensors[0]!r}")
+    shapes = {key: tuple(value.shape) for key, value in tensors.items()}
+    return AdapterSpec(where, rank, scaling, _check_tensors(where, shapes, arch, rank))
 
 
 def read_adapter(path: str | Path, arch: ArchConfig, max_rank: int,
@@ -160,10 +176,16 @@ def read_adapter(path: str | Path, arch: ArchConfig, max_rank: int,
     from safetensors.torch import load_file
 
     spec = check_adapter(path, arch, max_rank)
-    tensors = load_file(str(_weights_file(Path(path))))
+    return spec, adapter_matrices(spec, load_file(str(_weights_file(Path(path)))), dtype)
+
+
+def adapter_matrices(spec: AdapterSpec, tensors: Mapping[str, torch.Tensor],
+                     dtype: torch.dtype) -> dict[ModuleKey, tuple[torch.Tensor, torch.Tensor]]:
+    """The checked adapter's matrices, (A [r, in], B [out, r] with the scaling folded in) per (layer, module), in
+    `dtype` on the CPU (copies: the caller's tensors stay as they are)."""
     matrices: dict[ModuleKey, list[torch.Tensor]] = {}
     for name, tensor in tensors.items():
         match = _TENSOR_NAME.match(name)
         key = (int(match[1]), match[3])
-        matrices.setdefault(key, [None, None])["AB".index(match[4])] = tensor
-    return spec, {key: (a.to(dtype), (b.float() * spec.scaling).to(dtype)) for key, (a, b) in matrices.items()}
+        matrices.setdefault(key, [None, None])["AB".index(match[4])] = tensor.detach().cpu()
+    return {key: (a.to(dtype, copy=True), (b.float() * spec.scaling).to(dtype)) for key, (a, b) in matrices.items()}

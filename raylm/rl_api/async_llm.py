@@ -19,6 +19,7 @@ from typing import Any
 
 from raylm.engine.device_memory import check_tags
 from raylm.llm import LLM
+from raylm.lora_request import LoRARequest
 
 PAUSE_MODES = ("abort", "keep")
 # Memory tags a step needs on the device (without cuda_graph, decode steps run eagerly).
@@ -105,6 +106,23 @@ class AsyncLLM(LLM):
         self._require_ready()
         return await asyncio.to_thread(super().collective_rpc, method, args, kwargs, unique_reply_rank,
                                        target_ranks)
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """LLM.add_lora: loads an adapter (its path, or in memory: peft_config and lora_tensors, as a trainer hands
+        over the one it trained) on every worker; False when the id already holds it."""
+        self._require_ready()
+        return await asyncio.to_thread(super().add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """LLM.remove_lora: frees the adapter's id, slot and worker copies (refused while requests use it)."""
+        self._require_ready()
+        return await asyncio.to_thread(super().remove_lora, lora_int_id)
+
+    async def list_loras(self) -> list[LoRARequest]:
+        self._require_ready()
+        return super().list_loras()
 
     # ------------------------------------------------------------------ RL control
 
