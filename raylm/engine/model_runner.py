@@ -8,6 +8,7 @@ and rank 0 samples. A single-process engine does all of it in `launch` / `collec
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -367,9 +368,13 @@ class ModelRunner:
         for i in positions:
             item = scheduled[i]
             row = item.request.sampling_row(item.seq)
-            rows.append(row)
-            if item.drafts:  # a draw at each draft's position too, from the same row (its generator in order)
-                rows.extend([row] * len(item.drafts))
+            if not item.drafts:
+                rows.append(row)
+            elif row.guide is None:  # a draw at each draft's position too, from the same row (its generator in order)
+                rows.extend([row] * (1 + len(item.drafts)))
+            else:  # the first row masks the drafts' rows too, each after its prefix of the drafts
+                rows.append(dataclasses.replace(row, drafts=tuple(item.drafts)))
+                rows.extend([dataclasses.replace(row, guide=None)] * len(item.drafts))
         return positions, self.sampler.sample(logits, rows, greedy)
 
     @staticmethod

@@ -168,6 +168,8 @@ class Progress:
         for draw in range(accepted + 1):
             token = draws[draw]
             seq.token_ids.append(token)
+            if seq.guide is not None:
+                seq.guide.accept(token)
             new_tokens.append(token)
             seq.cumulative_logprob += result.logprobs[draw]
             if wants_logprobs:

@@ -30,6 +30,9 @@ class SamplingRow:
     num_samples: int = 1
     beam_candidates: int = 0  # > 0: return this many top (token, logprob) pairs for beam search instead
     guide: Guide | None = None  # structured output: the draw is masked to what the guide allows
+    # A speculating guided sequence's first verify row: the next len(drafts) rows are its drafts' positions, masked
+    # to what the guide allows after each prefix of the drafts (they carry no guide of their own).
+    drafts: tuple[int, ...] = ()
 
 
 class _RowKinds:
@@ -57,7 +60,7 @@ class _RowKinds:
                     params.is_greedy, params.has_penalties or bool(params.min_tokens), params.logprobs,
                     (params.effective_temperature, params.top_k, params.top_p, params.min_p))
             is_greedy, processes, logprobs, key = known
-            if processes or (row.guide is not None and row.guide.active):
+            if processes or (row.guide is not None and (row.guide.active or row.drafts)):
                 self.processes = True
             if row.beam_candidates:
                 self.has_beams = True
@@ -355,7 +358,8 @@ class Sampler:
         """Logits after penalties, min_tokens masking and structured output's masks (the input itself when no
         row needs any)."""
         processed = None
-        guided = [(i, row.guide) for i, row in enumerate(rows) if row.guide is not None and row.guide.active]
+        guided = [(i, row.guide, row.drafts) for i, row in enumerate(rows)
+                  if row.guide is not None and (row.guide.active or row.drafts)]
         if guided:
             processed = logits.clone()
             mask_guided_rows(processed, guided)

@@ -27,9 +27,10 @@ from raylm.sampling_params import SamplingParams
 def can_speculate(params: SamplingParams) -> bool:
     """Whether a request's draws can be verified position by position: one sequence, no beam search, and nothing
     that makes a position's distribution depend on the tokens drawn before it in the same step (penalties,
-    min_tokens, a grammar)."""
+    min_tokens). A grammar's masks do depend on them, but on the drafts alone: each verify row is masked after its
+    prefix of the drafts (Guide.fill_masks)."""
     return (params.use_speculative_decoding and params.num_sequences == 1 and not params.use_beam_search
-            and not params.has_penalties and not params.min_tokens and params.guided_decoding is None)
+            and not params.has_penalties and not params.min_tokens)
 
 
 def draft_room(request: Request, max_draft_len: int, max_seq_len: int) -> int:

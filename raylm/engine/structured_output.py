@@ -150,6 +150,32 @@ class Guide:
                            token_id)
             self.broken = True
 
+    def fill_masks(self, bitmask: torch.Tensor, first_row: int, drafts: tuple[int, ...] = ()) -> list[int]:
+        """Fills bitmask row first_row + j with what the guide allows after the sequence's tokens and drafts[:j],
+        for j = 0..len(drafts) (a speculating sequence's verify rows), and returns the rows it filled. The rows
+        past a draft the grammar refuses are left unmasked: that draft's own row is masked, so its draw differs
+        from it and no later draw is kept. The guide ends where it began (the drafts are rolled back)."""
+        rows: list[int] = []
+        begin_after, recent, accepted = self.begin_after, self._recent, 0
+        for j in range(len(drafts) + 1):
+            active = begin_after is None and not self.broken and not self.matcher.is_terminated()
+            if active:
+                self.matcher.fill_next_token_bitmask(bitmask, first_row + j)
+                rows.append(first_row + j)
+            if j == len(drafts):
+                break
+            if begin_after is not None:  # not constrained yet: the drafts may complete begin_after
+                recent = (recent + [drafts[j]])[-len(begin_after):]
+                if recent == begin_after:
+                    begin_after = None
+            elif active:
+                if not self.matcher.accept_token(drafts[j]):
+                    break
+                accepted += 1
+        if accepted:
+            self.matcher.rollback(accepted)
+        return rows
+
     def fork(self) -> Guide:
         twin = Guide.__new__(Guide)
         twin.matcher = self.matcher.fork()
@@ -160,8 +186,10 @@ class Guide:
         return twin
 
 
-def mask_guided_rows(logits: torch.Tensor, guides: list[tuple[int, Guide]]) -> None:
-    """Masks, in place, each listed row of `logits` [rows, vocab] to the tokens its guide allows next."""
+def mask_guided_rows(logits: torch.Tensor, guides: list[tuple[int, Guide, tuple[int, ...]]]) -> None:
+    """Masks, in place, rows of `logits` [rows, vocab] to the tokens their guides allow: each entry (row, guide,
+    drafts) masks `row` and, for a speculating sequence, the rows of its drafts' positions after it
+    (Guide.fill_masks)."""
     import xgrammar as xgr
 
     on_device = logits.device.type != "cpu"
@@ -169,11 +197,13 @@ def mask_guided_rows(logits: torch.Tensor, guides: list[tuple[int, Guide]]) -> N
     # Pinned on GPUs: a copy from pageable memory would wait for the step's forward, still on the device.
     bitmask = torch.empty(xgr.get_bitmask_shape(logits.shape[0], vocab_size), dtype=xgr.bitmask_dtype,
                           pin_memory=on_device)
-    for row, guide in guides:
-        guide.matcher.fill_next_token_bitmask(bitmask, row)
+    rows: list[int] = []
+    for row, guide, drafts in guides:
+        rows.extend(guide.fill_masks(bitmask, row, drafts))
+    if not rows:
+        return
     if on_device:
         bitmask = bitmask.to(logits.device, non_blocking=True)
-    rows = [row for row, _ in guides]
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows)
     if vocab_size < logits.shape[-1]:  # the model's padding ids
         padding = logits[:, vocab_size:]

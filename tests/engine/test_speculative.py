@@ -1,16 +1,25 @@
 """Speculative decoding by prompt lookup (NGramDecodingConfig): proposals, greedy outputs equal to decoding without
-it (batched, preempted, stopped, with log-probabilities), sampled outputs that follow the target distribution, and
-its statistics."""
+it (batched, preempted, stopped, with log-probabilities, under a grammar), sampled outputs that follow the target
+distribution (and the grammar-masked one), and its statistics."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections import Counter
 
 import pytest
 import torch
 from pydantic import ValidationError
 
-from raylm import LLM, DraftTargetDecodingConfig, KvCacheConfig, NGramDecodingConfig, SamplingParams
+from raylm import (
+    LLM,
+    DraftTargetDecodingConfig,
+    GuidedDecodingParams,
+    KvCacheConfig,
+    NGramDecodingConfig,
+    SamplingParams,
+)
 from raylm.config import LlmArgs
 from raylm.engine.request import Sequence
 from raylm.engine.speculative import NGramProposer, accepted_length, can_speculate
@@ -123,6 +132,34 @@ def test_stops_inside_accepted_drafts_end_the_output_where_decoding_without_them
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in expected]
     assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in expected]
     assert [len(o.outputs[0].token_ids) for o in got[:2]] == [5, 17]
+
+
+def test_guided_greedy_speculation_gives_the_tokens_of_guided_decoding_without_it():
+    """Structured output with prompt lookup: each verify row is masked after its prefix of the drafts, so greedy
+    outputs equal guided decoding's without speculation (JSON that copies the prompt's, a regex after begin_after,
+    a choice), and drafts the grammar refuses are rejected."""
+    record = {"name": "Ada Lovelace", "born": 1815, "fields": ["mathematics", "computing"], "notes": TEXT}
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "born": {"type": "integer"},
+                                               "fields": {"type": "array", "items": {"type": "string"}},
+                                               "notes": {"type": "string"}},
+              "required": ["name", "born", "fields", "notes"], "additionalProperties": False}
+    prompts = [f"Repeat this JSON exactly: {json.dumps(record)}\nJSON:", COPY_PROMPTS[1], COPY_PROMPTS[3]]
+    params = [SamplingParams(max_tokens=96, logprobs=1, guided_decoding=GuidedDecodingParams(json=schema)),
+              SamplingParams(max_tokens=40, guided_decoding=GuidedDecodingParams(regex="[A-Za-z ,.]+",
+                                                                                begin_after=" ")),
+              SamplingParams(max_tokens=30, guided_decoding=GuidedDecodingParams(regex="([0-9]+, )+[0-9]+"))]
+    runs = {}
+    for name, config in (("plain", None), ("speculative", NGramDecodingConfig(max_draft_len=5))):
+        with LLM(dtype="float32", speculative_config=config) as llm:
+            runs[name] = llm.generate(prompts, params)
+            if config is not None:
+                totals = llm.get_stats(timeout=2)[-1]["specDecodingStats"]
+    assert _tokens(runs["speculative"]) == _tokens(runs["plain"])
+    json.loads(runs["speculative"][0].outputs[0].text)
+    for got, expected in zip(runs["speculative"][0].outputs[0].logprobs, runs["plain"][0].outputs[0].logprobs):
+        assert got.keys() == expected.keys()
+        assert [got[t].logprob for t in got] == pytest.approx([expected[t].logprob for t in got], abs=1e-4)
+    assert 0 < totals["totalAcceptedTokens"] < totals["totalDraftTokens"]
 
 
 # A Markov chain over four tokens, as a tiny Llama: the attention and MLP outputs are zero, so the residual stream
@@ -266,3 +303,58 @@ def test_a_draft_model_with_a_larger_vocabulary_is_refused_by_name(tmp_path, tin
     with pytest.raises(ValueError, match="speculative_config.speculative_model .* vocabulary of 60000"):
         LLM(str(tiny_model_dirs["llama"]), load_format="dummy", skip_tokenizer_init=True,
             speculative_config=DraftTargetDecodingConfig(speculative_model=str(tmp_path)))
+
+
+def test_sampled_guided_speculation_draws_from_the_grammar_masked_chain(markov_model, tiny_model_dirs):
+    """A regex over the chain's first three tokens whose allowed set depends on the position: any of the three at
+    even positions of the output, the first two at odd ones. Outputs follow the chain with what the grammar refuses
+    masked out (rows renormalized), with speculation and without: a verify row masked as if the drafts before it
+    were not there fails this. Prompt lookup keeps proposing tokens the grammar refuses (the prompt walks the whole
+    cycle)."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    directory, transitions = markov_model
+    tokenizer_files = [f for f in tiny_model_dirs["llama"].iterdir() if "token" in f.name or f.name.endswith(".txt")]
+    if not tokenizer_files:
+        pytest.skip("the tiny models have no tokenizer (the embedded SmolLM2 is not installed)")
+    model_dir = directory.parent / "markov-with-tokenizer"
+    if not model_dir.exists():
+        shutil.copytree(directory, model_dir)
+        for file in tokenizer_files:
+            shutil.copy(file, model_dir / file.name)
+    from transformers import AutoTokenizer
+
+    pieces = [AutoTokenizer.from_pretrained(model_dir).decode([token]) for token in CHAIN[:3]]
+    guided = GuidedDecodingParams(regex=f"(({'|'.join(pieces)})({'|'.join(pieces[:2])}))+")
+    allowed = {0: transitions[:3, :3], 1: torch.cat([transitions[:3, :2], torch.zeros(3, 1)], dim=1)}
+    masked = {parity: rows / rows.sum(dim=-1, keepdim=True) for parity, rows in allowed.items()}
+    prompt = {"prompt_token_ids": CHAIN * 3 + CHAIN[:2]}
+    count, length = 600, 5
+    params = [SamplingParams(max_tokens=length, temperature=1.0, seed=seed, ignore_eos=True, guided_decoding=guided)
+              for seed in range(count)]
+    runs = {}
+    for name, config in (("plain", None), ("speculative", NGramDecodingConfig(max_draft_len=4))):
+        with LLM(str(model_dir), dtype="float32", speculative_config=config) as llm:
+            runs[name] = [output.outputs[0].token_ids for output in llm.generate([prompt] * count, params)]
+            if config is not None:
+                totals = llm.get_stats(timeout=2)[-1]["specDecodingStats"]
+    assert count < totals["totalAcceptedTokens"] < totals["totalDraftTokens"] - count
+    index = {token: k for k, token in enumerate(CHAIN[:3])}
+    for name, outputs in runs.items():
+        assert all(len(tokens) == length and set(tokens) <= set(CHAIN[:3]) for tokens in outputs), name
+        state = masked[0][index[CHAIN[1]]]
+        for position in range(length):
+            observed = Counter(index[tokens[position]] for tokens in outputs)
+            expected = state * count
+            support = [k for k in range(3) if expected[k] > 0]
+            assert set(observed) <= set(support), (name, position, observed)
+            p_value = scipy_stats.chisquare([observed[k] for k in support], expected[support].tolist())[1]
+            assert p_value > 1e-3, (name, position, observed, expected)
+            step = masked[(position + 1) % 2]
+            if position + 1 < length:
+                pairs = Counter((index[tokens[position]], index[tokens[position + 1]]) for tokens in outputs)
+                joint = (state[:, None] * step).flatten() * count
+                cells = [cell for cell in range(9) if joint[cell] > 0]
+                assert {3 * a + b for a, b in pairs} <= set(cells), (name, position, pairs)
+                p_value = scipy_stats.chisquare([pairs[divmod(cell, 3)] for cell in cells], joint[cells].tolist())[1]
+                assert p_value > 1e-3, (name, position, pairs)
+            state = state @ step

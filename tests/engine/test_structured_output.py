@@ -190,7 +190,7 @@ def test_a_model_vocabulary_padded_past_the_tokenizer_masks_the_padding(smollm2)
     guides = [Guide(compiled, [tokenizer.eos_token_id]) for _ in range(2)]
     logits = torch.zeros(3, own + 1000)
     logits[:, own:] = 100.0  # the padding would win every unmasked draw
-    mask_guided_rows(logits, [(0, guides[0]), (2, guides[1])])
+    mask_guided_rows(logits, [(0, guides[0], ()), (2, guides[1], ())])
     allowed = {tokenizer.encode(word, add_special_tokens=False)[0] for word in ("yes", "no")}
     for row in (0, 2):
         assert torch.isinf(logits[row, own:]).all()
