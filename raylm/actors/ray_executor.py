@@ -106,6 +106,7 @@ class RayExecutor(Executor):
         self.actors = []
         self._loop_refs: list = []
         self._pending: deque[StepOutput] = deque()
+        self._outputs = None  # rank 0's output stream (RayWorker.stream_outputs), an ObjectRefGenerator
         self._dead: str | None = None
         self._next_check = 0.0  # time.monotonic() of get_output's next look for a dead worker
         settings = {}
@@ -128,6 +129,8 @@ class RayExecutor(Executor):
                                for actor in self.actors[1:]]
             timings = ray.get(self.actors[0].start_engine.remote(num_blocks))
             self._loop_refs.insert(0, self.actors[0].watch_engine.options(concurrency_group="loop").remote())
+            self._outputs = self.actors[0].stream_outputs.options(concurrency_group="outputs",
+                                                                  num_returns="streaming").remote()
         except BaseException:
             self._kill()
             raise
@@ -157,13 +160,19 @@ class RayExecutor(Executor):
             return self._pending.popleft()
         if self._dead is None and time.monotonic() >= self._next_check:
             # A worker's death is looked for at most every _CHECK_INTERVAL_S: the look (ray.wait) costs as much
-            # host time as the call for outputs, and a rank 0 that died fails that call at once anyway.
+            # host time as taking a batch of outputs, and a rank 0 that died ends the output stream at once anyway.
             self._next_check = time.monotonic() + _CHECK_INTERVAL_S
             self._dead = self._check_workers()
         if self._dead is not None:
             return StepOutput(fatal_error=self._dead)
         try:
-            batch = ray.get(self.rank0.get_outputs.options(concurrency_group="outputs").remote(timeout))
+            ready, _ = ray.wait([self._outputs], timeout=timeout)
+            if not ready:
+                return None
+            batch = ray.get(next(self._outputs))
+        except StopIteration:  # the stream ends only when the engine stopped
+            self._dead = "engine worker 0 stopped"
+            return StepOutput(fatal_error=self._dead)
         except Exception as exc:  # rank 0 is gone
             self._dead = f"engine worker 0 failed: {type(exc).__name__}: {exc}"
             return StepOutput(fatal_error=self._dead)

@@ -1,8 +1,9 @@
 """The worker actor: one per device, pinned to its placement-group bundle.
 
 Rank 0 hosts the engine loop (on a thread of the actor) and the engine channel's far end: submissions
-and aborts arrive through an ordered concurrency group, outputs leave through a long poll that returns
-every iteration's output gathered since the last one. The other ranks run the worker loop.
+and aborts arrive through an ordered concurrency group, outputs leave through one streaming generator for the
+engine's life, each item every iteration output gathered since the last (one Ray object a batch, no call per
+batch). The other ranks run the worker loop.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ from raylm.models.registry import resolve_architecture
 # `kill -USR1 PID` makes a worker print every thread's Python stack to its log (Ray's worker-*.err): where each
 # rank waits when a step hangs. benchmarks/h200.sh does this before it stops a command that ran out of time.
 STACKS_SIGNAL = signal.SIGUSR1
-# Concurrency groups of the actor: ordered control messages, the output long poll, the blocking loops.
+# Concurrency groups of the actor: ordered control messages, the output stream, the blocking loops.
 CONCURRENCY_GROUPS = {"control": 1, "outputs": 1, "loop": 1}
 # Set in a worker's runtime_env when its ranks must see every GPU of the node (each at a distinct index, as the
 # symmetric-memory all-reduce requires); Ray then leaves CUDA_VISIBLE_DEVICES as the node has it.
 ALL_GPUS_VISIBLE = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+_OUTPUT_WAIT_S = 0.5  # how long the output stream waits for an output before it looks whether the engine stopped
 
 
 def cuda_index(gpu_id: str, visible: str | None) -> int:
@@ -85,6 +87,7 @@ class RayWorker:
         self.worker: Worker | None = None
         self.loop: EngineLoop | None = None
         self.outputs: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()
+        self._stopped = False  # rank 0's engine loop was stopped: the output stream ends once drained
         self.loop_error: str | None = None
 
     def bind_gpu(self) -> None:
@@ -160,6 +163,17 @@ class RayWorker:
     def stop_sequences(self, sequences: list[tuple[str, int]]) -> None:
         self.loop.stop_sequences(sequences)
 
+    def stream_outputs(self):
+        """Rank 0: the engine's outputs for its whole life, as a Ray streaming generator (the executor iterates it
+        with num_returns="streaming"): each item is every iteration output since the previous one. Ends once the
+        engine has stopped and its last outputs are out."""
+        while True:
+            batch = self.get_outputs(_OUTPUT_WAIT_S)
+            if batch:
+                yield batch
+            elif self._stopped:
+                return
+
     def get_outputs(self, timeout: float) -> list[StepOutput]:
         """Every iteration output since the last call; waits up to timeout for the first."""
         try:
@@ -192,6 +206,7 @@ class RayWorker:
             return
         self.bind_gpu()
         self.loop.stop()
+        self._stopped = True
         if self.comm is not None:
             try:
                 DistributedRunner(self.worker.runner, self.comm).stop_workers()
