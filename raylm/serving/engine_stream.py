@@ -78,6 +78,30 @@ class OutputChunk:
     sent_at: float | None = None  # when the engine deployment sent it (time.time()), to time the hop
 
 
+def chunk_to_wire(chunk: OutputChunk) -> tuple:
+    """The chunk as nested tuples of plain values, as the engine deployment sends it: Serve pickles every message
+    with cloudpickle, which costs about three times as much for the dataclasses (and their unpickling five times)
+    as for tuples, per streamed token. chunk_from_wire undoes it."""
+    return (chunk.request_id, chunk.finished, chunk.num_cached_tokens, chunk.metrics,
+            [(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason,
+              c.weight_versions) for c in chunk.completions],
+            chunk.whole, chunk.prompt, chunk.prompt_token_ids, chunk.prompt_logprobs, chunk.first, chunk.sent_at)
+
+
+def chunk_from_wire(wire: tuple) -> OutputChunk:
+    (request_id, finished, num_cached_tokens, metrics, completions, whole, prompt, prompt_token_ids,
+     prompt_logprobs, first, sent_at) = wire
+    return OutputChunk(
+        request_id=request_id, finished=finished, num_cached_tokens=num_cached_tokens, metrics=metrics,
+        completions=[CompletionOutput(index=index, text=text, token_ids=token_ids, cumulative_logprob=cumulative,
+                                      logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason,
+                                      weight_versions=weight_versions)
+                     for index, text, token_ids, cumulative, logprobs, finish_reason, stop_reason, weight_versions
+                     in completions],
+        whole=whole, prompt=prompt, prompt_token_ids=prompt_token_ids, prompt_logprobs=prompt_logprobs, first=first,
+        sent_at=sent_at)
+
+
 def outputs_only_grow(params: SamplingParams | None) -> bool:
     """Whether each output of a request extends the previous one: true unless the engine may re-rank the
     sequences (beam search, or best_of candidates of which n are kept)."""

@@ -55,7 +55,7 @@ from raylm.sampling_params import SamplingParams
 from raylm.serving.app import build_models_app
 from raylm.serving.config import ServeArgs
 from raylm.serving.engine import LocalEngine, encode_all
-from raylm.serving.engine_stream import OutputChunk, merge_chunks, stream_request
+from raylm.serving.engine_stream import OutputChunk, chunk_to_wire, merge_chunks, stream_request
 from raylm.serving.prefix_router import PrefixAwareRouter
 from raylm.serving.remote_engine import EngineDescription, RemoteEngine
 
@@ -159,7 +159,7 @@ class EngineReplica:
                 if chunks:
                     chunk = merge_chunks(chunks)
                     chunk.sent_at = time.time()
-                    yield chunk
+                    yield chunk_to_wire(chunk)
                 if message is _END:
                     break
                 if isinstance(message, Exception):

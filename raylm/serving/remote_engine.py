@@ -32,7 +32,7 @@ from raylm.models.source import resolve_model
 from raylm.outputs import EncoderOutput
 from raylm.results import RequestError
 from raylm.sampling_params import SamplingParams
-from raylm.serving.engine_stream import Admitted, Failed, OutputChunk, Rejected
+from raylm.serving.engine_stream import Admitted, Failed, OutputChunk, Rejected, chunk_from_wire
 from raylm.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -117,7 +117,8 @@ class RemoteGeneration:
 
     async def _receive(self) -> Admitted | Rejected | OutputChunk | Failed:
         try:
-            return await self._stream.__anext__()
+            message = await self._stream.__anext__()
+            return chunk_from_wire(message) if type(message) is tuple else message
         except StopAsyncIteration:
             self._done = True
             raise RequestError("the engine deployment ended the request's stream before its last output") from None

@@ -11,6 +11,8 @@ from raylm.serving.engine_stream import (
     Failed,
     OutputChunk,
     Rejected,
+    chunk_from_wire,
+    chunk_to_wire,
     merge_chunks,
     output_chunks,
     outputs_only_grow,
@@ -119,3 +121,21 @@ def test_the_engine_deployment_sends_queued_chunks_as_one_message(llm):
     assert _queued_chunks(chunks[0], queue_of()) == (chunks[:1], None)
     merged = merge_chunks(chunks)
     assert merged.completions[0].token_ids == [t for chunk in chunks for t in chunk.completions[0].token_ids]
+
+
+def test_a_chunk_crosses_between_replicas_as_plain_tuples_and_comes_back_equal(llm):
+    """The engine deployment sends chunks as tuples (chunk_to_wire); the ingress rebuilds the same chunks, with
+    log-probabilities, prompt log-probabilities and whole (beam search) outputs."""
+    import pickle
+
+    for prompt, params in (("Hello", SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=1)),
+                           ("Once upon a time", SamplingParams(max_tokens=3, n=2, use_beam_search=True))):
+        _, sent = encoded(llm, prompt, params)
+        for chunk in sent:
+            wire = chunk_to_wire(chunk)
+            assert type(wire) is tuple
+            back = chunk_from_wire(pickle.loads(pickle.dumps(wire)))
+            assert back == OutputChunk(**{**vars(chunk), "completions": [
+                type(c)(index=c.index, text=c.text, token_ids=c.token_ids, cumulative_logprob=c.cumulative_logprob,
+                        logprobs=c.logprobs, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                        weight_versions=c.weight_versions) for c in chunk.completions]})
