@@ -9,6 +9,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from raylm import LLM, KvCacheConfig, LoraConfig, LoRARequest, SamplingParams, TokensPrompt
 from tests.conftest import hf_greedy, hf_peft_model, logprob_errors
@@ -189,3 +190,32 @@ def test_bad_lora_requests_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         LoRARequest(**{"lora_name": "a", "lora_int_id": 1, "lora_path": "/a", **fields})
 
+
+
+# ---------------------------------------------------------------------- decode graphs (CUDA)
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_graphs_give_the_eager_tokens_with_adapters_mixed_per_row(tiny_model_dirs, tiny_lora_dirs, dtype):
+    """On CUDA the decode graphs of an engine with adapters are captured once and read each row's slot from a
+    buffer of theirs (the adapted layers' Triton kernels inside the graph): adapters and the base model mixed in
+    one batch, and slots reused between generate calls, give the tokens of the same engine without graphs."""
+    names = [None, "r8", "qv", "r64", "r8", None]
+    rows = [(name, index % len(PROMPTS)) for index, name in enumerate(names)]
+    prompts = [PROMPTS[p] for _, p in rows]
+    lora_requests = [_request(tiny_lora_dirs, n) for n, _ in rows]
+    runs = {}
+    for graphs in (True, False):
+        with LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, kv_cache_config=KV, max_seq_len=512,
+                 dtype=dtype, device="cuda", lora_config=LoraConfig(max_loras=2, max_lora_rank=64),
+                 **({} if graphs else {"cuda_graph_config": None})) as llm:
+            captured = "gen_cuda_graph_capture_seconds" in llm.startup_metrics.get("final_model_engine", {})
+            assert captured == graphs
+            first = _generate(llm, prompts, lora_requests)
+            again = _generate(llm, prompts[::-1], lora_requests[::-1])
+            runs[graphs] = ([o.outputs[0].token_ids for o in first], [o.outputs[0].token_ids for o in again])
+    assert runs[True] == runs[False]
+    if dtype == torch.float32:
+        for (name, prompt_index), tokens in zip(rows, runs[True][0]):
+            assert tokens == _reference(tiny_model_dirs, tiny_lora_dirs, name)[prompt_index], name

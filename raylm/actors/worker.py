@@ -325,13 +325,12 @@ class Worker:
         return info
 
     def _graph_batch_sizes(self) -> list[int]:
-        """The decode graphs' batch sizes (none off CUDA, without cuda_graph_config, or with LoRA adapters, whose
-        rows the graphs do not take yet)."""
+        """The decode graphs' batch sizes (none off CUDA or without cuda_graph_config)."""
         from raylm.engine.cuda_graphs import default_batch_sizes
 
         args = self.spec.args
         graph_config = args.cuda_graph_config
-        if graph_config is None or self.device.type != "cuda" or args.lora_config is not None:
+        if graph_config is None or self.device.type != "cuda":
             return []
         limit = min(graph_config.max_batch_size or args.max_batch_size, args.max_batch_size)
         return graph_config.batch_sizes or default_batch_sizes(limit)

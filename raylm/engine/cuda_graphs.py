@@ -90,13 +90,15 @@ class DecodeOutputs:
 class DecodeGraphs:
     def __init__(self, model, kv_caches, batch_sizes: list[int], max_blocks: int, hidden_size: int,
                  dtype: torch.dtype, device: torch.device, sliding_window: int | None, flashinfer=None,
-                 logits: bool = False, stream: torch.cuda.Stream | None = None):
+                 logits: bool = False, stream: torch.cuda.Stream | None = None, lora=None):
         """stream: the side stream to capture on; one kept by the caller for every capture, since cuBLAS keeps a
         workspace per stream for good (a new stream per capture grew the process by 32 MB a capture on the H200).
         flashinfer: the FlashInfer backend's FlashInferDecodeGraphs, whose wrappers the graphs then attend
         through (planned before each replay); None for the Triton kernels (block tables and context lengths
         in static buffers). logits: whether the graphs compute the logits too, with a greedy-draw graph of
-        each size beside them (the model's last stage)."""
+        each size beside them (the model's last stage). lora: the model's LoraBatch (models/lora.py) when it serves
+        LoRA adapters: each replay then reads its rows' slots from a buffer of the graphs (-1: the base model), and
+        the adapted layers launch the same kernels whatever the rows' adapters."""
         self.model = model
         self.with_logits = logits
         self.stream = stream
@@ -117,11 +119,14 @@ class DecodeGraphs:
         self.slot_mapping.fill_(-1)
         self.context_lens.fill_(1)
         self.block_tables = torch.zeros(size, max_blocks, dtype=torch.int32, device=device)
+        self.lora = lora
+        self.lora_slots = torch.full((size,), -1, dtype=torch.int32, device=device) if lora is not None else None
         # Host staging, pinned on CUDA so the copies are asynchronous. Two sets, used in turn: a step's copies
         # may still be queued when the next step is prepared (overlapped scheduling), never two steps later.
         pin = device.type == "cuda"
         self.staging = [(torch.zeros(4, size, dtype=torch.long, pin_memory=pin),
                          torch.zeros(size, max_blocks, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
+        self.lora_staging = [torch.full((size,), -1, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
         self.tables = [BlockTableStaging(table.numpy()) for _, table in self.staging]
         self.turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -141,7 +146,14 @@ class DecodeGraphs:
         )
 
     def _forward(self, batch: int) -> DecodeOutputs:
-        hidden = self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, self._metadata(batch))
+        if self.lora is not None:
+            self.lora.graph_slots = self.lora_slots
+        try:
+            hidden = self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches,
+                                self._metadata(batch))
+        finally:
+            if self.lora is not None:
+                self.lora.graph_slots = None
         if not self.with_logits:
             return DecodeOutputs(hidden)
         logits = self.model.compute_logits(hidden)
@@ -195,14 +207,21 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run_step(self, input_ids: list[int], positions: list[int], slot_mapping: list[int],
                  contexts: list[tuple[list[int], int]], feed: tuple[torch.Tensor | int, torch.Tensor] | None = None,
-                 greedy: bool = False) -> DecodeOutputs:
+                 greedy: bool = False, lora_slots: list[int] | None = None) -> DecodeOutputs:
         """Replays the graph for these decodes (and with `greedy`, on the last stage, the graph of their greedy
         draws); returns its outputs for their rows. feed = (rows: a sampler.row_index, token ids on the device)
-        overwrites input rows whose token an earlier step, still in flight, samples."""
+        overwrites input rows whose token an earlier step, still in flight, samples. lora_slots: each row's adapter
+        slot (-1: none; empty or None: no row has one), for graphs of a model with LoRA adapters."""
         count = len(input_ids)
         batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, count)]
         host_vectors, host_table = self.staging[self.turn]
         table_staging = self.tables[self.turn]
+        if self.lora is not None:
+            host_slots = self.lora_staging[self.turn]
+            slots = host_slots.numpy()
+            slots[:count] = lora_slots if lora_slots else -1
+            slots[count:batch] = -1
+            self.lora_slots[:batch].copy_(host_slots[:batch], non_blocking=True)
         self.turn = 1 - self.turn
         vectors = host_vectors.numpy()
         vectors[0, :count] = input_ids

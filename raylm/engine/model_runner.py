@@ -169,9 +169,12 @@ class ModelRunner:
         return self.model.lm_head is not None and self.capture_logits
 
     def graphs_fit(self, pp_size: int) -> bool:
-        """Whether capture_graphs captures decode graphs here (the kernels and the model allow them)."""
+        """Whether capture_graphs captures decode graphs here (the kernels and the model allow them; with LoRA
+        adapters, the Triton kernels of their products, which read each row's slot on the device)."""
         from raylm.engine.cuda_graphs import graph_ladder_fits
 
+        if self.lora is not None and not self.kernels.triton:
+            return False
         return self.attention_backend in ("triton", "flashinfer") and graph_ladder_fits(self.arch, pp_size)
 
     def graph_logits_bytes(self, max_batch: int, pp_size: int) -> int:
@@ -265,7 +268,7 @@ class ModelRunner:
                                                 self.arch.sliding_window, self.device)
         graphs = DecodeGraphs(self.model, self.kv_caches, batch_sizes, max_blocks, self.arch.hidden_size,
                               self.dtype, self.device, self.arch.sliding_window, flashinfer, logits=self.graph_logits,
-                              stream=self._capture_stream())
+                              stream=self._capture_stream(), lora=self.lora.batch if self.lora is not None else None)
         graphs.capture()
         self.graphs = graphs
 
@@ -306,7 +309,8 @@ class ModelRunner:
         if (self.graphs is not None and intermediate is None and not plan.prefill_chunks
                 and self.graphs.fits(len(plan.decode_contexts), max(len(b) for b, _ in plan.decode_contexts))):
             self._graphed = self.graphs.run_step(plan.input_ids, plan.positions, plan.slot_mapping,
-                                                 plan.decode_contexts, feed, greedy=plan.greedy)
+                                                 plan.decode_contexts, feed, greedy=plan.greedy,
+                                                 lora_slots=plan.lora_slots)
             return self._graphed.hidden
         meta = self.build_metadata(
             decode_contexts=plan.decode_contexts,

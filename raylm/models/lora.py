@@ -50,6 +50,9 @@ class LoraBatch:
         self.groups: list[SlotRows] = []
         # Each row's slot on the device, for the Triton kernels (a CUDA step of at most TRITON_MAX_ROWS rows).
         self.row_slots: torch.Tensor | None = None
+        # Set while a decode graph runs its forward (engine/cuda_graphs.py): the graph's own buffer of its rows'
+        # slots, which each replay refills; the layers then launch the Triton kernels whatever the rows' adapters.
+        self.graph_slots: torch.Tensor | None = None
 
     def set_rows(self, row_slots: list[int], device: torch.device) -> None:
         """row_slots: each row's slot, -1 for the base model (empty: no row has an adapter)."""
@@ -85,6 +88,11 @@ class LayerAdapters(nn.Module):
                              persistent=False)
 
     def forward(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        graph_slots = self.batch.graph_slots
+        if graph_slots is not None and self.kernels.on_triton(x):  # in a decode graph: the same launches each replay
+            from raylm.kernels.triton_lora import add_lora_rows
+
+            return add_lora_rows(out, x, self.lora_a, self.lora_b, self.slice_sizes, graph_slots[: x.shape[0]])
         groups = self.batch.groups
         if not groups:
             return out
