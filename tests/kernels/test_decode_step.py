@@ -16,11 +16,13 @@ from raylm.engine.step_plan import StepPlan  # noqa: E402
 from raylm.kernels.policy import KernelPolicy  # noqa: E402
 
 
-def _decode_hidden(runner: ModelRunner, cache: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Final hidden states of one decode step of two sequences over a cache holding random keys and values."""
+def _decode_hidden(runner: ModelRunner, cache: list[tuple[torch.Tensor, torch.Tensor]],
+                   lora_slots: list[int] | None = None) -> torch.Tensor:
+    """Final hidden states of one decode step of two sequences over a cache holding random keys and values (with
+    a LoRA runtime on the runner: the rows' adapter slots)."""
     runner.kv_caches = [(k.clone(), v.clone()) for k, v in cache]
     plan = StepPlan(input_ids=[5, 9], positions=[19, 4], slot_mapping=[2 * 16 + 3, 3 * 16 + 4],
-                    decode_contexts=[([1, 2], 20), ([3], 5)], sample_rows=[0, 1])
+                    decode_contexts=[([1, 2], 20), ([3], 5)], sample_rows=[0, 1], lora_slots=lora_slots or [])
     return runner.forward(plan).float()
 
 
@@ -94,3 +96,36 @@ def test_graph_buffers_give_the_eager_step(tiny_model_dirs):
         tokens, logprobs = step.greedy
         assert tokens.tolist() == eager_logits.argmax(dim=-1).tolist()
         torch.testing.assert_close(logprobs, eager_logits.log_softmax(dim=-1).gather(1, tokens[:, None])[:, 0])
+
+
+def test_graph_buffers_take_each_row_s_lora_slot(tiny_model_dirs, tiny_lora_dirs):
+    """Decode graphs of a model with LoRA adapters: each step writes its rows' slots into the graphs' buffer
+    (padding rows -1), and the step equals the eager one with the same adapters, for two mixes of adapters in a
+    row. On CUDA the graphs are captured first: the adapted layers' Triton kernels read the buffer inside them."""
+    from raylm.config import LoraConfig
+    from raylm.engine.cuda_graphs import DecodeGraphs
+    from raylm.kernels.triton_backend import build_triton_metadata
+    from raylm.lora_request import LoRARequest
+    from raylm.models.lora import LoraRuntime
+
+    runner, loaded = tiny_runner(tiny_model_dirs["llama"], torch.float32, DEVICE)
+    runner.build_metadata = build_triton_metadata
+    runner.lora = LoraRuntime(loaded.model, loaded.arch, LoraConfig(max_loras=2, max_lora_rank=64), torch.float32,
+                              DEVICE)
+    for slot, name in enumerate(("r8", "qv")):
+        runner.lora.load(slot, LoRARequest(name, slot + 1, str(tiny_lora_dirs[name])))
+    generator = torch.Generator().manual_seed(3)
+    cache = [tuple(torch.randn(t.shape, generator=generator).to(DEVICE) for t in pair) for pair in runner.kv_caches]
+    graphs = DecodeGraphs(loaded.model, [(k.clone(), v.clone()) for k, v in cache], [1, 4], 8,
+                          loaded.arch.hidden_size, torch.float32, DEVICE, None, lora=runner.lora.batch)
+    if DEVICE.type == "cuda":
+        graphs.capture()
+    contexts = [([1, 2], 20), ([3], 5)]
+    for slots in ([0, 1], [-1, 0], [1, 1]):
+        eager = _decode_hidden(runner, cache, slots)  # (on the CPU, the uncaptured graphs take its row groups)
+        graphs.kv_caches[:] = [(k.clone(), v.clone()) for k, v in cache]
+        step = graphs.run_step([5, 9], [19, 4], [2 * 16 + 3, 3 * 16 + 4], contexts, lora_slots=slots)
+        assert graphs.lora_slots.tolist() == slots + [-1, -1]
+        torch.testing.assert_close(step.hidden.float(), eager, atol=1e-4, rtol=1e-4)
+    plain = _decode_hidden(runner, cache)
+    assert not torch.allclose(plain, eager, atol=1e-3)  # the adapters changed the step
