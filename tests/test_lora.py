@@ -129,6 +129,22 @@ def test_workers_reload_an_evicted_adapter_from_their_cpu_copy(tiny_model_dirs, 
         _reference(tiny_model_dirs, tiny_lora_dirs, "r8")
 
 
+def test_speculative_decoding_verifies_drafts_with_each_request_s_adapter(tiny_model_dirs, tiny_lora_dirs):
+    """Prompt lookup's verify steps run each drafted row with its request's adapter: greedy tokens equal HF +
+    PEFT's for adapters and the base model mixed, with drafts proposed (the prompts repeat themselves)."""
+    from raylm import NGramDecodingConfig
+
+    rows = [("r8", 1), ("qv", 2), (None, 1), ("r64", 0)]
+    with LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, kv_cache_config=KV, max_seq_len=512,
+             lora_config=LoraConfig(max_loras=2, max_lora_rank=64),
+             speculative_config=NGramDecodingConfig(max_draft_len=4, max_matching_ngram_size=2)) as llm:
+        outputs = _generate(llm, [PROMPTS[p] for _, p in rows], [_request(tiny_lora_dirs, n) for n, _ in rows])
+        totals = llm.get_stats(timeout=2)[-1]["specDecodingStats"]
+    assert totals["totalDraftTokens"] > 0
+    for (name, prompt_index), output in zip(rows, outputs):
+        assert output.outputs[0].token_ids == _reference(tiny_model_dirs, tiny_lora_dirs, name)[prompt_index], name
+
+
 # ---------------------------------------------------------------------- refusals
 
 
