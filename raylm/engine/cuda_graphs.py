@@ -90,7 +90,8 @@ class DecodeOutputs:
 class DecodeGraphs:
     def __init__(self, model, kv_caches, batch_sizes: list[int], max_blocks: int, hidden_size: int,
                  dtype: torch.dtype, device: torch.device, sliding_window: int | None, flashinfer=None,
-                 logits: bool = False, stream: torch.cuda.Stream | None = None, lora=None):
+                 logits: bool = False, stream: torch.cuda.Stream | None = None, lora=None,
+                 decode_write_first: bool = False):
         """stream: the side stream to capture on; one kept by the caller for every capture, since cuBLAS keeps a
         workspace per stream for good (a new stream per capture grew the process by 32 MB a capture on the H200).
         flashinfer: the FlashInfer backend's FlashInferDecodeGraphs, whose wrappers the graphs then attend
@@ -98,7 +99,9 @@ class DecodeGraphs:
         in static buffers). logits: whether the graphs compute the logits too, with a greedy-draw graph of
         each size beside them (the model's last stage). lora: the model's LoraBatch (models/lora.py) when it serves
         LoRA adapters: each replay then reads its rows' slots from a buffer of the graphs (-1: the base model), and
-        the adapted layers launch the same kernels whatever the rows' adapters."""
+        the adapted layers launch the same kernels whatever the rows' adapters. decode_write_first: the Triton
+        kernels store every row's key and value before any row attends, so that a replay may hold several positions
+        of one sequence (speculative decoding's verify rows); FlashInfer's graphs always do."""
         self.model = model
         self.with_logits = logits
         self.stream = stream
@@ -120,6 +123,8 @@ class DecodeGraphs:
         self.context_lens.fill_(1)
         self.block_tables = torch.zeros(size, max_blocks, dtype=torch.int32, device=device)
         self.lora = lora
+        self.decode_write_first = decode_write_first
+        self.takes_verify_rows = decode_write_first or flashinfer is not None
         self.lora_slots = torch.full((size,), -1, dtype=torch.int32, device=device) if lora is not None else None
         # Host staging, pinned on CUDA so the copies are asynchronous. Two sets, used in turn: a step's copies
         # may still be queued when the next step is prepared (overlapped scheduling), never two steps later.
@@ -142,7 +147,7 @@ class DecodeGraphs:
         return TritonAttentionMetadata(
             slot_mapping=self.slot_mapping[:batch], num_decodes=batch,
             decode_block_tables=self.block_tables[:batch], decode_context_lens=self.context_lens[:batch],
-            sliding_window=self.sliding_window,
+            sliding_window=self.sliding_window, decode_write_first=self.decode_write_first,
         )
 
     def _forward(self, batch: int) -> DecodeOutputs:

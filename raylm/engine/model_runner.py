@@ -33,6 +33,7 @@ from raylm.engine.step_runner import ModelOutput
 from raylm.kernels.attention import build_metadata
 from raylm.kernels.fp8 import FP8_DTYPE, FP8_SCALE_DTYPE
 from raylm.kernels.policy import KernelPolicy, choose_kernel_policy, set_kernel_policy
+from raylm.kernels.triton_backend import TritonAttentionMetadata
 from raylm.models.arch import ArchConfig
 
 # Prompt log-probabilities are computed this many positions at a time, to bound the logits' memory.
@@ -253,8 +254,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def capture_graphs(self, batch_sizes: list[int], max_seq_len: int, pp_size: int) -> None:
-        """Captures decode CUDA graphs (when the device, the kernels and the model allow them)."""
+    def capture_graphs(self, batch_sizes: list[int], max_seq_len: int, pp_size: int, verify_rows: bool = False
+                       ) -> None:
+        """Captures decode CUDA graphs (when the device, the kernels and the model allow them); with verify_rows
+        (speculative decoding) graphs that also take a drafted sequence's positions as rows of their own."""
         from raylm.engine.cuda_graphs import DecodeGraphs
 
         if not self.graphs_fit(pp_size):
@@ -268,7 +271,8 @@ class ModelRunner:
                                                 self.arch.sliding_window, self.device)
         graphs = DecodeGraphs(self.model, self.kv_caches, batch_sizes, max_blocks, self.arch.hidden_size,
                               self.dtype, self.device, self.arch.sliding_window, flashinfer, logits=self.graph_logits,
-                              stream=self._capture_stream(), lora=self.lora.batch if self.lora is not None else None)
+                              stream=self._capture_stream(), lora=self.lora.batch if self.lora is not None else None,
+                              decode_write_first=verify_rows)
         graphs.capture()
         self.graphs = graphs
 
@@ -307,6 +311,7 @@ class ModelRunner:
             self.lora.prepare(plan.lora_loads, plan.lora_slots)
         self._graphed = None
         if (self.graphs is not None and intermediate is None and not plan.prefill_chunks
+                and (not plan.verify_rows or self.graphs.takes_verify_rows)
                 and self.graphs.fits(len(plan.decode_contexts), max(len(b) for b, _ in plan.decode_contexts))):
             self._graphed = self.graphs.run_step(plan.input_ids, plan.positions, plan.slot_mapping,
                                                  plan.decode_contexts, feed, greedy=plan.greedy,
@@ -320,6 +325,8 @@ class ModelRunner:
             sliding_window=self.arch.sliding_window,
             device=self.device,
         )
+        if plan.verify_rows and isinstance(meta, TritonAttentionMetadata):
+            meta.decode_write_first = True
         input_ids = to_device(plan.input_ids, self.device)
         if feed is not None:
             put_rows(input_ids, *feed)

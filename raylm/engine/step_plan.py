@@ -46,6 +46,10 @@ class StepPlan:
     # base model), empty when no row has an adapter.
     lora_loads: list[tuple] = field(default_factory=list)
     lora_slots: list[int] = field(default_factory=list)
+    # Speculative decoding's verify rows: a drafted sequence's last token and drafts are decode rows of their own,
+    # one per position (each attending to its prefix), so that the step can replay a decode graph. Their keys and
+    # values must all be stored before any row attends.
+    verify_rows: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -59,7 +63,7 @@ def plan_step(out: SchedulerOutput, block_size: int) -> StepPlan:
     input_ids, positions, slots = plan.input_ids, plan.positions, plan.slot_mapping
     sample_rows, decode_contexts, feed_rows = plan.sample_rows, plan.decode_contexts, plan.feed_rows
     offset = 0
-    greedy = not out.prefills
+    greedy = True
     for item in out.decodes:  # one token each: the common case, kept cheap
         greedy = greedy and item.request.greedy_draws
         seq, position = item.seq, item.start
@@ -78,8 +82,24 @@ def plan_step(out: SchedulerOutput, block_size: int) -> StepPlan:
             if spec is not None:
                 plan.prompt_logprobs.append(spec)
         offset += 1
-    plan.greedy = greedy and offset > 0
-    for item in out.prefills:
+    drafted = [item for item in out.prefills if item.drafts]
+    chunks = [item for item in out.prefills if not item.drafts] if drafted else out.prefills
+    item_rows: dict[int, list[int]] = {}  # id(item) -> its sample rows, for a drafted step's order
+    for item in drafted:  # the last token and the drafts: one decode row per position
+        greedy = greedy and item.request.greedy_draws
+        blocks = item.seq.block_ids
+        rows = item_rows[id(item)] = []
+        for index, token in enumerate(item.token_ids):
+            position = item.start + index
+            input_ids.append(token)
+            positions.append(position)
+            slots.append(blocks[position // block_size] * block_size + position % block_size)
+            decode_contexts.append((blocks, position + 1))
+            rows.append(offset)
+            offset += 1
+    plan.verify_rows = bool(drafted)
+    plan.greedy = greedy and not chunks and offset > 0
+    for item in chunks:
         first_row = offset
         span = range(item.start, item.start + item.num_tokens)
         blocks = item.seq.block_ids
@@ -88,25 +108,32 @@ def plan_step(out: SchedulerOutput, block_size: int) -> StepPlan:
         slots.extend(blocks[pos // block_size] * block_size + pos % block_size for pos in span)
         offset += item.num_tokens
         plan.prefill_chunks.append((blocks, item.start, item.num_tokens))
-        if item.drafts:  # every position from the last known token on is drawn, to check the drafts
-            sample_rows.extend(range(offset - 1 - len(item.drafts), offset))
-        elif item.completes:
-            sample_rows.append(offset - 1)
+        if item.completes:
+            if drafted:
+                item_rows[id(item)] = [offset - 1]
+            else:
+                sample_rows.append(offset - 1)
         spec = _prompt_logprob_spec(item, first_row)
         if spec is not None:
             plan.prompt_logprobs.append(spec)
+    if drafted:  # sample rows in the schedule's order, as the sampler takes its rows
+        for item in out.prefills:
+            sample_rows.extend(item_rows.get(id(item), ()))
     plan.lora_loads = list(out.lora_loads)
     plan.lora_slots = _lora_slots(out)
     return plan
 
 
 def _lora_slots(out: SchedulerOutput) -> list[int]:
-    """Each row's adapter slot, in the plan's row order (-1: the base model); empty when no row has an adapter."""
+    """Each row's adapter slot, in the plan's row order (decodes, drafted sequences' rows, prefill chunks; -1: the
+    base model); empty when no row has an adapter."""
     if all(item.request.lora_slot < 0 for item in out.scheduled):
         return []
     slots = [item.request.lora_slot for item in out.decodes]
-    for item in out.prefills:
-        slots.extend([item.request.lora_slot] * item.num_tokens)
+    for drafted in (True, False):
+        for item in out.prefills:
+            if bool(item.drafts) == drafted:
+                slots.extend([item.request.lora_slot] * item.num_tokens)
     return slots
 
 

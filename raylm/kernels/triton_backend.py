@@ -26,6 +26,9 @@ class TritonAttentionMetadata:
     seq_starts: torch.Tensor | None = None  # [S] int32
     prefill_context_lens: torch.Tensor | None = None  # [S] int32
     sliding_window: int | None = None
+    # Decode rows may hold several consecutive positions of one sequence (speculative decoding's verify rows): every
+    # row's key and value is stored before any row attends, instead of by each row's own attention kernel.
+    decode_write_first: bool = False
 
     def attend(self, q, k, v, k_cache, v_cache, scale: float,
                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -53,7 +56,12 @@ class TritonAttentionMetadata:
                                                     v_cache, self.slot_mapping[tail], pdl, **fp8)
         if decodes:
             head = slice(0, decodes)
-            if rope is None:
+            if rope is not None and self.decode_write_first:
+                queries = rotary_write_kv_cache(q[head], k[head], v[head], rope[0][head], rope[1][head], k_cache,
+                                                v_cache, self.slot_mapping[head], pdl, **fp8)
+                decoded = paged_decode_attention(queries, k_cache, v_cache, self.decode_block_tables,
+                                                 self.decode_context_lens, scale, self.sliding_window, pdl=pdl, **fp8)
+            elif rope is None:
                 decoded = paged_decode_attention(q[head], k_cache, v_cache, self.decode_block_tables,
                                                  self.decode_context_lens, scale, self.sliding_window, pdl=pdl, **fp8)
             else:

@@ -35,18 +35,19 @@ class ConfigError(ValueError):
 
 
 def _options(annotation: Any) -> tuple[Any, ...]:
-    """The types an annotation allows: each of a union's, else itself."""
+    """The types an annotation allows: each of a union's (through Annotated and nested unions), else itself."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _options(typing.get_args(annotation)[0])
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return typing.get_args(annotation)
+        return tuple(option for arg in typing.get_args(annotation) for option in _options(arg))
     return (annotation,)
 
 
-def _nested_model(model: type[BaseModel], name: str) -> type[BaseModel] | None:
-    """The model class of field `name` when it holds a model (or an optional one), else None."""
-    for option in _options(model.model_fields[name].annotation):
-        if isinstance(option, type) and issubclass(option, BaseModel):
-            return option
-    return None
+def _nested_models(model: type[BaseModel], name: str) -> list[type[BaseModel]]:
+    """The model classes field `name` may hold (several for a union of models, such as speculative_config's
+    decoding types; none when it holds a value)."""
+    return [option for option in _options(model.model_fields[name].annotation)
+            if isinstance(option, type) and issubclass(option, BaseModel)]
 
 
 def _item_model(model: type[BaseModel], name: str) -> type[BaseModel] | None:
@@ -59,32 +60,43 @@ def _item_model(model: type[BaseModel], name: str) -> type[BaseModel] | None:
     return None
 
 
-def config_paths(model: type[BaseModel] = ServeArgs, prefix: str = "") -> list[str]:
-    """Every path a source may set, sorted: each field, and the fields of nested models."""
-    paths = []
-    for name in model.model_fields:
-        paths.append(prefix + name)
-        nested = _nested_model(model, name)
-        if nested is not None:
-            paths.extend(config_paths(nested, f"{prefix}{name}."))
+Models = type[BaseModel] | list[type[BaseModel]]
+
+
+def _as_list(models: Models) -> list[type[BaseModel]]:
+    return models if isinstance(models, list) else [models]
+
+
+def config_paths(model: Models = ServeArgs, prefix: str = "") -> list[str]:
+    """Every path a source may set, sorted: each field, and the fields of nested models (of any model a union
+    allows)."""
+    paths = set()
+    for each in _as_list(model):
+        for name in each.model_fields:
+            paths.add(prefix + name)
+            nested = _nested_models(each, name)
+            if nested:
+                paths.update(config_paths(nested, f"{prefix}{name}."))
     return sorted(paths)
 
 
-def check_path(path: str, source: str, model: type[BaseModel] = ServeArgs, shown: str = "") -> None:
-    """Raises ConfigError unless `path` names a field of `model`, listing the valid paths where it went wrong;
-    messages show paths after `shown` (`models[1].` for a path inside an entry of models)."""
+def check_path(path: str, source: str, model: Models = ServeArgs, shown: str = "") -> None:
+    """Raises ConfigError unless `path` names a field of `model` (of one of them, for a union), listing the valid
+    paths where it went wrong; messages show paths after `shown` (`models[1].` for a path inside an entry of
+    models)."""
     parts = path.split(".")
+    models = _as_list(model)
     for depth, part in enumerate(parts):
         parent = shown + ".".join(parts[:depth])
-        if part not in model.model_fields:
+        owners = [each for each in models if part in each.model_fields]
+        if not owners:
             where = f"under {parent.rstrip('.')!r}" if parent else "at the top level"
-            valid = ", ".join(config_paths(model, f"{parent.rstrip('.')}." if parent else ""))
+            valid = ", ".join(config_paths(models, f"{parent.rstrip('.')}." if parent else ""))
             raise ConfigError(f"{source}: unknown config path {shown + path!r}; valid paths {where}: {valid}")
-        nested = _nested_model(model, part)
-        if nested is None and depth < len(parts) - 1:
+        models = [nested for each in owners for nested in _nested_models(each, part)]
+        if not models and depth < len(parts) - 1:
             raise ConfigError(f"{source}: {shown + '.'.join(parts[:depth + 1])!r} is a value, not a mapping; "
                               f"{shown + path!r} cannot address inside it")
-        model = nested
 
 
 def _check_values(value: Any, where: str) -> None:
@@ -108,12 +120,14 @@ def _check_values(value: Any, where: str) -> None:
                       f"{type(value).__name__} ({value!r}); quote it to pass a string")
 
 
-def _check_tree(values: Mapping[str, Any], source: str, model: type[BaseModel] = ServeArgs, shown: str = "") -> None:
+def _check_tree(values: Mapping[str, Any], source: str, model: Models = ServeArgs, shown: str = "") -> None:
     """Checks every path of a mapping of `model`'s fields, those inside nested models and entries of models too."""
     for key, value in values.items():
         check_path(str(key), source, model, shown)
-        nested, item = _nested_model(model, key), _item_model(model, key)
-        if isinstance(value, dict) and nested is not None:
+        owners = [each for each in _as_list(model) if key in each.model_fields]
+        nested = [models for each in owners for models in _nested_models(each, key)]
+        item = next((found for each in owners if (found := _item_model(each, key)) is not None), None)
+        if isinstance(value, dict) and nested:
             _check_tree(value, source, nested, f"{shown}{key}.")
         if isinstance(value, list) and item is not None:
             for index, entry in enumerate(value):
@@ -124,10 +138,10 @@ def _check_tree(values: Mapping[str, Any], source: str, model: type[BaseModel] =
 def _check_value(path: str, value: Any, source: str) -> None:
     """Checks the paths inside a (checked) path's new value."""
     *parents, leaf = path.split(".")
-    model = ServeArgs
+    models: list[type[BaseModel]] = [ServeArgs]
     for part in parents:
-        model = _nested_model(model, part)
-    _check_tree({leaf: value}, source, model, "".join(f"{part}." for part in parents))
+        models = [nested for each in models if part in each.model_fields for nested in _nested_models(each, part)]
+    _check_tree({leaf: value}, source, models, "".join(f"{part}." for part in parents))
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

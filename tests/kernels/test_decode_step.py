@@ -129,3 +129,41 @@ def test_graph_buffers_take_each_row_s_lora_slot(tiny_model_dirs, tiny_lora_dirs
         torch.testing.assert_close(step.hidden.float(), eager, atol=1e-4, rtol=1e-4)
     plain = _decode_hidden(runner, cache)
     assert not torch.allclose(plain, eager, atol=1e-3)  # the adapters changed the step
+
+
+def _verify_step_hidden(runner: ModelRunner, cache, graphs=None) -> torch.Tensor:
+    """Final hidden states of a verify step (speculative decoding): one sequence's last token at position 19 and
+    three drafts after it, and another sequence's decode, as decode rows (StepPlan.verify_rows)."""
+    runner.kv_caches = [(k.clone(), v.clone()) for k, v in cache]
+    blocks = [1, 2]
+    positions = [19, 20, 21, 22]
+    plan = StepPlan(input_ids=[5, 6, 7, 8, 9], positions=positions + [4],
+                    slot_mapping=[blocks[p // 16] * 16 + p % 16 for p in positions] + [3 * 16 + 4],
+                    decode_contexts=[(blocks, p + 1) for p in positions] + [([3], 5)], sample_rows=[0, 1, 2, 3, 4],
+                    verify_rows=True)
+    if graphs is None:
+        return runner.forward(plan).float()
+    graphs.kv_caches[:] = runner.kv_caches
+    return graphs.run_step(plan.input_ids, plan.positions, plan.slot_mapping, plan.decode_contexts).hidden.float()
+
+
+def test_verify_rows_of_one_sequence_attend_to_each_other_s_keys(tiny_model_dirs):
+    """A drafted sequence's positions as decode rows of one step: each row attends to the keys the rows before it
+    store in the same step. The Triton path (store every row's key and value, then attend) and the decode graphs
+    captured for it equal the torch path."""
+    from raylm.engine.cuda_graphs import DecodeGraphs
+    from raylm.kernels.attention import build_metadata
+    from raylm.kernels.triton_backend import build_triton_metadata
+
+    runner, loaded = tiny_runner(tiny_model_dirs["llama"], torch.float32, DEVICE)
+    generator = torch.Generator().manual_seed(4)
+    cache = [tuple(torch.randn(t.shape, generator=generator).to(DEVICE) for t in pair) for pair in runner.kv_caches]
+    runner.build_metadata = build_metadata
+    torch_path = _verify_step_hidden(runner, cache)
+    runner.build_metadata = build_triton_metadata
+    torch.testing.assert_close(_verify_step_hidden(runner, cache), torch_path, atol=1e-4, rtol=1e-4)
+    graphs = DecodeGraphs(loaded.model, runner.kv_caches, [8], 8, loaded.arch.hidden_size, torch.float32, DEVICE,
+                          None, decode_write_first=True)
+    if DEVICE.type == "cuda":
+        graphs.capture()
+    torch.testing.assert_close(_verify_step_hidden(runner, cache, graphs), torch_path, atol=1e-4, rtol=1e-4)

@@ -133,3 +133,17 @@ def test_the_example_configs_are_valid():
     assert names == ["smollm2", "smollm2-long"]
     serve_args = yaml.safe_load((examples / "serve_config.yaml").read_text())["applications"][0]["args"]
     assert ServeArgs.model_validate(serve_args).model_name == "smollm2"
+
+
+def test_settings_inside_a_union_of_configs_are_addressed_by_their_fields(tmp_path):
+    """speculative_config is one of two decoding types (its decoding_type says which): --set and files address
+    the fields of either, and a path that is in neither is refused, listing both types' fields."""
+    args = layer_serve_args(None, {}, ["speculative_config.decoding_type=NGram", "speculative_config.max_draft_len=3"])
+    assert (args.speculative_config.decoding_type, args.speculative_config.max_draft_len) == ("NGram", 3)
+    config = _file(tmp_path, "speculative_config:\n  decoding_type: DraftTarget\n  speculative_model: /models/d\n")
+    assert layer_serve_args(config).speculative_config.speculative_model == "/models/d"
+    assert {"speculative_config.max_matching_ngram_size", "speculative_config.speculative_model"} <= set(config_paths())
+    with pytest.raises(ConfigError, match=r"unknown config path 'speculative_config.draft_len'.*speculative_model"):
+        layer_serve_args(None, {}, ["speculative_config.draft_len=3"])
+    with pytest.raises(ConfigError, match="unknown config path 'speculative_config.nope'"):
+        layer_serve_args(_file(tmp_path, "speculative_config:\n  nope: 1\n"))
