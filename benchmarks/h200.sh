@@ -224,6 +224,8 @@ case "${1:-}" in
       --output_len 128 --num_iters 3 $(output_json lora-llama-3.1-8b-b8-r16) 2>&1 | tail -6
     ;;
   speculative)
+    # Verify rows: the Triton path and a captured decode graph against the torch path.
+    timeout 120 python -m pytest tests/kernels/test_decode_step.py -k verify -q -rs -p no:cacheprovider 2>&1 | tail -4
     watched 500 python benchmarks/speculative.py --model "${SMOLLM2_GGUF:-/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}" \
       --batch_sizes 1 2 4 8 16 32 64 --output_len 128 --num_iters 3 $(output_json speculative-smollm2-o128-cuda) \
       2>&1 | tail -10
