@@ -264,7 +264,7 @@ class GraphStandIn:
             def fits(self, num_seqs, max_blocks):
                 return True
 
-            def run_step(self, input_ids, positions, slot_mapping, contexts, feed=None, greedy=False):
+            def run_step(self, input_ids, positions, slot_mapping, contexts, feed=None, greedy=False, lora_slots=None):
                 self.steps += 1
                 runner.graphs = None
                 try:

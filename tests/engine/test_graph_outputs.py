@@ -28,7 +28,8 @@ class _EagerGraphs:
     def free(self) -> None:  # nothing of its own on a device
         self.runner = None
 
-    def run_step(self, input_ids, positions, slot_mapping, contexts, feed=None, greedy=False) -> DecodeOutputs:
+    def run_step(self, input_ids, positions, slot_mapping, contexts, feed=None, greedy=False,
+                 lora_slots=None) -> DecodeOutputs:
         self.steps += 1
         self.greedy_steps += greedy
         runner, self.runner.graphs = self.runner, None
