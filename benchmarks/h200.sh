@@ -22,6 +22,7 @@
 #                                        # engine replica) against the engine called directly, 8B 256 x (512, 128)
 #                                        # at 64 streaming clients                                    (~7 min)
 #   bash benchmarks/h200.sh serving-1    # the same with one client, 16 x (512, 128)                 (~6 min)
+#   bash benchmarks/h200.sh serving-ingress2  # 64 clients through 2 ingress replicas (ingress_replicas=2) (~4 min)
 #   bash benchmarks/h200.sh fp8          # FP8's GPU tests: torch._scaled_mm against the float32 reference, the decode
 #                                        # GEMV on FP8 weights, the FP8 KV cache's kernels and engine    (~8 min)
 #   bash benchmarks/h200.sh fp8-gemv     # the FP8 GEMV's input modes per 8B layer against _scaled_mm (~9 min)
@@ -241,6 +242,13 @@ case "${1:-}" in
         "${load[@]}" --input_len 512 --output_len 128 --max_batch_size 256 \
         $(output_json "serving-8b-$clients-$ingress") 2>&1 | grep -E '^(backend|engine|serve) |hop|mean time|wrote|Error'
     done
+    ;;
+  serving-ingress2)
+    # The ingress deployment with 2 replicas: its per-token host work spread over two processes.
+    use_gemv_tuning_cache
+    watched 270 python benchmarks/serving.py --model "$llama" "${dummy[@]}" --backend serve --ingress_replicas 2 \
+      --max_concurrency 64 --num_prompts 256 --input_len 512 --output_len 128 --max_batch_size 256 \
+      $(output_json "serving-8b-c64-ingress2") 2>&1 | grep -E '^(backend|engine|serve) |hop|mean time|CPU|wrote|Error'
     ;;
   throughput)
     throughput throughput-8b-n1000 "$llama" 1000 1024 1024 256 500 --num_iters 3

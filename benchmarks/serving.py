@@ -263,7 +263,8 @@ def serve_args(args: argparse.Namespace):
     options = llm_options(args, max_seq_len=args.input_len + args.output_len + 16)
     options["model"] = options["model"] or "smollm2-135m-instruct"
     return ServeArgs(**options, served_model_name="bench", host="127.0.0.1", port=port,
-                     max_queue=max(1024, args.num_prompts), api_key=None, ingress=args.ingress)
+                     max_queue=max(1024, args.num_prompts), api_key=None, ingress=args.ingress,
+                     ingress_replicas=args.ingress_replicas)
 
 
 async def _over_http(base_url: str, model: str, api_key: str | None, args, workload: Workload) -> dict:
@@ -328,6 +329,8 @@ def main() -> None:
     parser.add_argument("--api_key", default=os.environ.get("RAYLM_API_KEY"), help="for --base_url")
     parser.add_argument("--ingress", choices=["deployment", "engine"], default="deployment",
                         help="serve backend: the HTTP app on an ingress deployment, or on each engine replica")
+    parser.add_argument("--ingress_replicas", type=int, default=None,
+                        help="serve backend with --ingress deployment: replicas of the ingress deployment")
     parser.add_argument("--engine_executor", choices=["ray", "local"], default="ray",
                         help="executor of the direct engine (ray: a worker actor, as the Serve deployment has)")
     parser.add_argument("--num_prompts", type=int, default=32)
@@ -357,6 +360,7 @@ def main() -> None:
 
     load = f"c{args.max_concurrency}" if args.max_concurrency else f"r{args.request_rate:g}"
     load += "-engine-ingress" if args.ingress == "engine" and args.backend != "engine" else ""
+    load += f"-ingress{args.ingress_replicas}" if args.ingress_replicas and args.backend != "engine" else ""
     name = f"serving-{Path(args.model or 'smollm2').name}-{load}-i{args.input_len}-o{args.output_len}-" \
            f"{args.device if args.device != 'auto' else _device()}"
     path = write_result(name, args, {"results": results})

@@ -280,6 +280,13 @@ class ServeArgs(ModelArgs, ServerOptions):
                     "'engine': on every engine replica, so a request never crosses from an ingress to an engine "
                     "(Serve's proxy routes to the replicas by queue length; one model, pow2 routing).",
     )
+    ingress_replicas: int | None = Field(
+        default=None, ge=1,
+        description="Replicas of the ingress deployment (ingress 'deployment'): each formats the OpenAI responses "
+                    "and relays the streams of the requests the proxy gives it, so several spread that host work "
+                    "over more cores in front of the same engines. Default: as many as the engine deployment has "
+                    "(with several models, as many as the one with the most).",
+    )
     models: list[ModelArgs] | None = Field(
         default=None, min_length=1,
         description="Several models in one server, each with its own engine settings and replicas; a request's "
@@ -327,6 +334,9 @@ class ServeArgs(ModelArgs, ServerOptions):
             if any(args.request_router == "prefix_aware" for args in self.served_models()):
                 raise ValueError("request_router 'prefix_aware' routes from the ingress deployment: with ingress "
                                  "'engine' Serve's proxy routes (use request_router 'pow2' or ingress 'deployment')")
+            if self.ingress_replicas is not None:
+                raise ValueError("ingress_replicas counts the replicas of the ingress deployment: with ingress "
+                                 "'engine' there is none (the engine replicas serve HTTP)")
         if self.models is None:
             return self
         first_index: dict[str, int] = {}

@@ -352,7 +352,12 @@ def build_openai_app(config: ServeArgs) -> Application:
             max_ongoing_requests=args.max_queue + CONTROL_CALLS,
             **placed(args), **shared, **_replica_options(args), **_request_router_options(args),
         ).bind(args))
-    ingress_replicas = _replica_options(models[0]) if len(models) == 1 else {"num_replicas": _ingress_replicas(models)}
+    if config.ingress_replicas is not None:
+        ingress_replicas = {"num_replicas": config.ingress_replicas}
+    elif len(models) == 1:
+        ingress_replicas = _replica_options(models[0])
+    else:
+        ingress_replicas = {"num_replicas": _ingress_replicas(models)}
     return OpenAIIngress.options(
         ray_actor_options=actor_options, max_ongoing_requests=config.max_queue + OTHER_ROUTES, **shared,
         **ingress_replicas,

@@ -57,3 +57,22 @@ def test_ingress_engine_serves_one_model_routed_by_serves_proxy(tiny_model_dirs)
     with pytest.raises(ValueError, match="prefix_aware"):
         ServeArgs(model=model, ingress="engine", num_replicas=2, request_router="prefix_aware")
     assert ServeArgs(model=model, ingress="engine", num_replicas=2).ingress == "engine"
+
+
+def test_ingress_replicas_sets_the_ingress_deployment_apart_from_the_engines(tiny_model_dirs):
+    """ingress_replicas: replicas of the ingress deployment in front of the engines (default: as many as the
+    engine deployment); refused with ingress 'engine', which has none."""
+    from raylm.serving.ray_serve import build_openai_app
+
+    model = str(tiny_model_dirs["llama"])
+
+    def ingress_replicas(**fields) -> int:
+        return build_openai_app(ServeArgs(model=model, **fields))._bound_deployment.num_replicas
+
+    assert ingress_replicas(ingress_replicas=3) == 3
+    assert ingress_replicas(num_replicas=2) == 2
+    assert ingress_replicas(num_replicas=2, ingress_replicas=1) == 1
+    with pytest.raises(ValueError, match="ingress_replicas counts the replicas of the ingress deployment"):
+        ServeArgs(model=model, ingress="engine", ingress_replicas=2)
+    with pytest.raises(ValueError, match="ingress_replicas"):
+        ServeArgs(model=model, ingress_replicas=0)
