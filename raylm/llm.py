@@ -6,6 +6,7 @@ import asyncio
 import atexit
 import dataclasses
 import itertools
+import json
 import logging
 import os
 import threading
@@ -52,6 +53,19 @@ def _track_open(llm: LLM) -> None:
     # first out): before Ray's own hook that ray.init registered, while the workers can still be stopped.
     atexit.unregister(_shutdown_open_llms)
     atexit.register(_shutdown_open_llms)
+
+
+def _shippable(lora_request: LoRARequest) -> LoRARequest:
+    """An in-memory adapter as the workers take it whatever their process: its config as plain JSON values (PEFT's
+    own to_dict() holds a set and PEFT's enum, which a worker without PEFT could not unpickle) and its tensors on
+    the CPU (a trainer's may sit on its GPU)."""
+    if not lora_request.in_memory:
+        return lora_request
+    config = json.loads(json.dumps(dict(lora_request.peft_config),
+                                   default=lambda value: sorted(value) if isinstance(value, (set, frozenset))
+                                   else str(value)))
+    tensors = {name: tensor.detach().cpu() for name, tensor in lora_request.lora_tensors.items()}
+    return dataclasses.replace(lora_request, peft_config=config, lora_tensors=tensors)
 
 
 def _eos_token_ids(source: ModelSource, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
@@ -336,7 +350,7 @@ class LLM:
                                     self._lora_arch, max_rank)
         else:
             check_adapter(lora_request.lora_path, self._lora_arch, max_rank)
-        self._executor.collective_rpc("add_lora", (lora_request,), None, None)
+        self._executor.collective_rpc("add_lora", (_shippable(lora_request),), None, None)
         carried = lora_request.reference()
         self._adapters[lora_request.lora_int_id] = carried
         if lora_request.in_memory:

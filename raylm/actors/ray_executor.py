@@ -1,8 +1,9 @@
 """The Ray executor: tp x pp worker actors in placement-group bundles, rank 0 hosting the engine.
 
 The engine channel costs one Ray call per submission batch and, for the outputs, one streaming generator for the
-engine's life whose every item is the iterations since the last: never a call per token. Every worker's loop is watched: when an actor dies, pending requests fail at once
-(the driver sees the loop's reference resolve) instead of waiting on a collective that will never end.
+engine's life whose every item is the iterations since the last: never a call per token. Every worker's loop is
+watched: when an actor dies, pending requests fail at once (the driver sees the loop's reference resolve) instead
+of waiting on a collective that will never end.
 """
 
 from __future__ import annotations
