@@ -122,3 +122,31 @@ def test_an_in_memory_adapter_that_does_not_fit_is_refused_naming_the_tensor(llm
     with pytest.raises(ValueError, match="exceeds lora_config.max_lora_rank"):
         llm.add_lora(LoRARequest("big", 10, peft_config={**config, "r": 32}, lora_tensors=tensors))
     assert llm.list_loras() == []
+
+
+def test_async_llm_takes_a_trainer_s_adapter_on_its_ray_worker(ray_cluster, tiny_model_dirs):
+    """The RL loop's calls on AsyncLLM, whose engine runs on a Ray worker: the adapter crosses to the worker as
+    plain values (PEFT's config object holds a set and PEFT's enum), generates PEFT's tokens by name and id, and is
+    replaced under its id."""
+    from raylm import AsyncLLM
+
+    base = tiny_model_dirs["llama"]
+    adapters = [_trained_adapter(base, 8, seed=21), _trained_adapter(base, 4, seed=22)]
+
+    async def run():
+        async with AsyncLLM(model=str(base), skip_tokenizer_init=True, max_seq_len=512,
+                            kv_cache_config=KvCacheConfig(max_tokens=1024, tokens_per_block=16),
+                            lora_config=LoraConfig(max_loras=1, max_lora_rank=16)) as llm:
+            tokens = []
+            for config, tensors, _ in adapters:
+                await llm.remove_lora(5)
+                assert await llm.add_lora(LoRARequest("policy", 5, peft_config=config, lora_tensors=tensors))
+                assert [lora.lora_int_id for lora in await llm.list_loras()] == [5]
+                output = await llm.generate_async(TokensPrompt(prompt_token_ids=PROMPT),
+                                                  SamplingParams(max_tokens=NEW_TOKENS),
+                                                  lora_request=LoRARequest("policy", 5))
+                tokens.append(output.outputs[0].token_ids)
+            return tokens
+
+    tokens = asyncio.run(run())
+    assert tokens == [hf_greedy(model, PROMPT, NEW_TOKENS) for _, _, model in adapters]
