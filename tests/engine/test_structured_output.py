@@ -198,3 +198,37 @@ def test_a_model_vocabulary_padded_past_the_tokenizer_masks_the_padding(smollm2)
             t for t in range(own) if tokenizer.decode([t]) in ("y", "ye", "n")}
     assert (logits[1, own:] == 100.0).all()  # an unguided row is left alone
     compiler.shutdown()
+
+
+def test_draft_masks_follow_each_prefix_of_the_drafts_and_leave_the_guide_where_it_was(smollm2):
+    """Guide.fill_masks for a speculating sequence: row j is masked after drafts[:j] (here through the end of a
+    choice and its stop token); rows past a refused draft, or past the stop, are left unmasked; the matcher is
+    rolled back, so the guide accepts the same tokens afterwards."""
+    import torch
+    import xgrammar as xgr
+
+    from raylm.engine.structured_output import GrammarCompiler, Guide, tokenizer_vocab_size
+
+    tokenizer = smollm2.tokenizer
+    compiler = GrammarCompiler(tokenizer, vocab_size=tokenizer_vocab_size(tokenizer))
+    compiled = compiler.compile(GuidedDecodingParams(choice=["yes", "no"])).result()
+    eos = tokenizer.eos_token_id
+    (yes,) = tokenizer.encode("yes", add_special_tokens=False)
+    (no,) = tokenizer.encode("no", add_special_tokens=False)
+    guide = Guide(compiled, [eos])
+
+    def allowed(bitmask, row):
+        logits = torch.zeros(1, guide.vocab_size)
+        xgr.apply_token_bitmask_inplace(logits, bitmask[row : row + 1], vocab_size=guide.vocab_size)
+        return set(torch.nonzero(torch.isfinite(logits[0])).flatten().tolist())
+
+    bitmask = xgr.allocate_token_bitmask(8, guide.vocab_size)
+    assert guide.fill_masks(bitmask, 2, (yes, eos, no)) == [2, 3]  # no mask after the stop: the sequence ended
+    assert {yes, no} <= allowed(bitmask, 2) and eos not in allowed(bitmask, 2)
+    assert allowed(bitmask, 3) == {eos}
+    assert guide.fill_masks(bitmask, 0, (no, no, yes)) == [0, 1]  # the second "no" is refused: rows past it unmasked
+    assert not guide.matcher.is_terminated()
+    guide.accept(yes)
+    guide.accept(eos)
+    assert guide.matcher.is_terminated() and not guide.broken
+    compiler.shutdown()
