@@ -6,10 +6,8 @@ import asyncio
 import atexit
 import dataclasses
 import itertools
-import json
 import logging
 import os
-import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Sequence
@@ -20,8 +18,9 @@ from raylm.config import LlmArgs
 from raylm.engine_client import EngineClient
 from raylm.engine_spec import EngineInfo, WorkerSpec, resolve_device, resolve_dtype
 from raylm.inputs import PromptInputs, check_prompt_length, is_single_prompt, to_prompt_list, tokenize_prompt
+from raylm.lora_registry import LoraRegistry, check_lora_model, require_lora_request
 from raylm.lora_request import LoRARequest
-from raylm.models.arch import ArchConfig, config_dtype
+from raylm.models.arch import config_dtype
 from raylm.models.loader import load_hf_config
 from raylm.models.quantization import resolve_fp8_weights
 from raylm.models.registry import resolve_architecture
@@ -53,19 +52,6 @@ def _track_open(llm: LLM) -> None:
     # first out): before Ray's own hook that ray.init registered, while the workers can still be stopped.
     atexit.unregister(_shutdown_open_llms)
     atexit.register(_shutdown_open_llms)
-
-
-def _shippable(lora_request: LoRARequest) -> LoRARequest:
-    """An in-memory adapter as the workers take it whatever their process: its config as plain JSON values (PEFT's
-    own to_dict() holds a set and PEFT's enum, which a worker without PEFT could not unpickle) and its tensors on
-    the CPU (a trainer's may sit on its GPU)."""
-    if not lora_request.in_memory:
-        return lora_request
-    config = json.loads(json.dumps(dict(lora_request.peft_config),
-                                   default=lambda value: sorted(value) if isinstance(value, (set, frozenset))
-                                   else str(value)))
-    tensors = {name: tensor.detach().cpu() for name, tensor in lora_request.lora_tensors.items()}
-    return dataclasses.replace(lora_request, peft_config=config, lora_tensors=tensors)
 
 
 def _eos_token_ids(source: ModelSource, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
@@ -109,11 +95,8 @@ class LLM:
         self._tokenizer = load_tokenizer(self.args, source)
         self._eos_ids = _eos_token_ids(source, hf_config, self._tokenizer)
         pooling = self._pooling(source, hf_config)
-        self._lora_arch = self._check_lora_config(hf_config, pooling)
-        self._adapters: dict[int, LoRARequest] = {}  # lora_int_id -> the adapter under it, as requests carry it
-        self._added_in_memory: dict[int, weakref.ref] = {}  # lora_int_id -> the in-memory LoRARequest that added it
-        self._pinned: set[LoRARequest] = set()  # adapters add_lora loaded from their path
-        self._lora_lock = threading.Lock()
+        lora_arch = (check_lora_model(self.args.lora_config, hf_config, pooling is not None)
+                     if self.args.lora_config is not None else None)
         prepared = time.perf_counter()
         device = resolve_device(self.args.device)
         dtype = resolve_dtype(self.args.dtype, device, config_dtype(hf_config))
@@ -121,6 +104,8 @@ class LLM:
                           pooling=pooling, fp8=resolve_fp8_weights(self.args.quant_config, hf_config),
                           draft_source=self._draft_source(hf_config, pooling))
         self._executor = self._create_executor(spec, device)
+        self._loras = (LoraRegistry(self.args.lora_config, lora_arch, self._executor)
+                       if lora_arch is not None else None)
         self.info: EngineInfo = self._executor.info
         self._client = EngineClient(self._executor, self._tokenizer, self.args.iter_stats_max_iterations,
                                     self.args.kv_cache_config.event_buffer_max_size)
@@ -164,23 +149,6 @@ class LLM:
             raise ValueError(f"encode_only engines run on one device: tensor_parallel_size and pipeline_parallel_size "
                              f"must be 1, got {args.tensor_parallel_size} and {args.pipeline_parallel_size}")
         return resolve_pooling(source.config_dir, hf_config, args.pooling_config, entry.encoder_only)
-
-    def _check_lora_config(self, hf_config: Any, pooling: PoolingSpec | None) -> ArchConfig | None:
-        """With lora_config: the model's architecture, which adapters are checked against, after checking that the
-        model takes adapters and that every adapter of lora_config.lora_dir fits it. None without lora_config."""
-        config = self.args.lora_config
-        if config is None:
-            return None
-        from raylm.models.llama import LlamaForCausalLM
-        from raylm.models.lora_adapter import check_adapter
-
-        entry, arch = resolve_architecture(hf_config)
-        if pooling is not None or entry.model_class is not LlamaForCausalLM:
-            raise ValueError(f"lora_config needs a generating model of the Llama family, got "
-                             f"{entry.model_class.__name__}{' (encode_only)' if pooling is not None else ''}")
-        for path in config.lora_dir:
-            check_adapter(path, arch, config.max_lora_rank)
-        return arch
 
     def _max_seq_len(self, source: ModelSource, hf_config: Any, pooling: PoolingSpec | None) -> int:
         """max_seq_len, else the model's positions (for encode_only, capped by the longest input its
@@ -277,44 +245,15 @@ class LLM:
                              f"{self.info.num_blocks}; raise kv_cache_config.max_tokens or lower max_tokens")
 
     def _check_lora_request(self, lora_request: LoRARequest | None) -> LoRARequest | None:
-        """The adapter a request runs with, as it goes to the engine: a LoRARequest for an engine with lora_config,
-        whose files fit the model (read once per id) under an id no other adapter holds; one in memory is added to
-        the workers first (add_lora) and travels by name and id."""
+        """The adapter a request runs with, as it goes to the engine (LoraRegistry.resolve)."""
         if lora_request is None:
             return None
-        if not isinstance(lora_request, LoRARequest):
-            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
-        if self.args.lora_config is None:
-            raise ValueError("lora_request needs an engine started with lora_config")
-        with self._lora_lock:
-            known = self._adapters.get(lora_request.lora_int_id)
-            if known is None:
-                if lora_request.in_memory:
-                    return self._add_lora_locked(lora_request)
-                if not lora_request.lora_path:
-                    raise ValueError(f"no LoRA adapter was added under lora_int_id {lora_request.lora_int_id}: "
-                                     "give its lora_path, or the adapter in memory (peft_config, lora_tensors)")
-                from raylm.models.lora_adapter import check_adapter
+        return self._lora_registry("lora_request").resolve(require_lora_request(lora_request))
 
-                check_adapter(lora_request.lora_path, self._lora_arch, self.args.lora_config.max_lora_rank)
-                self._adapters[lora_request.lora_int_id] = lora_request
-                return lora_request
-            self._check_same_adapter(known, lora_request)
-            return known
-
-    def _check_same_adapter(self, known: LoRARequest, lora_request: LoRARequest) -> None:
-        """A request naming an id that holds an adapter must mean that adapter: by id alone, by its path, or (in
-        memory) as the very LoRARequest that added it."""
-        if not (lora_request.lora_path or lora_request.in_memory):
-            return
-        if known.lora_path and lora_request.lora_path == known.lora_path:
-            return
-        added_by = self._added_in_memory.get(known.lora_int_id)
-        if lora_request.in_memory and added_by is not None and added_by() is lora_request:
-            return
-        raise ValueError(f"lora_int_id {known.lora_int_id} already holds the adapter {known.source!r}, got "
-                         f"{lora_request.source!r}: use another lora_int_id, or remove_lora({known.lora_int_id}) "
-                         "first to replace it")
+    def _lora_registry(self, what: str) -> LoraRegistry:
+        if self._loras is None:
+            raise ValueError(f"{what} needs an engine started with lora_config")
+        return self._loras
 
     # ------------------------------------------------------------------ LoRA adapters
 
@@ -324,64 +263,20 @@ class LLM:
         (LoRARequest(name, id)). False when the id already holds this adapter. An RL loop replaces its adapter with
         remove_lora(id) then add_lora under the same id: no request runs with a mix of the two, and KV cached with
         the old one is never reused."""
-        if not isinstance(lora_request, LoRARequest):
-            raise TypeError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
-        if self.args.lora_config is None:
-            raise ValueError("add_lora needs an engine started with lora_config")
-        with self._lora_lock:
-            known = self._adapters.get(lora_request.lora_int_id)
-            if known is not None:
-                self._check_same_adapter(known, lora_request)
-                if known.lora_int_id in self._added_in_memory or known in self._pinned:
-                    return False
-            elif not (lora_request.lora_path or lora_request.in_memory):
-                raise ValueError(f"add_lora needs the adapter's lora_path, or the adapter in memory (peft_config, "
-                                 f"lora_tensors); lora_int_id {lora_request.lora_int_id} holds none")
-            self._add_lora_locked(known or lora_request)
-            return True
-
-    def _add_lora_locked(self, lora_request: LoRARequest) -> LoRARequest:
-        """Checks the adapter here, then has every worker keep its matrices; returns what requests carry."""
-        from raylm.models.lora_adapter import check_adapter, check_adapter_in_memory
-
-        max_rank = self.args.lora_config.max_lora_rank
-        if lora_request.in_memory:
-            check_adapter_in_memory(lora_request.lora_name, lora_request.peft_config, lora_request.lora_tensors,
-                                    self._lora_arch, max_rank)
-        else:
-            check_adapter(lora_request.lora_path, self._lora_arch, max_rank)
-        self._executor.collective_rpc("add_lora", (_shippable(lora_request),), None, None)
-        carried = lora_request.reference()
-        self._adapters[lora_request.lora_int_id] = carried
-        if lora_request.in_memory:
-            self._added_in_memory[lora_request.lora_int_id] = weakref.ref(lora_request)
-        else:
-            self._pinned.add(carried)
-        return carried
+        return self._lora_registry("add_lora").add(require_lora_request(lora_request))
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Frees a LoRA adapter's id, device slot and worker copies; False when no adapter holds the id. Refused
         (ValueError) while unfinished requests use it."""
-        if self.args.lora_config is None:
-            raise ValueError("remove_lora needs an engine started with lora_config")
+        registry = self._lora_registry("remove_lora")
         if self._client is None:
             raise RuntimeError("the LLM is shut down")
-        with self._lora_lock:
-            known = self._adapters.get(lora_int_id)
-            if known is None:
-                return False
-            self._executor.engine_call("remove_lora", (lora_int_id,))
-            self._executor.collective_rpc("remove_lora", (lora_int_id,), None, None)
-            del self._adapters[lora_int_id]
-            self._added_in_memory.pop(lora_int_id, None)
-            self._pinned.discard(known)
-            return True
+        return registry.remove(lora_int_id)
 
     def list_loras(self) -> list[LoRARequest]:
         """The adapters the engine knows, by id (those added, and those requests brought), without their
         tensors."""
-        with self._lora_lock:
-            return [self._adapters[lora_id] for lora_id in sorted(self._adapters)]
+        return self._loras.adapters() if self._loras is not None else []
 
     def _submit(self, prompt: PromptInputs, params: SamplingParams, priority: float, streaming: bool,
                 cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> GenerationResult:
