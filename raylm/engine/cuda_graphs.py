@@ -131,7 +131,8 @@ class DecodeGraphs:
         pin = device.type == "cuda"
         self.staging = [(torch.zeros(4, size, dtype=torch.long, pin_memory=pin),
                          torch.zeros(size, max_blocks, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
-        self.lora_staging = [torch.full((size,), -1, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self.lora_staging = ([torch.full((size,), -1, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+                             if lora is not None else [])
         self.tables = [BlockTableStaging(table.numpy()) for _, table in self.staging]
         self.turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
