@@ -217,10 +217,13 @@ case "${1:-}" in
       --set kv_cache_config.dtype=fp8
     ;;
   lora)
-    # The LoRA kernels and the decode graphs with adapters (captured once, each row's slot read in the graph).
-    timeout 200 python -m pytest tests/kernels/test_triton_lora.py tests/kernels/test_decode_step.py -q -rs \
-      -p no:cacheprovider 2>&1 | tail -8
-    timeout 200 python -m pytest tests/test_lora.py -m gpu -q -rs -p no:cacheprovider 2>&1 | tail -8
+    # The LoRA kernels (with PDL too) and the decode graphs with adapters (captured once, each row's slot read in
+    # the graph); the whole pytest output goes to $OUT/lora-tests.log.
+    log="${OUT:-/tmp}/lora-tests.log"
+    timeout 200 python -m pytest tests/kernels/test_triton_lora.py tests/kernels/test_decode_step.py \
+      tests/kernels/test_pdl.py -k "lora or decode" -q -rs -p no:cacheprovider > "$log" 2>&1
+    timeout 200 python -m pytest tests/test_lora.py -m gpu -q -rs -p no:cacheprovider >> "$log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$log" | tail -12
     watched 400 python benchmarks/lora.py --model "$llama" "${dummy[@]}" --batch_size 8 --rank 16 --input_len 32 \
       --output_len 128 --num_iters 3 $(output_json lora-llama-3.1-8b-b8-r16) 2>&1 | tail -6
     ;;

@@ -212,7 +212,7 @@ def test_bad_lora_requests_are_refused(fields, message):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_graphs_give_the_eager_tokens_with_adapters_mixed_per_row(tiny_model_dirs, tiny_lora_dirs, dtype):
     """On CUDA the decode graphs of an engine with adapters are captured once and read each row's slot from a
     buffer of theirs (the adapted layers' Triton kernels inside the graph): adapters and the base model mixed in
@@ -232,6 +232,6 @@ def test_decode_graphs_give_the_eager_tokens_with_adapters_mixed_per_row(tiny_mo
             again = _generate(llm, prompts[::-1], lora_requests[::-1])
             runs[graphs] = ([o.outputs[0].token_ids for o in first], [o.outputs[0].token_ids for o in again])
     assert runs[True] == runs[False]
-    if dtype == torch.float32:
+    if dtype == "float32":
         for (name, prompt_index), tokens in zip(rows, runs[True][0]):
             assert tokens == _reference(tiny_model_dirs, tiny_lora_dirs, name)[prompt_index], name

@@ -303,10 +303,18 @@ class Worker:
             overlap_scheduling=not args.disable_overlap_scheduler,
             guarantee_no_evict=args.scheduler_config.capacity_scheduler_policy == "GUARANTEED_NO_EVICT",
             max_loras=args.lora_config.max_loras if args.lora_config is not None else 0,
+            max_verify_rows=self._max_verify_rows(),
         ), grammar_compiler=None if args.skip_tokenizer_init else self._grammar_compiler,
             proposer=make_proposer(args.speculative_config, self.draft_runner, self.arch.vocab_size))
         self.timings["py_executor"]["total_py_executor_creation_seconds"] = time.perf_counter() - self._begin
         return self.engine
+
+    def _max_verify_rows(self) -> int | None:
+        """The largest decode graph's rows where speculative decoding's verify steps replay the graphs."""
+        sizes = self._graph_batch_sizes()
+        if self.spec.args.speculative_config is None or not sizes or not self.runner.graphs_fit(self.ctx.pp_size):
+            return None
+        return max(sizes)
 
     def _grammar_compiler(self):
         """Structured output's compiler for this model's tokenizer (made at the first guided request)."""

@@ -30,7 +30,7 @@ from raylm.engine.messages import EngineRequest, RequestDelta, SequenceDelta, St
 from raylm.engine.progress import Progress
 from raylm.engine.request import FinishReason, Request, RequestStatus
 from raylm.engine.scheduler import Scheduler, SchedulerOutput
-from raylm.engine.speculative import DraftModelProposer, NGramProposer, can_speculate
+from raylm.engine.speculative import DraftModelProposer, NGramProposer, can_speculate, fit_rows
 from raylm.engine.stats import iteration_stats
 from raylm.engine.step_runner import ModelOutput, RanksOutOfStep, StepRunner
 from raylm.engine.structured_output import GrammarCompiler, Guide
@@ -55,6 +55,9 @@ class EngineLimits:
     overlap_scheduling: bool = True
     guarantee_no_evict: bool = False  # scheduler_config.capacity_scheduler_policy == "GUARANTEED_NO_EVICT"
     max_loras: int = 0  # LoRA adapter slots on the device (lora_config.max_loras); 0: no adapters
+    # The rows of the largest decode graph that takes verify rows (speculative decoding; None: no graphs): drafts
+    # are trimmed to fit it (speculative.fit_rows).
+    max_verify_rows: int | None = None
 
 
 @dataclass
@@ -254,7 +257,8 @@ class EngineCore(GenerationControl):
             previous = None
         drafts = None
         if self.proposer is not None:
-            drafts = self.proposer.drafts_for(self.scheduler.running, self.limits.max_seq_len)
+            drafts = fit_rows(self.proposer.drafts_for(self.scheduler.running, self.limits.max_seq_len),
+                              len(self.scheduler.running), self.limits.max_verify_rows)
             self.progress.speculating = drafts is not None
         out = self.scheduler.schedule(drafts)
         if drafts:

@@ -307,12 +307,13 @@ class ModelRunner:
         feed = (rows: a sampler.row_index, token ids on the device) fills input rows whose token a step in flight
         is sampling."""
         self._copy_blocks(plan.block_copies)
-        if self.lora is not None:
-            self.lora.prepare(plan.lora_loads, plan.lora_slots)
         self._graphed = None
-        if (self.graphs is not None and intermediate is None and not plan.prefill_chunks
-                and (not plan.verify_rows or self.graphs.takes_verify_rows)
-                and self.graphs.fits(len(plan.decode_contexts), max(len(b) for b, _ in plan.decode_contexts))):
+        graphed = (self.graphs is not None and intermediate is None and not plan.prefill_chunks
+                   and (not plan.verify_rows or self.graphs.takes_verify_rows)
+                   and self.graphs.fits(len(plan.decode_contexts), max(len(b) for b, _ in plan.decode_contexts)))
+        if self.lora is not None:
+            self.lora.prepare(plan.lora_loads, plan.lora_slots, graphed and self.graphs.captured)
+        if graphed:
             self._graphed = self.graphs.run_step(plan.input_ids, plan.positions, plan.slot_mapping,
                                                  plan.decode_contexts, feed, greedy=plan.greedy,
                                                  lora_slots=plan.lora_slots)

@@ -50,17 +50,22 @@ class LoraBatch:
         self.groups: list[SlotRows] = []
         # Each row's slot on the device, for the Triton kernels (a CUDA step of at most TRITON_MAX_ROWS rows).
         self.row_slots: torch.Tensor | None = None
-        # Set while a decode graph runs its forward (engine/cuda_graphs.py): the graph's own buffer of its rows'
-        # slots, which each replay refills; the layers then launch the Triton kernels whatever the rows' adapters.
+        # While a decode graph runs its forward (engine/cuda_graphs.py), captured or not: in_graph, and graph_slots,
+        # the graph's own buffer of its rows' slots, which each replay refills (the layers then launch the Triton
+        # kernels whatever the rows' adapters), or None in the graphs of steps whose rows have no adapter.
+        self.in_graph = False
         self.graph_slots: torch.Tensor | None = None
 
-    def set_rows(self, row_slots: list[int], device: torch.device) -> None:
-        """row_slots: each row's slot, -1 for the base model (empty: no row has an adapter)."""
+    def set_rows(self, row_slots: list[int], device: torch.device, graphed: bool = False) -> None:
+        """row_slots: each row's slot, -1 for the base model (empty: no row has an adapter). graphed: the step
+        replays a captured decode graph, which reads the slots from its own buffer."""
         slots = np.asarray(row_slots, dtype=np.int64)
         self.row_slots = None
+        self.groups = []
+        if graphed:
+            return
         if device.type == "cuda" and 0 < len(row_slots) <= TRITON_MAX_ROWS:
             self.row_slots = torch.from_numpy(slots.astype(np.int32)).to(device, non_blocking=True)
-        self.groups = []
         for slot in np.unique(slots[slots >= 0]).tolist():
             rows = np.flatnonzero(slots == slot)
             self.groups.append((slot, None if len(rows) == len(slots) else torch.from_numpy(rows).to(device)))
@@ -88,11 +93,16 @@ class LayerAdapters(nn.Module):
                              persistent=False)
 
     def forward(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        graph_slots = self.batch.graph_slots
-        if graph_slots is not None and self.kernels.on_triton(x):  # in a decode graph: the same launches each replay
-            from raylm.kernels.triton_lora import add_lora_rows
+        if self.batch.in_graph:
+            graph_slots = self.batch.graph_slots
+            if graph_slots is None:  # the graphs of steps without adapters
+                return out
+            if self.kernels.on_triton(x):  # the same launches each replay
+                from raylm.kernels.triton_lora import add_lora_rows
 
-            return add_lora_rows(out, x, self.lora_a, self.lora_b, self.slice_sizes, graph_slots[: x.shape[0]])
+                return add_lora_rows(out, x, self.lora_a, self.lora_b, self.slice_sizes, graph_slots[: x.shape[0]],
+                                     self.kernels.pdl)
+            # graphs run uncaptured (the CPU): the rows' groups, as in an eager step
         groups = self.batch.groups
         if not groups:
             return out
@@ -100,7 +110,7 @@ class LayerAdapters(nn.Module):
         if row_slots is not None and row_slots.shape[0] == x.shape[0] and self.kernels.on_triton(x):
             from raylm.kernels.triton_lora import add_lora_rows
 
-            return add_lora_rows(out, x, self.lora_a, self.lora_b, self.slice_sizes, row_slots)
+            return add_lora_rows(out, x, self.lora_a, self.lora_b, self.slice_sizes, row_slots, self.kernels.pdl)
         return add_lora(out, x, self.lora_a, self.lora_b, self.slice_sizes, groups)
 
     def clear(self, slot: int) -> None:
@@ -159,12 +169,12 @@ class LoraRuntime:
         self._read: OrderedDict[int, dict[ModuleKey, tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
         self._added: dict[int, dict[ModuleKey, tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def prepare(self, loads: list[tuple[int, LoRARequest]], row_slots: list[int]) -> None:
+    def prepare(self, loads: list[tuple[int, LoRARequest]], row_slots: list[int], graphed: bool = False) -> None:
         """Before a step's forward: loads the adapters the engine placed in slots for it, and takes its rows'
-        slots (-1: the base model)."""
+        slots (-1: the base model; graphed: the step replays a captured graph, which takes them itself)."""
         for slot, request in loads:
             self.load(slot, request)
-        self.batch.set_rows(row_slots, self.device)
+        self.batch.set_rows(row_slots, self.device, graphed)
 
     def load(self, slot: int, request: LoRARequest) -> None:
         """Fills `slot` with the adapter: this stage's layers it adapts, zeros elsewhere."""

@@ -260,6 +260,7 @@ class GraphStandIn:
 
         class EagerGraphs:
             steps = 0
+            captured = False  # steps prepare their LoRA rows as eager ones do
 
             def fits(self, num_seqs, max_blocks):
                 return True

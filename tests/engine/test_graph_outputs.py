@@ -17,6 +17,8 @@ from tests.engine.test_overlap import PROMPTS, _mixed_params, _summary
 class _EagerGraphs:
     """DecodeGraphs' interface over the runner's eager decode: every decode step fits."""
 
+    captured = False  # steps prepare their LoRA rows as eager ones do
+
     def __init__(self, runner):
         self.runner = runner
         self.steps = 0

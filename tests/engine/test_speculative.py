@@ -20,9 +20,10 @@ from raylm import (
     NGramDecodingConfig,
     SamplingParams,
 )
+from raylm.actors.worker import Worker
 from raylm.config import LlmArgs
 from raylm.engine.request import Sequence
-from raylm.engine.speculative import NGramProposer, accepted_length, can_speculate
+from raylm.engine.speculative import NGramProposer, accepted_length, can_speculate, fit_rows
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. How vexingly quick "
         "daft zebras jump!")
@@ -109,9 +110,11 @@ def test_greedy_speculation_gives_the_tokens_and_logprobs_of_decoding_without_it
     assert spec["totalAcceptedTokens"] > 0.3 * spec["totalDraftTokens"] > 0  # the copy prompts accept many
 
 
-def test_speculation_under_preemption_and_a_per_request_opt_out_gives_the_same_tokens(reference):
+def test_speculation_under_preemption_and_a_per_request_opt_out_gives_the_same_tokens(reference, monkeypatch):
     # A cache of 160 tokens cannot hold four requests of 10-70 prompt tokens growing by 48: some are preempted and
-    # recomputed.
+    # recomputed. Verify steps are held to 7 rows, as the largest decode graph holds them on a GPU: three running
+    # requests leave 4 rows to the drafts of those that speculate, up to 6 each unless trimmed.
+    monkeypatch.setattr(Worker, "_max_verify_rows", lambda self: 7)
     with LLM(dtype="float32", kv_cache_config=KvCacheConfig(max_tokens=160, tokens_per_block=16),
              speculative_config=NGramDecodingConfig(max_draft_len=6)) as llm:
         params = [SamplingParams(max_tokens=48, logprobs=2, use_speculative_decoding=index % 2 == 0)
@@ -120,6 +123,25 @@ def test_speculation_under_preemption_and_a_per_request_opt_out_gives_the_same_t
         stats = llm.get_stats(timeout=2)
     assert _tokens(outputs) == _tokens(reference)
     assert sum(entry["inflightBatchingStats"]["numPausedRequests"] for entry in stats) > 0
+    rows = [entry["inflightBatchingStats"]["numGenRequests"] + entry["specDecodingStats"]["numDraftTokens"]
+            for entry in stats if entry["specDecodingStats"]["numDraftTokens"]]
+    assert rows and max(rows) <= 7
+
+
+@pytest.mark.parametrize(("drafts", "running", "max_rows", "kept"), [
+    ({1: [5, 6, 7], 2: [8, 9]}, 4, 10, [3, 2]),  # fits: untouched
+    ({1: [5, 6, 7], 2: [8, 9]}, 4, 7, [2, 1]),  # 3 rows: one each, the one left to the longest
+    ({1: [5, 6, 7, 8], 2: [8, 9], 3: [1, 2, 3, 4]}, 3, 10, [3, 2, 2]),
+    ({1: [5, 6, 7], 2: [8, 9]}, 4, 5, []),  # fewer rows than drafting requests: none
+    ({1: [5, 6, 7]}, 4, None, [3]),  # no graphs
+])
+def test_drafts_are_trimmed_to_the_rows_of_the_largest_decode_graph(drafts, running, max_rows, kept):
+    trimmed = fit_rows(drafts, running, max_rows)
+    assert [len(proposal) for proposal in trimmed.values()] == kept
+    for key, proposal in trimmed.items():
+        assert proposal == drafts[key][: len(proposal)]
+    if max_rows is not None:
+        assert running + sum(kept) <= max_rows
 
 
 def test_stops_inside_accepted_drafts_end_the_output_where_decoding_without_them_does():

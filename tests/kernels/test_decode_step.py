@@ -100,10 +100,12 @@ def test_graph_buffers_give_the_eager_step(tiny_model_dirs):
 
 def test_graph_buffers_take_each_row_s_lora_slot(tiny_model_dirs, tiny_lora_dirs):
     """Decode graphs of a model with LoRA adapters: each step writes its rows' slots into the graphs' buffer
-    (padding rows -1), and the step equals the eager one with the same adapters, for two mixes of adapters in a
-    row. On CUDA the graphs are captured first: the adapted layers' Triton kernels read the buffer inside them."""
+    (padding rows -1), and the step equals the eager one with the same adapters, for three mixes of adapters in a
+    row; a step without adapters takes the graphs without the LoRA kernels and equals the base model's. On CUDA the
+    graphs are captured first: the adapted layers' Triton kernels read the buffer inside them."""
     from raylm.config import LoraConfig
     from raylm.engine.cuda_graphs import DecodeGraphs
+    from raylm.kernels.policy import set_kernel_policy
     from raylm.kernels.triton_backend import build_triton_metadata
     from raylm.lora_request import LoRARequest
     from raylm.models.lora import LoraRuntime
@@ -112,6 +114,7 @@ def test_graph_buffers_take_each_row_s_lora_slot(tiny_model_dirs, tiny_lora_dirs
     runner.build_metadata = build_triton_metadata
     runner.lora = LoraRuntime(loaded.model, loaded.arch, LoraConfig(max_loras=2, max_lora_rank=64), torch.float32,
                               DEVICE)
+    set_kernel_policy(loaded.model, runner.kernels)  # the adapters' layers, made after the runner
     for slot, name in enumerate(("r8", "qv")):
         runner.lora.load(slot, LoRARequest(name, slot + 1, str(tiny_lora_dirs[name])))
     generator = torch.Generator().manual_seed(3)
@@ -129,6 +132,12 @@ def test_graph_buffers_take_each_row_s_lora_slot(tiny_model_dirs, tiny_lora_dirs
         torch.testing.assert_close(step.hidden.float(), eager, atol=1e-4, rtol=1e-4)
     plain = _decode_hidden(runner, cache)
     assert not torch.allclose(plain, eager, atol=1e-3)  # the adapters changed the step
+    graphs.kv_caches[:] = [(k.clone(), v.clone()) for k, v in cache]
+    step = graphs.run_step([5, 9], [19, 4], [2 * 16 + 3, 3 * 16 + 4], contexts, lora_slots=[-1, -1])
+    assert graphs.lora_slots.tolist() == [1, 1, -1, -1]  # the base graphs read no slots
+    torch.testing.assert_close(step.hidden.float(), plain, atol=1e-4, rtol=1e-4)
+    if DEVICE.type == "cuda":
+        assert sorted(graphs.base_graphs) == sorted(graphs.graphs) == [1, 4]
 
 
 def _verify_step_hidden(runner: ModelRunner, cache, graphs=None) -> torch.Tensor:

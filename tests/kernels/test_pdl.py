@@ -17,6 +17,7 @@ from raylm.kernels.policy import PDL_TRIGGERS  # noqa: E402
 from raylm.kernels.triton_attention import paged_decode_attention  # noqa: E402
 from raylm.kernels.triton_gemv import gemv  # noqa: E402
 from raylm.kernels.triton_kv_cache import rotary_write_kv_cache  # noqa: E402
+from raylm.kernels.triton_lora import add_lora_rows  # noqa: E402
 from raylm.kernels.triton_ops import fused_add_rms_norm, silu_and_mul  # noqa: E402
 
 ON_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
@@ -116,3 +117,23 @@ def test_a_graphed_chain_reads_inputs_written_just_before_it(mode):
     plain, pdl = _both(replays, mode)
     assert torch.equal(plain, pdl)
     assert not torch.equal(plain[0], plain[1])  # the replays saw new inputs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_HOPPER, reason="needs a CUDA device of capability 9.0+")
+@pytest.mark.parametrize("mode", ["start", "tail"])
+def test_lora_kernels_after_a_gemv_give_the_same_bits_with_pdl(mode):
+    """The adapters' shrink and expand behind the fused qkv GEMV they add to, rows of three adapters and none."""
+    torch.manual_seed(3)
+    device, dtype, hidden, rank = torch.device("cuda"), torch.bfloat16, 4096, 16
+    sizes = [4096, 1024, 1024]
+    x = torch.randn(8, hidden, device=device, dtype=dtype)
+    weight = torch.randn(sum(sizes), hidden, device=device, dtype=dtype) / hidden**0.5
+    lora_a = torch.randn(3, 3 * rank, hidden, device=device, dtype=dtype) / hidden**0.5
+    lora_b = torch.randn(3, sum(sizes), rank, device=device, dtype=dtype) / rank
+    slots = torch.tensor([0, 1, 2, -1, 0, 2, -1, 1], dtype=torch.int32, device=device)
+
+    def run(pdl: int):
+        return add_lora_rows(gemv(x, weight, pdl=pdl), x, lora_a, lora_b, sizes, slots, pdl)
+
+    _assert_same(*_both(run, mode))

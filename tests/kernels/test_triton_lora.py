@@ -39,7 +39,8 @@ def _groups(row_slots: list[int]):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=GPU_ONLY)])
-@pytest.mark.parametrize(("slice_sizes", "k"), [([96], 80), ([64, 32, 32], 64), ([48, 48], 200)], ids=str)
+@pytest.mark.parametrize(("slice_sizes", "k"), [([96], 80), ([64, 32, 32], 64), ([48, 48], 200), ([40, 24], 600)],
+                         ids=str)  # 600: three chunks of the shrink, the last one short
 @pytest.mark.parametrize("row_slots", [[0, -1, 2, 0, 1], [2], [-1, -1]], ids=str)
 def test_each_row_adds_its_own_adapter_as_the_reference_does(dtype, slice_sizes, k, row_slots):
     out, x, lora_a, lora_b = _case(slice_sizes, k, 8, dtype, row_slots)
@@ -54,3 +55,14 @@ def test_slices_that_do_not_fit_the_slots_are_refused():
     out, x, lora_a, lora_b = _case([32, 32], 16, 4, torch.float32, [0])
     with pytest.raises(ValueError, match="do not fit"):
         add_lora_rows(out, x, lora_a, lora_b, [32, 16], torch.tensor([0], device=DEVICE))
+
+
+def test_a_row_s_product_does_not_depend_on_its_batch():
+    """The shrink's chunks are set by the input's width alone: each row of a batch gets the bytes it gets alone."""
+    row_slots = [0, 2, -1, 1, 0]
+    out, x, lora_a, lora_b = _case([40, 24], 600, 8, torch.float32, row_slots)
+    batched = add_lora_rows(out.clone(), x, lora_a, lora_b, [40, 24], torch.tensor(row_slots, device=DEVICE))
+    for row, slot in enumerate(row_slots):
+        alone = add_lora_rows(out[row : row + 1].clone(), x[row : row + 1], lora_a, lora_b, [40, 24],
+                              torch.tensor([slot], device=DEVICE))
+        assert torch.equal(alone, batched[row : row + 1])
