@@ -20,6 +20,7 @@ import collections
 import functools
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -172,15 +173,31 @@ def gpu_activities(profiler) -> list[tuple[str, float, float]]:
             if event.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def warmed_up_workload(args: argparse.Namespace, llm) -> tuple[list, object]:
-    """The profiled call's prompts and sampling parameters, after one warm-up generate call with them."""
+def warmed_up_workload(args: argparse.Namespace, llm, lora_requests=None) -> tuple[list, object]:
+    """The profiled call's prompts and sampling parameters, after one warm-up generate call with them (and with
+    lora_requests, one per prompt, which the warm-up loads)."""
     from raylm import SamplingParams, TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=p)
                for p in random_prompts(args.batch_size, args.input_len, llm.info.vocab_size, args.seed)]
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(prompts, params, use_tqdm=False)
+    llm.generate(prompts, params, use_tqdm=False, lora_request=lora_requests)
     return prompts, params
+
+
+def random_adapters(args: argparse.Namespace, directory: Path) -> list:
+    """--lora_rank: a random rank-R adapter of its own for each request of the batch (benchmarks/lora.py's)."""
+    from benchmarks.lora import write_random_adapter
+    from raylm import LoRARequest
+    from raylm.models.loader import load_hf_config
+    from raylm.models.source import resolve_model
+
+    hf_config = load_hf_config(resolve_model(args.model), False)
+    requests = []
+    for index in range(args.batch_size):
+        write_random_adapter(directory / f"adapter-{index}", hf_config, args.lora_rank, seed=index)
+        requests.append(LoRARequest(f"adapter-{index}", index + 1, str(directory / f"adapter-{index}")))
+    return requests
 
 
 def profile_ranks(args: argparse.Namespace) -> None:
@@ -254,17 +271,25 @@ def main() -> None:
                         help="also print the N GPU kernels with the most time over the profiled generate call")
     parser.add_argument("--gaps", type=int, default=0, metavar="N",
                         help="also print the N pairs of neighbouring GPU activities with the most idle time between")
+    parser.add_argument("--lora_rank", type=int, default=0, metavar="R",
+                        help="each request with a random rank-R LoRA adapter of its own (one process only)")
     args = parser.parse_args()
     if args.tp * args.pp > 1:
         profile_ranks(args)
         return
 
+    from raylm import LoraConfig
     from raylm.engine import model_runner
 
-    llm = build_llm(args, max_seq_len=args.input_len + args.output_len + 16, executor="local")
+    lora_requests, extra = None, {}
+    if args.lora_rank:
+        scratch = tempfile.TemporaryDirectory()
+        lora_requests = random_adapters(args, Path(scratch.name))
+        extra["lora_config"] = LoraConfig(max_loras=args.batch_size, max_lora_rank=args.lora_rank)
+    llm = build_llm(args, max_seq_len=args.input_len + args.output_len + 16, executor="local", **extra)
     worker = llm._executor.worker
     engine, runner = worker.engine, worker.runner
-    prompts, params = warmed_up_workload(args, llm)
+    prompts, params = warmed_up_workload(args, llm, lora_requests)
 
     timer = PhaseTimer()
     wrap_engine_phases(timer, engine, runner)
@@ -276,7 +301,7 @@ def main() -> None:
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
         profiler.__enter__()
     start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
+    llm.generate(prompts, params, use_tqdm=False, lora_request=lora_requests)
     wall = time.perf_counter() - start
     gpu_busy, top_kernels, gaps = None, [], None
     if profiler is not None:
@@ -300,7 +325,9 @@ def main() -> None:
         "idle": gaps,
     }
     llm.shutdown()
-    name = f"step-profile-{Path(args.model or 'smollm2').name}-b{args.batch_size}-{llm.info.device}{run_suffix(args)}"
+    lora = f"-lora-r{args.lora_rank}" if args.lora_rank else ""
+    name = (f"step-profile-{Path(args.model or 'smollm2').name}-b{args.batch_size}{lora}-{llm.info.device}"
+            f"{run_suffix(args)}")
     path = write_result(name, args, result)
     print(f"{steps} steps, {result['ms_per_step']:.3f} ms per step (wall), GPU busy "
           f"{gpu_busy if gpu_busy is None else f'{100 * gpu_busy:.0f}%'}, decode forward on the GPU "

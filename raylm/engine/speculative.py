@@ -51,14 +51,15 @@ def fit_rows(drafts: dict[int, list[int]] | None, running: int, max_rows: int | 
     """Drafts trimmed so that a verify step's rows (each running request's token, then its drafts) fit max_rows,
     the largest decode graph's batch: a step past it runs eagerly, slower than plain decoding (SmolLM2 at batch 64
     on the H200: 320 rows against a 256-row graph, 0.41x). Each request keeps an equal share, the rows left over
-    going to the longest proposals first; None max_rows: no graphs, no trimming."""
+    going to the longest proposals first. None max_rows: no graphs, no trimming. No room at all: None, the step
+    does not speculate (it then overlaps with the next, as max_concurrency's steps do)."""
     if not drafts or max_rows is None:
         return drafts
     room = max_rows - running
+    if room <= 0:
+        return None
     if sum(len(proposal) for proposal in drafts.values()) <= room:
         return drafts
-    if room < len(drafts):
-        return {}
     share = room // len(drafts)
     lengths = {key: min(len(proposal), share) for key, proposal in drafts.items()}
     left = room - sum(lengths.values())
@@ -66,7 +67,7 @@ def fit_rows(drafts: dict[int, list[int]] | None, running: int, max_rows: int | 
         extra = min(left, len(drafts[key]) - lengths[key])
         lengths[key] += extra
         left -= extra
-    return {key: proposal[: lengths[key]] for key, proposal in drafts.items()}
+    return {key: proposal[: lengths[key]] for key, proposal in drafts.items() if lengths[key]}
 
 
 class NGramProposer:

@@ -89,8 +89,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor | Unreduced:
         gate_up = self.gate_up_proj
-        # SiLU-mul in the GEMV's epilogue (not with adapters: their products join gate_up's output first)
-        if self.silu and gate_up.lora is None and self.kernels.gemv_applies(x, gate_up.weight):
+        # SiLU-mul in the GEMV's epilogue (not in steps with adapters: their products join gate_up's output first)
+        if (self.silu and (gate_up.lora is None or not gate_up.lora.adds())
+                and self.kernels.gemv_applies(x, gate_up.weight)):
             from raylm.kernels.triton_gemv import gemv_silu_mul
 
             activated = gemv_silu_mul(x, gate_up.weight, gate_up.bias, weight_scale=gate_up.weight_scale,

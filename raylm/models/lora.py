@@ -92,6 +92,11 @@ class LayerAdapters(nn.Module):
         self.register_buffer("lora_b", torch.zeros(max_loras, out_features, max_rank, dtype=dtype, device=device),
                              persistent=False)
 
+    def adds(self) -> bool:
+        """Whether the step adds any adapter's product here: in a decode graph, one with the LoRA kernels; else a
+        step with a row of an adapter."""
+        return self.batch.graph_slots is not None if self.batch.in_graph else bool(self.batch.groups)
+
     def forward(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.batch.in_graph:
             graph_slots = self.batch.graph_slots

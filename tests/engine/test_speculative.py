@@ -129,19 +129,23 @@ def test_speculation_under_preemption_and_a_per_request_opt_out_gives_the_same_t
 
 
 @pytest.mark.parametrize(("drafts", "running", "max_rows", "kept"), [
-    ({1: [5, 6, 7], 2: [8, 9]}, 4, 10, [3, 2]),  # fits: untouched
-    ({1: [5, 6, 7], 2: [8, 9]}, 4, 7, [2, 1]),  # 3 rows: one each, the one left to the longest
-    ({1: [5, 6, 7, 8], 2: [8, 9], 3: [1, 2, 3, 4]}, 3, 10, [3, 2, 2]),
-    ({1: [5, 6, 7], 2: [8, 9]}, 4, 5, []),  # fewer rows than drafting requests: none
-    ({1: [5, 6, 7]}, 4, None, [3]),  # no graphs
+    ({1: [5, 6, 7], 2: [8, 9]}, 4, 10, {1: 3, 2: 2}),  # fits: untouched
+    ({1: [5, 6, 7], 2: [8, 9]}, 4, 7, {1: 2, 2: 1}),  # 3 rows: one each, the one left to the longest
+    ({1: [5, 6, 7, 8], 2: [8, 9], 3: [1, 2, 3, 4]}, 3, 10, {1: 3, 2: 2, 3: 2}),
+    ({1: [5, 6], 2: [8, 9, 7]}, 4, 5, {2: 1}),  # fewer rows than drafting requests: the longest proposals
+    ({1: [5, 6, 7]}, 4, 4, None),  # no room: the step does not speculate
+    ({1: [5, 6, 7]}, 4, None, {1: 3}),  # no graphs
 ])
 def test_drafts_are_trimmed_to_the_rows_of_the_largest_decode_graph(drafts, running, max_rows, kept):
     trimmed = fit_rows(drafts, running, max_rows)
-    assert [len(proposal) for proposal in trimmed.values()] == kept
+    if kept is None:
+        assert trimmed is None
+        return
+    assert {key: len(proposal) for key, proposal in trimmed.items()} == kept
     for key, proposal in trimmed.items():
         assert proposal == drafts[key][: len(proposal)]
     if max_rows is not None:
-        assert running + sum(kept) <= max_rows
+        assert running + sum(kept.values()) <= max_rows
 
 
 def test_stops_inside_accepted_drafts_end_the_output_where_decoding_without_them_does():
