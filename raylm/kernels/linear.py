@@ -10,17 +10,25 @@ from raylm.kernels.policy import KernelPolicy
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, policy: KernelPolicy,
-           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+           weight_scale: torch.Tensor | None = None, lora=None) -> torch.Tensor:
     """x @ weight.T + bias, through the Triton GEMV (kernels/triton_gemv.py) where policy.gemv_applies; an FP8
     weight comes with its per-row weight_scale and goes through the GEMV the same way (weights widened, x kept as
-    it is), else through kernels/fp8.py (x quantized to FP8 too)."""
+    it is), else through kernels/fp8.py (x quantized to FP8 too). lora: the rows' shrunk LoRA inputs
+    (kernels/triton_lora.py's LoraRows), whose products join the output: in the GEMV's epilogue, else by the
+    expand kernel after the matmul."""
     if policy.gemv_applies(x, weight):
         from raylm.kernels.triton_gemv import gemv
 
         return gemv(x, weight, bias, weight_scale=weight_scale, input_mode=policy.gemv_input_mode(weight_scale),
-                    pdl=policy.pdl)
+                    pdl=policy.pdl, lora=lora)
     if weight_scale is not None:
         from raylm.kernels.fp8 import fp8_linear
 
-        return fp8_linear(x, weight, weight_scale, bias)
-    return F.linear(x, weight, bias)
+        out = fp8_linear(x, weight, weight_scale, bias)
+    else:
+        out = F.linear(x, weight, bias)
+    if lora is not None:
+        from raylm.kernels.triton_lora import lora_expand
+
+        lora_expand(out.view(-1, out.shape[-1]), lora, policy.pdl)
+    return out

@@ -47,6 +47,7 @@ from raylm.kernels.fp8 import FP8_DTYPE
 from raylm.kernels.pdl import launch_options, pdl_trigger_at_tail, pdl_wait
 from raylm.kernels.policy import GEMV_MAX_ROWS
 from raylm.kernels.triton_fp8 import fp8_scale, to_fp8
+from raylm.kernels.triton_lora import LoraRows, lora_rows_product
 
 _BLOCK_M = 16  # tl.dot's smallest tile; rows past M are masked
 _MIN_BLOCK_N = 16  # the narrowest output tile of any configuration: one arrival counter per such tile
@@ -119,13 +120,16 @@ def _dot(x, w, x_scale, acc, X_MODE: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_ptr, arrivals_ptr, M, N, K, stride_xm, stride_wn,
-                 stride_ym, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0,
-                 X_MODE: tl.constexpr = 0):
+                 stride_ym, lora_partial_ptr, lora_b_ptr, lora_slot_ptr, LORA_SPLITS, LORA_RANK, LORA_R_ALL,
+                 LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, HAS_BIAS: tl.constexpr,
+                 HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0, X_MODE: tl.constexpr = 0,
+                 LORA_PARTS: tl.constexpr = 0, LORA_BLOCK_RANK: tl.constexpr = 16, LORA_BLOCK_S: tl.constexpr = 1):
     """Program (i, s) computes output features [i BLOCK_N, (i + 1) BLOCK_N) over split s of K (the whole of K
     when SPLIT_K is 1); with SPLIT_K > 1, partial_ptr is a float32 workspace of at least [SPLIT_K, M, N] and
     arrivals_ptr one int32 counter per output tile, zero between calls. HAS_SCALE: W holds FP8 rows, each scaled by
-    its float32 scale_ptr[n]."""
+    its float32 scale_ptr[n]. LORA_PARTS > 0: the layer's LoRA products (the lora_* arguments, a LoraRows of
+    kernels/triton_lora.py) join each row's sum before it is rounded."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -160,35 +164,62 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_ptr, arrivals
             acc = tl.load(partial_ptr + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
             for other in tl.static_range(1, SPLIT_K):
                 acc += tl.load(partial_ptr + other * M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+            lora = _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORA_SPLITS,
+                               LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, BLOCK_M,
+                               BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
             _gemv_store(acc, bias_ptr, scale_ptr, y_ptr, rows, cols, col_mask, out_mask, stride_ym, HAS_BIAS,
-                        HAS_SCALE, x_scale, X_MODE)
+                        HAS_SCALE, x_scale, X_MODE, lora, LORA_PARTS)
             tl.atomic_xchg(arrivals_ptr + pid, 0)  # ready for the next call
     else:
+        lora = _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORA_SPLITS,
+                           LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, BLOCK_M,
+                           BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
         _gemv_store(acc, bias_ptr, scale_ptr, y_ptr, rows, cols, col_mask, out_mask, stride_ym, HAS_BIAS, HAS_SCALE,
-                    x_scale, X_MODE)
+                    x_scale, X_MODE, lora, LORA_PARTS)
+
+
+@triton.jit
+def _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORA_SPLITS, LORA_RANK,
+                LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, LORA_PARTS: tl.constexpr, LORA_BLOCK_RANK: tl.constexpr,
+                LORA_BLOCK_S: tl.constexpr):
+    """The rows' LoRA products at output features `cols` [BLOCK_M, BLOCK_N] (float32), or zeros without LoRA."""
+    if LORA_PARTS > 0:
+        return lora_rows_product(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORA_SPLITS,
+                                 LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row,
+                                 BLOCK_M, BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
+    else:
+        return tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
 
 
 @triton.jit
 def _gemv_store(acc, bias_ptr, scale_ptr, y_ptr, rows, cols, col_mask, out_mask, stride_ym, HAS_BIAS: tl.constexpr,
-                HAS_SCALE: tl.constexpr, x_scale, X_MODE: tl.constexpr):
-    """y = acc (* the input rows' scales) (* the weight rows' scales) (+ bias), rounded to y's dtype."""
+                HAS_SCALE: tl.constexpr, x_scale, X_MODE: tl.constexpr, lora, LORA_PARTS: tl.constexpr):
+    """y = acc (* the input rows' scales) (* the weight rows' scales) (+ bias) (+ the LoRA products), rounded to
+    y's dtype."""
     if X_MODE == 2:
         acc *= x_scale[:, None]
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + cols, mask=col_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if LORA_PARTS > 0:
+        acc += lora
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
 def _gemv_silu_mul_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                          HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0,
-                          X_MODE: tl.constexpr = 0):
+                          lora_partial_ptr, lora_b_ptr, lora_slot_ptr, LORA_SPLITS, LORA_RANK, LORA_R_ALL,
+                          LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, HAS_BIAS: tl.constexpr,
+                          HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0, X_MODE: tl.constexpr = 0,
+                          LORA_PARTS: tl.constexpr = 0, LORA_BLOCK_RANK: tl.constexpr = 16,
+                          LORA_BLOCK_S: tl.constexpr = 1):
     """silu(x W_gate^T) * (x W_up^T) for W = [W_gate; W_up] ([2N, K]): each program takes BLOCK_N gate rows and
     the matching up rows, and rounds as linear followed by silu_and_mul does (each projection to y's dtype,
-    then the activation, then the product)."""
+    then the activation, then the product). LORA_PARTS 2: each projection gains its LoRA product first (gate's
+    the first slice of the adapters' outputs, up's the second)."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -220,6 +251,13 @@ def _gemv_silu_mul_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, M, N, K, str
     if HAS_BIAS:
         acc_gate += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         acc_up += tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if LORA_PARTS > 0:
+        acc_gate += _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORA_SPLITS,
+                                LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row,
+                                BLOCK_M, BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
+        acc_up += _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, N + cols, col_mask, M,
+                              LORA_SPLITS, LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot,
+                              stride_lb_row, BLOCK_M, BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
     gate = acc_gate.to(y_ptr.dtype.element_ty).to(tl.float32)
     up = acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)
     activated = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty)
@@ -290,18 +328,28 @@ def _input_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 
 def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             weight_scale: torch.Tensor | None, out: torch.Tensor, N: int, config: dict | None, pdl: int,
-            workspace: tuple[torch.Tensor, torch.Tensor] | None = None, input_mode: int = 0) -> None:
+            workspace: tuple[torch.Tensor, torch.Tensor] | None = None, input_mode: int = 0,
+            lora: LoraRows | None = None) -> None:
     """Runs a GEMV kernel over N output features of out [M, N]: tuned per (N, K) (`tuned`, by the variant: FP8
     weight, INPUT_MODES value), or with `config` (the interpreter's one configuration when none is given there);
-    with PDL's trigger mode `pdl`. A kernel that may split K takes its (partials, arrivals) `workspace` after out."""
+    with PDL's trigger mode `pdl`. A kernel that may split K takes its (partials, arrivals) `workspace` after out;
+    `lora`, the layer's shrunk rows, adds their LoRA products in the epilogue."""
     M, K = rows.shape
     if not M:
         return
     splittable = workspace is not None
+    if lora is not None:
+        if lora.partial.shape[0] != M or lora.lora_b.shape[1] != weight.shape[0]:
+            raise ValueError(f"LoRA rows {list(lora.partial.shape)} with B {list(lora.lora_b.shape)} do not fit "
+                             f"{M} rows of a weight {list(weight.shape)}")
+        lora_args = (lora.partial, lora.lora_b, lora.row_slots, *lora.kernel_args())
+        lora_flags = {f"LORA_{name}": value for name, value in lora.kernel_flags().items()}
+    else:
+        lora_args, lora_flags = (out, out, out, 1, 1, 1, 0, 0, 0, 0), {}
     args = (rows, weight, bias if bias is not None else weight, weight_scale if weight_scale is not None else weight,
-            out, *(workspace or ()), M, N, K, rows.stride(0), weight.stride(0), out.stride(0))
+            out, *(workspace or ()), M, N, K, rows.stride(0), weight.stride(0), out.stride(0), *lora_args)
     flags = {"HAS_BIAS": bias is not None, "HAS_SCALE": weight_scale is not None, "BLOCK_M": _BLOCK_M,
-             "X_MODE": input_mode}
+             "X_MODE": input_mode, **lora_flags}
     if _INTERPRETED and config is None:
         config = _INTERPRETED_CONFIG
     options = launch_options(pdl)
@@ -321,35 +369,39 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          weight_scale: torch.Tensor | None = None, input_mode: str = "model_dtype", config: dict | None = None,
-         pdl: int = 0) -> torch.Tensor:
+         pdl: int = 0, lora: LoraRows | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x of at most GEMV_MAX_ROWS rows (any leading shape) and a half-precision
     weight [N, K] with contiguous rows, or an FP8 one with its float32 weight_scale [N] (F.linear of x and the
     dequantized weight; input_mode, an INPUT_MODES key, says how: with "fp8", F.linear of x quantized per row to
     FP8 and dequantized, as kernels/fp8.py's fp8_linear). `config` fixes the tiles ({"BLOCK_N", "BLOCK_K"[,
     "SPLIT_K"]}, and Triton's num_warps / num_stages) instead of tuning them: for tests and benchmarks. `pdl`: the
-    launch's trigger mode (kernels/pdl.py)."""
+    launch's trigger mode (kernels/pdl.py). `lora`: the layer's shrunk rows (kernels/triton_lora.py's lora_shrink),
+    whose products the epilogue adds before rounding (one launch and one pass over the output fewer than
+    lora_expand after the GEMV)."""
     rows = _input_rows(x, weight, weight_scale, "gemv", input_mode)
     N = weight.shape[0]
     out = torch.empty((rows.shape[0], N), dtype=x.dtype, device=x.device)
     # Layers too wide to split pass out twice in the workspace's place: the kernel never touches it unsplit.
     workspace = _split_workspace(rows.device, N) if N <= _MAX_SPLIT_N else (out, out)
     _launch(_gemv_kernel, _gemv_tuned, rows, weight, bias, weight_scale, out, N, config, pdl, workspace,
-            INPUT_MODES[input_mode])
+            INPUT_MODES[input_mode], lora)
     return out.reshape(*x.shape[:-1], N)
 
 
 def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   weight_scale: torch.Tensor | None = None, input_mode: str = "model_dtype",
-                  config: dict | None = None, pdl: int = 0) -> torch.Tensor:
+                  config: dict | None = None, pdl: int = 0, lora: LoraRows | None = None) -> torch.Tensor:
     """silu_and_mul(F.linear(x, weight, bias)) in one kernel, for x as gemv takes it and a merged gate / up
     weight [2I, K] (gate rows, then up rows; bias and an FP8 weight's weight_scale likewise): returns [..., I],
-    rounded as the two steps round. `input_mode`, `config` and `pdl` as gemv takes them, without SPLIT_K (the
-    gate / up layer is wide enough not to need it)."""
+    rounded as the two steps round. `input_mode`, `config`, `pdl` and `lora` (with gate and up slices) as gemv
+    takes them, without SPLIT_K (the gate / up layer is wide enough not to need it)."""
     rows = _input_rows(x, weight, weight_scale, "gemv_silu_mul", input_mode)
     if weight.shape[0] % 2:
         raise ValueError(f"gemv_silu_mul needs gate and up rows of one size, got {weight.shape[0]} rows")
     N = weight.shape[0] // 2
     out = torch.empty((rows.shape[0], N), dtype=x.dtype, device=x.device)
+    if lora is not None and len(lora.slice_sizes) != 2:
+        raise ValueError(f"gemv_silu_mul takes LoRA rows of gate and up slices, got {lora.slice_sizes}")
     _launch(_gemv_silu_mul_kernel, _gemv_silu_mul_tuned, rows, weight, bias, weight_scale, out, N, config, pdl,
-            input_mode=INPUT_MODES[input_mode])
+            input_mode=INPUT_MODES[input_mode], lora=lora)
     return out.reshape(*x.shape[:-1], N)

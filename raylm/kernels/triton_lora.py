@@ -13,6 +13,8 @@ reference.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -55,7 +57,46 @@ def _split_sum(partial_ptr, row, part, SPLITS, RANK, R_ALL, BLOCK_S: tl.constexp
 
 
 @triton.jit
-def _expand_kernel(partial_ptr, b_ptr, slot_ptr, out_ptr, N, RANK, R_ALL, SPLITS, END_0, END_1, stride_b_slot,
+def _row_product(partial_ptr, b_ptr, row, slot, cols, col_mask, SPLITS, RANK, R_ALL, END_0, END_1, stride_b_slot,
+                 stride_b_row, PARTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_RANK: tl.constexpr,
+                 BLOCK_S: tl.constexpr):
+    """One row's adapter product at output features `cols` [BLOCK_N], float32: its shrink's partial sums added in
+    split order (for the projection each column belongs to: a fused layer's slices end at END_0, END_1, then N),
+    times its slot's B."""
+    ranks = tl.arange(0, BLOCK_RANK)
+    part = (cols >= END_0).to(tl.int32) + (cols >= END_1).to(tl.int32)
+    first = _split_sum(partial_ptr, row, 0, SPLITS, RANK, R_ALL, BLOCK_S, BLOCK_RANK)
+    shrunk = tl.zeros([BLOCK_N, BLOCK_RANK], tl.float32) + first[None, :]
+    if PARTS > 1:
+        second = _split_sum(partial_ptr, row, 1, SPLITS, RANK, R_ALL, BLOCK_S, BLOCK_RANK)
+        shrunk = tl.where(part[:, None] == 1, second[None, :], shrunk)
+    if PARTS > 2:
+        third = _split_sum(partial_ptr, row, 2, SPLITS, RANK, R_ALL, BLOCK_S, BLOCK_RANK)
+        shrunk = tl.where(part[:, None] == 2, third[None, :], shrunk)
+    b = tl.load(b_ptr + slot.to(tl.int64) * stride_b_slot + cols[:, None].to(tl.int64) * stride_b_row
+                + ranks[None, :], mask=col_mask[:, None] & (ranks < RANK)[None, :], other=0.0)
+    return tl.sum(shrunk * b.to(tl.float32), axis=1)
+
+
+@triton.jit
+def lora_rows_product(partial_ptr, b_ptr, slot_ptr, rows, cols, col_mask, M, SPLITS, RANK, R_ALL, END_0, END_1,
+                      stride_b_slot, stride_b_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      PARTS: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The adapter products of input rows 0..M-1 (M <= BLOCK_M) at output features `cols`: [BLOCK_M, BLOCK_N]
+    float32, zero for rows of slot -1; for a GEMV's epilogue (kernels/triton_gemv.py), whose tile holds every row."""
+    delta = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for m in tl.static_range(BLOCK_M):
+        if m < M:
+            slot = tl.load(slot_ptr + m)
+            if slot >= 0:
+                product = _row_product(partial_ptr, b_ptr, m, slot, cols, col_mask, SPLITS, RANK, R_ALL, END_0,
+                                       END_1, stride_b_slot, stride_b_row, PARTS, BLOCK_N, BLOCK_RANK, BLOCK_S)
+                delta = tl.where(rows[:, None] == m, product[None, :], delta)
+    return delta
+
+
+@triton.jit
+def _expand_kernel(partial_ptr, b_ptr, slot_ptr, out_ptr, N, SPLITS, RANK, R_ALL, END_0, END_1, stride_b_slot,
                    stride_b_row, stride_out, PARTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_RANK: tl.constexpr,
                    BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr = 0):
     pdl_wait(USE_PDL)
@@ -63,24 +104,71 @@ def _expand_kernel(partial_ptr, b_ptr, slot_ptr, out_ptr, N, RANK, R_ALL, SPLITS
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     slot = tl.load(slot_ptr + row)
     if slot >= 0:
-        ranks = tl.arange(0, BLOCK_RANK)
-        rank_mask = ranks < RANK
-        # The projection each output column belongs to (a fused layer's slices end at END_0, END_1, then N).
-        part = (cols >= END_0).to(tl.int32) + (cols >= END_1).to(tl.int32)
-        first = _split_sum(partial_ptr, row, 0, SPLITS, RANK, R_ALL, BLOCK_S, BLOCK_RANK)
-        shrunk = tl.zeros([BLOCK_N, BLOCK_RANK], tl.float32) + first[None, :]
-        if PARTS > 1:
-            second = _split_sum(partial_ptr, row, 1, SPLITS, RANK, R_ALL, BLOCK_S, BLOCK_RANK)
-            shrunk = tl.where(part[:, None] == 1, second[None, :], shrunk)
-        if PARTS > 2:
-            third = _split_sum(partial_ptr, row, 2, SPLITS, RANK, R_ALL, BLOCK_S, BLOCK_RANK)
-            shrunk = tl.where(part[:, None] == 2, third[None, :], shrunk)
-        b = tl.load(b_ptr + slot.to(tl.int64) * stride_b_slot + cols[:, None].to(tl.int64) * stride_b_row
-                    + ranks[None, :], mask=(cols[:, None] < N) & rank_mask[None, :], other=0.0)
-        delta = tl.sum(shrunk * b.to(tl.float32), axis=1)
+        delta = _row_product(partial_ptr, b_ptr, row, slot, cols, cols < N, SPLITS, RANK, R_ALL, END_0, END_1,
+                             stride_b_slot, stride_b_row, PARTS, BLOCK_N, BLOCK_RANK, BLOCK_S)
         out = out_ptr + row.to(tl.int64) * stride_out + cols
         current = tl.load(out, mask=cols < N, other=0.0)
         tl.store(out, (current.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=cols < N)
+
+
+@dataclass
+class LoraRows:
+    """A step's shrunk rows of one adapted layer (lora_shrink), ready for the expand: by lora_expand, or in the
+    epilogue of the GEMV that computes the layer's output (kernels/triton_gemv.py), which then adds each row's
+    product before rounding."""
+
+    partial: torch.Tensor  # [rows, splits, slices * rank] float32
+    lora_b: torch.Tensor  # [slots, N, rank]
+    row_slots: torch.Tensor  # [rows] int32, -1: no adapter
+    slice_sizes: list[int]
+
+    def kernel_args(self) -> tuple:
+        """The expand's runtime arguments after the partial sums, B and the slots: splits, rank, slices * rank, the
+        first two slices' ends (N where there are fewer), B's strides."""
+        splits, r_all = self.partial.shape[1], self.partial.shape[2]
+        n = sum(self.slice_sizes)
+        ends = [sum(self.slice_sizes[: index + 1]) for index in range(len(self.slice_sizes))]
+        end_0 = ends[0] if len(ends) > 1 else n
+        end_1 = ends[1] if len(ends) > 2 else n
+        return (splits, self.lora_b.shape[-1], r_all, end_0, end_1, self.lora_b.stride(0), self.lora_b.stride(1))
+
+    def kernel_flags(self) -> dict:
+        return {"PARTS": len(self.slice_sizes), "BLOCK_RANK": triton.next_power_of_2(self.lora_b.shape[-1]),
+                "BLOCK_S": triton.next_power_of_2(self.partial.shape[1])}
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, slice_sizes: list[int],
+                row_slots: torch.Tensor, pdl: int = 0) -> LoraRows:
+    """The shrink of add_lora_rows: each row's input times its slot's A, in partial sums over the input's chunks."""
+    if len(slice_sizes) > 3:
+        raise ValueError(f"a LoRA product takes at most 3 fused projections, got {len(slice_sizes)}")
+    rows, K = x.shape
+    rank = lora_b.shape[-1]
+    r_all = lora_a.shape[1]
+    if r_all != len(slice_sizes) * rank or sum(slice_sizes) != lora_b.shape[1]:
+        raise ValueError(f"lora_a of {r_all} ranks and slices {slice_sizes} do not fit a rank of {rank} and an "
+                         f"output of {lora_b.shape[1]}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    splits = triton.cdiv(K, SPLIT_K)
+    partial = torch.empty(rows, splits, r_all, dtype=torch.float32, device=x.device)
+    if rows:
+        block_r = min(64, triton.next_power_of_2(r_all))
+        _shrink_kernel[(rows, triton.cdiv(r_all, block_r), splits)](
+            x, lora_a, row_slots, partial, K, r_all, splits, x.stride(0), lora_a.stride(0), lora_a.stride(1),
+            BLOCK_R=block_r, BLOCK_K=min(_BLOCK_K, SPLIT_K), SPLIT=SPLIT_K, **launch_options(pdl))
+    return LoraRows(partial, lora_b, row_slots, slice_sizes)
+
+
+def lora_expand(out: torch.Tensor, lora: LoraRows, pdl: int = 0) -> torch.Tensor:
+    """out [T, N] gains each row's product (lora_shrink's rows) in place, rounded once to out's dtype."""
+    rows, N = out.shape
+    if N != lora.lora_b.shape[1]:
+        raise ValueError(f"an output of {N} features does not fit adapters of {lora.lora_b.shape[1]}")
+    if rows:
+        _expand_kernel[(rows, triton.cdiv(N, _BLOCK_N))](
+            lora.partial, lora.lora_b, lora.row_slots, out, N, *lora.kernel_args(), out.stride(0), BLOCK_N=_BLOCK_N,
+            **lora.kernel_flags(), **launch_options(pdl))
+    return out
 
 
 def add_lora_rows(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -88,29 +176,6 @@ def add_lora_rows(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora
     """add_lora for rows that each name their slot: row_slots [T] int (-1: no adapter), on x's device. out [T, N]
     gains each row's product in place (rounded once to out's dtype) and is returned. pdl: the launches' trigger
     mode (kernels/pdl.py; each program waits first, whatever its row's slot, which keeps the chain's order)."""
-    if len(slice_sizes) > 3:
-        raise ValueError(f"add_lora_rows takes at most 3 fused projections, got {len(slice_sizes)}")
-    rows, K = x.shape
-    N = out.shape[1]
-    rank = lora_b.shape[-1]
-    r_all = lora_a.shape[1]
-    if r_all != len(slice_sizes) * rank or sum(slice_sizes) != N:
-        raise ValueError(f"lora_a of {r_all} ranks and slices {slice_sizes} do not fit a rank of {rank} and an "
-                         f"output of {N}")
-    if not rows:
-        return out
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    splits = triton.cdiv(K, SPLIT_K)
-    partial = torch.empty(rows, splits, r_all, dtype=torch.float32, device=x.device)
-    block_r = min(64, triton.next_power_of_2(r_all))
-    _shrink_kernel[(rows, triton.cdiv(r_all, block_r), splits)](
-        x, lora_a, row_slots, partial, K, r_all, splits, x.stride(0), lora_a.stride(0), lora_a.stride(1),
-        BLOCK_R=block_r, BLOCK_K=min(_BLOCK_K, SPLIT_K), SPLIT=SPLIT_K, **launch_options(pdl))
-    ends = [sum(slice_sizes[: index + 1]) for index in range(len(slice_sizes))]
-    end_0 = ends[0] if len(ends) > 1 else N
-    end_1 = ends[1] if len(ends) > 2 else N
-    _expand_kernel[(rows, triton.cdiv(N, _BLOCK_N))](
-        partial, lora_b, row_slots, out, N, rank, r_all, splits, end_0, end_1, lora_b.stride(0), lora_b.stride(1),
-        out.stride(0), PARTS=len(slice_sizes), BLOCK_N=_BLOCK_N, BLOCK_RANK=triton.next_power_of_2(rank),
-        BLOCK_S=triton.next_power_of_2(splits), **launch_options(pdl))
-    return out
+    if out.shape[1] != sum(slice_sizes):
+        raise ValueError(f"slices {slice_sizes} do not fit an output of {out.shape[1]}")
+    return lora_expand(out, lora_shrink(x, lora_a, lora_b, slice_sizes, row_slots, pdl), pdl)

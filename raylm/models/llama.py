@@ -89,15 +89,17 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor | Unreduced:
         gate_up = self.gate_up_proj
-        # SiLU-mul in the GEMV's epilogue (not in steps with adapters: their products join gate_up's output first)
-        if (self.silu and (gate_up.lora is None or not gate_up.lora.adds())
-                and self.kernels.gemv_applies(x, gate_up.weight)):
-            from raylm.kernels.triton_gemv import gemv_silu_mul
+        # SiLU-mul in the GEMV's epilogue, after the adapters' products where the Triton kernels take them (torch's
+        # grouped products join gate_up's output first)
+        if self.silu and self.kernels.gemv_applies(x, gate_up.weight):
+            lora = gate_up.lora.shrink(x) if gate_up.lora is not None else None
+            if lora is not None or gate_up.lora is None or not gate_up.lora.adds():
+                from raylm.kernels.triton_gemv import gemv_silu_mul
 
-            activated = gemv_silu_mul(x, gate_up.weight, gate_up.bias, weight_scale=gate_up.weight_scale,
-                                      input_mode=self.kernels.gemv_input_mode(gate_up.weight_scale),
-                                      pdl=self.kernels.pdl)
-            return self.down_proj(activated, defer_reduce)
+                activated = gemv_silu_mul(x, gate_up.weight, gate_up.bias, weight_scale=gate_up.weight_scale,
+                                          input_mode=self.kernels.gemv_input_mode(gate_up.weight_scale),
+                                          pdl=self.kernels.pdl, lora=lora)
+                return self.down_proj(activated, defer_reduce)
         return self.down_proj(self.act(gate_up(x), self.kernels), defer_reduce)
 
 

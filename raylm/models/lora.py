@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from raylm.config import LoraConfig
+from raylm.kernels.linear import linear
 from raylm.kernels.lora import SlotRows, add_lora
 from raylm.kernels.policy import KernelPolicy
 from raylm.lora_request import LoRARequest
@@ -97,25 +98,39 @@ class LayerAdapters(nn.Module):
         step with a row of an adapter."""
         return self.batch.graph_slots is not None if self.batch.in_graph else bool(self.batch.groups)
 
-    def forward(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if self.batch.in_graph:
-            graph_slots = self.batch.graph_slots
-            if graph_slots is None:  # the graphs of steps without adapters
-                return out
-            if self.kernels.on_triton(x):  # the same launches each replay
-                from raylm.kernels.triton_lora import add_lora_rows
+    def shrink(self, x: torch.Tensor):
+        """Where the Triton kernels take this step's rows (a decode graph with adapters: the same launches each
+        replay, each row's slot read from the graph's buffer; an eager CUDA step of at most TRITON_MAX_ROWS rows
+        with adapters): launches the shrink and returns its LoraRows, for the expand in the epilogue of the GEMV
+        that computes the layer's output (kernels/linear.py). None: nothing to add, or added in torch (forward)."""
+        if not self.kernels.on_triton(x):
+            return None
+        batch = self.batch
+        if batch.in_graph:
+            slots = batch.graph_slots[: x.shape[0]] if batch.graph_slots is not None else None
+        else:
+            slots = batch.row_slots if batch.groups and batch.row_slots is not None else None
+        if slots is None or slots.shape[0] != x.shape[0]:
+            return None
+        from raylm.kernels.triton_lora import lora_shrink
 
-                return add_lora_rows(out, x, self.lora_a, self.lora_b, self.slice_sizes, graph_slots[: x.shape[0]],
-                                     self.kernels.pdl)
-            # graphs run uncaptured (the CPU): the rows' groups, as in an eager step
+        return lora_shrink(x, self.lora_a, self.lora_b, self.slice_sizes, slots, self.kernels.pdl)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               weight_scale: torch.Tensor | None) -> torch.Tensor:
+        """The adapted layer's x W^T + b with each row's adapter product."""
+        lora = self.shrink(x)
+        out = linear(x, weight, bias, self.kernels, weight_scale, lora=lora)
+        return out if lora is not None else self(out, x)
+
+    def forward(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out plus each row's adapter product in torch (rows grouped by slot), where shrink gave nothing."""
+        if self.batch.in_graph and self.batch.graph_slots is None:  # the graphs of steps without adapters
+            return out
+        # (graphs run uncaptured on the CPU take the rows' groups, as an eager step does)
         groups = self.batch.groups
         if not groups:
             return out
-        row_slots = self.batch.row_slots
-        if row_slots is not None and row_slots.shape[0] == x.shape[0] and self.kernels.on_triton(x):
-            from raylm.kernels.triton_lora import add_lora_rows
-
-            return add_lora_rows(out, x, self.lora_a, self.lora_b, self.slice_sizes, row_slots, self.kernels.pdl)
         return add_lora(out, x, self.lora_a, self.lora_b, self.slice_sizes, groups)
 
     def clear(self, slot: int) -> None:

@@ -144,8 +144,9 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(0, start, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, self.bias, self.kernels, self.weight_scale)
-        return out if self.lora is None else self.lora(out, x)
+        if self.lora is not None:
+            return self.lora.linear(x, self.weight, self.bias, self.weight_scale)
+        return linear(x, self.weight, self.bias, self.kernels, self.weight_scale)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -234,9 +235,10 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor | Unreduced:
         """With defer_reduce (and no bias), the partial sum as Unreduced: the next RMSNorm all-reduces it."""
-        out = linear(x, self.weight, None, self.kernels, self.weight_scale)
         if self.lora is not None:
-            out = self.lora(out, x)
+            out = self.lora.linear(x, self.weight, None, self.weight_scale)
+        else:
+            out = linear(x, self.weight, None, self.kernels, self.weight_scale)
         if defer_reduce and self.bias is None:
             return Unreduced(out, self.ctx)
         out = self.ctx.all_reduce(out)

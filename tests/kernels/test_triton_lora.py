@@ -66,3 +66,43 @@ def test_a_row_s_product_does_not_depend_on_its_batch():
         alone = add_lora_rows(out[row : row + 1].clone(), x[row : row + 1], lora_a, lora_b, [40, 24],
                               torch.tensor([slot], device=DEVICE))
         assert torch.equal(alone, batched[row : row + 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=GPU_ONLY)])
+@pytest.mark.parametrize("config", [{"BLOCK_N": 16, "BLOCK_K": 128}, {"BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 2}],
+                         ids=["whole-k", "split-k"])
+def test_the_gemv_epilogue_adds_the_rows_products_as_the_expand_does(dtype, config):
+    """gemv(lora=lora_shrink(...)) against the GEMV followed by the expand kernel: the products join the float32
+    sum before it is rounded (one rounding less), rows of three adapters and of none, a fused q / k / v layer."""
+    from raylm.kernels.triton_gemv import gemv
+    from raylm.kernels.triton_lora import lora_shrink
+
+    slices, k, rank, row_slots = [32, 16, 16], 600, 8, [0, -1, 2, 1, 0]
+    out, x, lora_a, lora_b = _case(slices, k, rank, dtype, row_slots)
+    weight = (torch.randn(sum(slices), k, generator=torch.Generator().manual_seed(5)) / k**0.5).to(DEVICE, dtype)
+    slots = torch.tensor(row_slots, dtype=torch.int32, device=DEVICE)
+    expected = add_lora(gemv(x, weight, config=config).float(), x.float(), lora_a.float(), lora_b.float(), slices,
+                        _groups(row_slots))
+    got = gemv(x, weight, config=config, lora=lora_shrink(x, lora_a, lora_b, slices, slots))
+    tolerance = 2e-3 if dtype == torch.float16 else 1.6e-2
+    torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=GPU_ONLY)])
+def test_the_silu_mul_gemv_adds_gate_and_up_products_before_the_activation(dtype):
+    from raylm.kernels.triton_gemv import gemv, gemv_silu_mul
+    from raylm.kernels.triton_lora import lora_shrink
+    from raylm.kernels.triton_ops import silu_and_mul
+
+    slices, k, rank, row_slots = [48, 48], 300, 8, [1, 0, -1]
+    out, x, lora_a, lora_b = _case(slices, k, rank, dtype, row_slots)
+    weight = (torch.randn(sum(slices), k, generator=torch.Generator().manual_seed(6)) / k**0.5).to(DEVICE, dtype)
+    slots = torch.tensor(row_slots, dtype=torch.int32, device=DEVICE)
+    config = {"BLOCK_N": 16, "BLOCK_K": 128}
+    gate_up = gemv(x, weight, config=config, lora=lora_shrink(x, lora_a, lora_b, slices, slots))
+    expected = silu_and_mul(gate_up, 0) if DEVICE.type == "cuda" else torch.nn.functional.silu(
+        gate_up[:, :48].float()).to(dtype).float() * gate_up[:, 48:].float()
+    got = gemv_silu_mul(x, weight, config=config, lora=lora_shrink(x, lora_a, lora_b, slices, slots))
+    tolerance = 2e-3 if dtype == torch.float16 else 1.6e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    assert not torch.allclose(got, gemv_silu_mul(x, weight, config=config).to(got.dtype), atol=1e-2)
