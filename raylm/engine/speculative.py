@@ -53,10 +53,10 @@ def fit_rows(drafts: dict[int, list[int]] | None, running: int, max_rows: int | 
     on the H200: 320 rows against a 256-row graph, 0.41x). Each request keeps an equal share, the rows left over
     going to the longest proposals first. None max_rows: no graphs, no trimming. No room at all: None, the step
     does not speculate (it then overlaps with the next, as max_concurrency's steps do)."""
-    if not drafts or max_rows is None:
+    if drafts is None or max_rows is None:
         return drafts
     room = max_rows - running
-    if room <= 0:
+    if room <= 0:  # also with no proposals (placeholders): the steps stay overlapped while the batch is this large
         return None
     if sum(len(proposal) for proposal in drafts.values()) <= room:
         return drafts

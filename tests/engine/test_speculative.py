@@ -134,6 +134,8 @@ def test_speculation_under_preemption_and_a_per_request_opt_out_gives_the_same_t
     ({1: [5, 6, 7, 8], 2: [8, 9], 3: [1, 2, 3, 4]}, 3, 10, {1: 3, 2: 2, 3: 2}),
     ({1: [5, 6], 2: [8, 9, 7]}, 4, 5, {2: 1}),  # fewer rows than drafting requests: the longest proposals
     ({1: [5, 6, 7]}, 4, 4, None),  # no room: the step does not speculate
+    ({}, 5, 4, None),  # nor with no proposals (their tokens still in flight): the steps stay overlapped
+    ({}, 3, 4, {}),
     ({1: [5, 6, 7]}, 4, None, {1: 3}),  # no graphs
 ])
 def test_drafts_are_trimmed_to_the_rows_of_the_largest_decode_graph(drafts, running, max_rows, kept):
