@@ -60,11 +60,11 @@ class LoraBatch:
     def set_rows(self, row_slots: list[int], device: torch.device, graphed: bool = False) -> None:
         """row_slots: each row's slot, -1 for the base model (empty: no row has an adapter). graphed: the step
         replays a captured decode graph, which reads the slots from its own buffer."""
-        slots = np.asarray(row_slots, dtype=np.int64)
         self.row_slots = None
         self.groups = []
         if graphed:
             return
+        slots = np.asarray(row_slots, dtype=np.int64)
         if device.type == "cuda" and 0 < len(row_slots) <= TRITON_MAX_ROWS:
             self.row_slots = torch.from_numpy(slots.astype(np.int32)).to(device, non_blocking=True)
         for slot in np.unique(slots[slots >= 0]).tolist():
