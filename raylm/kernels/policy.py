@@ -55,6 +55,7 @@ class KernelPolicy:
     decode_gemv: bool = False
     pdl: int = 0
     fp8_gemv_input: str = "float16"  # how GEMVs on FP8 weights take their input (triton_gemv.INPUT_MODES)
+    lora_in_gemv: bool = False  # LoRA's expand in the decode GEMV's epilogue, not a kernel of its own after it
 
     def on_triton(self, x: torch.Tensor) -> bool:
         """Whether an operation on x runs its Triton kernel."""
@@ -87,10 +88,11 @@ def streams_weights(weight_bytes: int) -> bool:
 
 def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool = True,
                          decode_gemv: bool | None = None, pdl: str = "auto",
-                         fp8_gemv_input: str = "float16") -> KernelPolicy:
+                         fp8_gemv_input: str = "float16", lora_expand: str = "kernel") -> KernelPolicy:
     """The policy for a model of `weight_bytes` per rank on `device`, from kernel_config's fields: Triton where
     asked for, on CUDA, and importable; the GEMV (decode_gemv None) and PDL (pdl "auto") for models that stream
-    weights; PDL only on compute capability 9.0+ and never interpreted."""
+    weights; PDL only on compute capability 9.0+ and never interpreted; LoRA's expand in the GEMV's epilogue where
+    lora_expand is "epilogue"."""
     if pdl != "auto" and pdl not in PDL_TRIGGERS:
         raise ValueError(f"kernel_config.pdl must be 'auto' or one of {sorted(PDL_TRIGGERS)}, got {pdl!r}")
     on_triton = triton and device.type == "cuda" and triton_available()
@@ -101,4 +103,4 @@ def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool =
     if mode and (triton_interpreted() or torch.cuda.get_device_capability(device) < _PDL_MIN_CAPABILITY):
         mode = 0
     return KernelPolicy(triton=True, decode_gemv=streaming if decode_gemv is None else decode_gemv, pdl=mode,
-                        fp8_gemv_input=fp8_gemv_input)
+                        fp8_gemv_input=fp8_gemv_input, lora_in_gemv=lora_expand == "epilogue")

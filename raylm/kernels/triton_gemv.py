@@ -26,9 +26,9 @@ the FP8 tile meets x is kernel_config.fp8_gemv_input (INPUT_MODES):
   Fastest on the H200: 8B batch 1 at 3.66 ms/token against 3.99 widening to bfloat16 (docs/benchmarks.md).
 - "model_dtype": the weight is widened to x's dtype (exactly: every e4m3 value is a bfloat16 / float16 value) and
   x keeps its precision.
-- "fp8": x's rows are quantized per token as the FP8 matmul does (the row's amax over the whole of K / 448, so
-  every program and split finds the same scale) and FP8 multiplies FP8, no widening; every program re-reads x's
-  whole row for its amax, which made it the slowest (14.4 ms/token).
+- "fp8": x's rows are quantized per token as the FP8 matmul does (the row's amax / 448), once per call by
+  triton_fp8's quantizer before the GEMV, and the tensor cores multiply FP8 by FP8, no widening in the loop. (Each
+  program re-reading x's whole row for its amax inside the GEMV measured 14.4 ms/token.)
 
 The SiLU-mul after the gate / up projection runs in that GEMV's epilogue (gemv_silu_mul: each program owns
 matching gate and up rows, so the activation needs nothing from other programs). The add + RMSNorm before qkv
@@ -46,7 +46,7 @@ import triton.language as tl
 from raylm.kernels.fp8 import FP8_DTYPE
 from raylm.kernels.pdl import launch_options, pdl_trigger_at_tail, pdl_wait
 from raylm.kernels.policy import GEMV_MAX_ROWS
-from raylm.kernels.triton_fp8 import fp8_scale, to_fp8
+from raylm.kernels.triton_fp8 import quantize_rows_fp8
 from raylm.kernels.triton_lora import LoraRows, lora_rows_product
 
 _BLOCK_M = 16  # tl.dot's smallest tile; rows past M are masked
@@ -92,15 +92,10 @@ def _x_tile(x_rows, ks, row_mask, K):
 
 
 @triton.jit
-def _x_scales(x_rows, row_mask, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, X_MODE: tl.constexpr):
-    """Each input row's FP8 scale, its amax over the whole of K / 448 (as kernels/fp8.py's quantize_fp8); 1.0 for
-    every row unless X_MODE is 2 (fp8)."""
+def _x_scales(x_scale_ptr, rows, row_mask, BLOCK_M: tl.constexpr, X_MODE: tl.constexpr):
+    """Each input row's FP8 scale when X_MODE is 2 (x quantized before the call); 1.0 for every row otherwise."""
     if X_MODE == 2:
-        amax = tl.zeros([BLOCK_M], tl.float32)
-        for start in range(0, K, BLOCK_K):
-            ks = start + tl.arange(0, BLOCK_K)
-            amax = tl.maximum(amax, tl.max(tl.abs(_x_tile(x_rows, ks, row_mask, K).to(tl.float32)), axis=1))
-        return fp8_scale(amax)
+        return tl.load(x_scale_ptr + rows, mask=row_mask, other=1.0)
     else:
         return tl.full([BLOCK_M], 1.0, tl.float32)
 
@@ -108,9 +103,9 @@ def _x_scales(x_rows, row_mask, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 @triton.jit
 def _dot(x, w, x_scale, acc, X_MODE: tl.constexpr):
     """acc + x w^T by X_MODE: 0, w widened to x's dtype (a no-op for a half-precision w); 1, both in float16; 2,
-    the rows of x quantized by their scales and multiplied with the FP8 w as it is."""
+    x's FP8 rows (their scales go on in the epilogue) and the FP8 w as they are."""
     if X_MODE == 2:
-        return tl.dot(to_fp8(x.to(tl.float32), x_scale[:, None]), tl.trans(w), acc)
+        return tl.dot(x, tl.trans(w), acc)
     elif X_MODE == 1:  # inputs past float16's range are held at its largest value rather than made infinite
         x16 = tl.clamp(x.to(tl.float32), -_FLOAT16_MAX, _FLOAT16_MAX).to(tl.float16)
         return tl.dot(x16, tl.trans(w.to(tl.float16)), acc)
@@ -119,16 +114,16 @@ def _dot(x, w, x_scale, acc, X_MODE: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_ptr, arrivals_ptr, M, N, K, stride_xm, stride_wn,
-                 stride_ym, lora_partial_ptr, lora_b_ptr, lora_slot_ptr, LORA_SPLITS, LORA_RANK, LORA_R_ALL,
-                 LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, HAS_BIAS: tl.constexpr,
+def _gemv_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_ptr, arrivals_ptr, M, N, K,
+                 stride_xm, stride_wn, stride_ym, lora_partial_ptr, lora_b_ptr, lora_slot_ptr, LORA_SPLITS,
+                 LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, HAS_BIAS: tl.constexpr,
                  HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0, X_MODE: tl.constexpr = 0,
                  LORA_PARTS: tl.constexpr = 0, LORA_BLOCK_RANK: tl.constexpr = 16, LORA_BLOCK_S: tl.constexpr = 1):
     """Program (i, s) computes output features [i BLOCK_N, (i + 1) BLOCK_N) over split s of K (the whole of K
     when SPLIT_K is 1); with SPLIT_K > 1, partial_ptr is a float32 workspace of at least [SPLIT_K, M, N] and
     arrivals_ptr one int32 counter per output tile, zero between calls. HAS_SCALE: W holds FP8 rows, each scaled by
-    its float32 scale_ptr[n]. LORA_PARTS > 0: the layer's LoRA products (the lora_* arguments, a LoraRows of
+    its float32 scale_ptr[n]; X_MODE 2: so does x, by x_scale_ptr[m]. LORA_PARTS > 0: the layer's LoRA products (the lora_* arguments, a LoraRows of
     kernels/triton_lora.py) join each row's sum before it is rounded."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -148,7 +143,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_ptr, arrivals
     ks = k_start + tl.arange(0, BLOCK_K)
     w = _w_tile(w_rows, ks, col_mask, k_end)
     pdl_wait(USE_PDL, TRIGGER_AT_TAIL=True)
-    x_scale = _x_scales(x_rows, row_mask, K, BLOCK_M, BLOCK_K, X_MODE)
+    x_scale = _x_scales(x_scale_ptr, rows, row_mask, BLOCK_M, X_MODE)
     acc = _dot(_x_tile(x_rows, ks, row_mask, k_end), w, x_scale, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
                X_MODE)
     for start in range(k_start + BLOCK_K, k_end, BLOCK_K):
@@ -209,8 +204,8 @@ def _gemv_store(acc, bias_ptr, scale_ptr, y_ptr, rows, cols, col_mask, out_mask,
 
 
 @triton.jit
-def _gemv_silu_mul_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                          lora_partial_ptr, lora_b_ptr, lora_slot_ptr, LORA_SPLITS, LORA_RANK, LORA_R_ALL,
+def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
+                          stride_ym, lora_partial_ptr, lora_b_ptr, lora_slot_ptr, LORA_SPLITS, LORA_RANK, LORA_R_ALL,
                           LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, HAS_BIAS: tl.constexpr,
                           HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0, X_MODE: tl.constexpr = 0,
@@ -232,7 +227,7 @@ def _gemv_silu_mul_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, M, N, K, str
     w_gate = _w_tile(gate_rows, ks, col_mask, K)
     w_up = _w_tile(up_rows, ks, col_mask, K)
     pdl_wait(USE_PDL, TRIGGER_AT_TAIL=True)
-    x_scale = _x_scales(x_rows, row_mask, K, BLOCK_M, BLOCK_K, X_MODE)
+    x_scale = _x_scales(x_scale_ptr, rows, row_mask, BLOCK_M, X_MODE)
     x = _x_tile(x_rows, ks, row_mask, K)
     acc_gate = _dot(x, w_gate, x_scale, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), X_MODE)
     acc_up = _dot(x, w_up, x_scale, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), X_MODE)
@@ -326,14 +321,22 @@ def _input_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
+def _quantized(rows: torch.Tensor, input_mode: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The GEMV's input rows as its input mode takes them: with "fp8", quantized per row (FP8 rows, their float32
+    scales), once for every program of the GEMV."""
+    if input_mode == "fp8" and rows.shape[0]:
+        return quantize_rows_fp8(rows)
+    return rows, None
+
+
 def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             weight_scale: torch.Tensor | None, out: torch.Tensor, N: int, config: dict | None, pdl: int,
             workspace: tuple[torch.Tensor, torch.Tensor] | None = None, input_mode: int = 0,
-            lora: LoraRows | None = None) -> None:
+            lora: LoraRows | None = None, x_scale: torch.Tensor | None = None) -> None:
     """Runs a GEMV kernel over N output features of out [M, N]: tuned per (N, K) (`tuned`, by the variant: FP8
     weight, INPUT_MODES value), or with `config` (the interpreter's one configuration when none is given there);
     with PDL's trigger mode `pdl`. A kernel that may split K takes its (partials, arrivals) `workspace` after out;
-    `lora`, the layer's shrunk rows, adds their LoRA products in the epilogue."""
+    `lora`, the layer's shrunk rows, adds their LoRA products in the epilogue; `x_scale`, FP8 rows' scales."""
     M, K = rows.shape
     if not M:
         return
@@ -346,7 +349,8 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
         lora_flags = {f"LORA_{name}": value for name, value in lora.kernel_flags().items()}
     else:
         lora_args, lora_flags = (out, out, out, 1, 1, 1, 0, 0, 0, 0), {}
-    args = (rows, weight, bias if bias is not None else weight, weight_scale if weight_scale is not None else weight,
+    args = (rows, x_scale if x_scale is not None else weight, weight, bias if bias is not None else weight,
+            weight_scale if weight_scale is not None else weight,
             out, *(workspace or ()), M, N, K, rows.stride(0), weight.stride(0), out.stride(0), *lora_args)
     flags = {"HAS_BIAS": bias is not None, "HAS_SCALE": weight_scale is not None, "BLOCK_M": _BLOCK_M,
              "X_MODE": input_mode, **lora_flags}
@@ -383,8 +387,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     out = torch.empty((rows.shape[0], N), dtype=x.dtype, device=x.device)
     # Layers too wide to split pass out twice in the workspace's place: the kernel never touches it unsplit.
     workspace = _split_workspace(rows.device, N) if N <= _MAX_SPLIT_N else (out, out)
+    rows, x_scale = _quantized(rows, input_mode)
     _launch(_gemv_kernel, _gemv_tuned, rows, weight, bias, weight_scale, out, N, config, pdl, workspace,
-            INPUT_MODES[input_mode], lora)
+            INPUT_MODES[input_mode], lora, x_scale)
     return out.reshape(*x.shape[:-1], N)
 
 
@@ -402,6 +407,7 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty((rows.shape[0], N), dtype=x.dtype, device=x.device)
     if lora is not None and len(lora.slice_sizes) != 2:
         raise ValueError(f"gemv_silu_mul takes LoRA rows of gate and up slices, got {lora.slice_sizes}")
+    rows, x_scale = _quantized(rows, input_mode)
     _launch(_gemv_silu_mul_kernel, _gemv_silu_mul_tuned, rows, weight, bias, weight_scale, out, N, config, pdl,
-            input_mode=INPUT_MODES[input_mode], lora=lora)
+            input_mode=INPUT_MODES[input_mode], lora=lora, x_scale=x_scale)
     return out.reshape(*x.shape[:-1], N)

@@ -89,11 +89,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor | Unreduced:
         gate_up = self.gate_up_proj
-        # SiLU-mul in the GEMV's epilogue, after the adapters' products where the Triton kernels take them (torch's
-        # grouped products join gate_up's output first)
-        if self.silu and self.kernels.gemv_applies(x, gate_up.weight):
-            lora = gate_up.lora.shrink(x) if gate_up.lora is not None else None
-            if lora is not None or gate_up.lora is None or not gate_up.lora.adds():
+        # SiLU-mul in the GEMV's epilogue, after the adapters' products where the Triton kernels add them there
+        # (kernel_config.lora_expand; otherwise the expand kernel, or torch's grouped products, join gate_up's
+        # output first and the SiLU-mul runs on its own)
+        adds = gate_up.lora is not None and gate_up.lora.adds()
+        if self.silu and self.kernels.gemv_applies(x, gate_up.weight) and (not adds or self.kernels.lora_in_gemv):
+            lora = gate_up.lora.shrink(x) if adds else None
+            if lora is not None or not adds:
                 from raylm.kernels.triton_gemv import gemv_silu_mul
 
                 activated = gemv_silu_mul(x, gate_up.weight, gate_up.bias, weight_scale=gate_up.weight_scale,

@@ -106,3 +106,31 @@ def test_the_silu_mul_gemv_adds_gate_and_up_products_before_the_activation(dtype
     tolerance = 2e-3 if dtype == torch.float16 else 1.6e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
     assert not torch.allclose(got, gemv_silu_mul(x, weight, config=config).to(got.dtype), atol=1e-2)
+
+
+@pytest.mark.parametrize("in_gemv", [False, True], ids=["expand-kernel", "gemv-epilogue"])
+def test_linear_adds_the_products_where_kernel_config_lora_expand_says(in_gemv, monkeypatch):
+    """kernel_config.lora_expand: 'kernel' (the default, faster on the H200) runs the plain GEMV and then the
+    expand; 'epilogue' hands the shrunk rows to the GEMV. Both give the reference's sums."""
+    from raylm.kernels import triton_gemv
+    from raylm.kernels.linear import linear
+    from raylm.kernels.policy import KernelPolicy
+    from raylm.kernels.triton_lora import lora_shrink
+
+    class DecodePolicy(KernelPolicy):
+        def gemv_applies(self, x, weight):  # the real policy takes only CUDA tensors
+            return True
+
+    slices, k, rank, row_slots = [32, 32], 300, 8, [1, -1, 0]
+    out, x, lora_a, lora_b = _case(slices, k, rank, torch.float16, row_slots)
+    weight = (torch.randn(sum(slices), k, generator=torch.Generator().manual_seed(7)) / k**0.5).to(DEVICE, x.dtype)
+    slots = torch.tensor(row_slots, dtype=torch.int32, device=DEVICE)
+    gemv, handed = triton_gemv.gemv, []
+    monkeypatch.setattr(triton_gemv, "gemv", lambda *args, **kwargs: handed.append(kwargs["lora"] is not None)
+                        or gemv(*args, **kwargs))
+    policy = DecodePolicy(triton=True, decode_gemv=True, lora_in_gemv=in_gemv)
+    got = linear(x, weight, None, policy, lora=lora_shrink(x, lora_a, lora_b, slices, slots))
+    assert handed == [in_gemv]
+    expected = add_lora(x.float() @ weight.float().T, x.float(), lora_a.float(), lora_b.float(), slices,
+                        _groups(row_slots))
+    torch.testing.assert_close(got.float(), expected, atol=2e-3, rtol=2e-3)
