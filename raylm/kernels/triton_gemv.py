@@ -123,8 +123,8 @@ def _gemv_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_
     """Program (i, s) computes output features [i BLOCK_N, (i + 1) BLOCK_N) over split s of K (the whole of K
     when SPLIT_K is 1); with SPLIT_K > 1, partial_ptr is a float32 workspace of at least [SPLIT_K, M, N] and
     arrivals_ptr one int32 counter per output tile, zero between calls. HAS_SCALE: W holds FP8 rows, each scaled by
-    its float32 scale_ptr[n]; X_MODE 2: so does x, by x_scale_ptr[m]. LORA_PARTS > 0: the layer's LoRA products (the lora_* arguments, a LoraRows of
-    kernels/triton_lora.py) join each row's sum before it is rounded."""
+    its float32 scale_ptr[n]; X_MODE 2: so does x, by x_scale_ptr[m]. LORA_PARTS > 0: the layer's LoRA products
+    (the lora_* arguments, a LoraRows of kernels/triton_lora.py) join each row's sum before it is rounded."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
