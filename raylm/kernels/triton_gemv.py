@@ -144,6 +144,12 @@ def _gemv_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_
     w = _w_tile(w_rows, ks, col_mask, k_end)
     pdl_wait(USE_PDL, TRIGGER_AT_TAIL=True)
     x_scale = _x_scales(x_scale_ptr, rows, row_mask, BLOCK_M, X_MODE)
+    if SPLIT_K == 1:  # the LoRA products are read while the first weight tile streams in, not after the loop
+        lora = _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORA_SPLITS,
+                           LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, BLOCK_M,
+                           BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
+    else:
+        lora = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc = _dot(_x_tile(x_rows, ks, row_mask, k_end), w, x_scale, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
                X_MODE)
     for start in range(k_start + BLOCK_K, k_end, BLOCK_K):
@@ -166,9 +172,6 @@ def _gemv_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_
                         HAS_SCALE, x_scale, X_MODE, lora, LORA_PARTS)
             tl.atomic_xchg(arrivals_ptr + pid, 0)  # ready for the next call
     else:
-        lora = _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORA_SPLITS,
-                           LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, BLOCK_M,
-                           BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
         _gemv_store(acc, bias_ptr, scale_ptr, y_ptr, rows, cols, col_mask, out_mask, stride_ym, HAS_BIAS, HAS_SCALE,
                     x_scale, X_MODE, lora, LORA_PARTS)
 
@@ -228,6 +231,13 @@ def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr,
     w_up = _w_tile(up_rows, ks, col_mask, K)
     pdl_wait(USE_PDL, TRIGGER_AT_TAIL=True)
     x_scale = _x_scales(x_scale_ptr, rows, row_mask, BLOCK_M, X_MODE)
+    # The LoRA products (zeros without LoRA) are read while the first weight tiles stream in.
+    lora_gate = _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORA_SPLITS,
+                            LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, BLOCK_M,
+                            BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
+    lora_up = _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, N + cols, col_mask, M, LORA_SPLITS,
+                          LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, BLOCK_M,
+                          BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
     x = _x_tile(x_rows, ks, row_mask, K)
     acc_gate = _dot(x, w_gate, x_scale, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), X_MODE)
     acc_up = _dot(x, w_up, x_scale, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), X_MODE)
@@ -247,12 +257,8 @@ def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr,
         acc_gate += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         acc_up += tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if LORA_PARTS > 0:
-        acc_gate += _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORA_SPLITS,
-                                LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row,
-                                BLOCK_M, BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
-        acc_up += _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, N + cols, col_mask, M,
-                              LORA_SPLITS, LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot,
-                              stride_lb_row, BLOCK_M, BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
+        acc_gate += lora_gate
+        acc_up += lora_up
     gate = acc_gate.to(y_ptr.dtype.element_ty).to(tl.float32)
     up = acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)
     activated = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty)

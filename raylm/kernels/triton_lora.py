@@ -47,31 +47,33 @@ def _shrink_kernel(x_ptr, a_ptr, slot_ptr, out_ptr, K, R_ALL, SPLITS, stride_x, 
 
 
 @triton.jit
-def _split_sum(partial_ptr, row, part, SPLITS, RANK, R_ALL, BLOCK_S: tl.constexpr, BLOCK_RANK: tl.constexpr):
-    """One projection's shrunk vector of a row [BLOCK_RANK]: its partial sums over the input's chunks, added."""
+def _split_sum(partial_ptr, row, part, SPLITS, RANK, R_ALL, BLOCK_S: tl.constexpr, BLOCK_RANK: tl.constexpr,
+               READ_SPLITS):
+    """One projection's shrunk vector of a row [BLOCK_RANK]: its partial sums over the input's chunks (the first
+    READ_SPLITS of the SPLITS there are: all of them, or none to read nothing and get zeros), added."""
     splits = tl.arange(0, BLOCK_S)
     ranks = tl.arange(0, BLOCK_RANK)
     partial = tl.load(partial_ptr + (row * SPLITS + splits[:, None]) * R_ALL + part * RANK + ranks[None, :],
-                      mask=(splits[:, None] < SPLITS) & (ranks[None, :] < RANK), other=0.0)
+                      mask=(splits[:, None] < READ_SPLITS) & (ranks[None, :] < RANK), other=0.0)
     return tl.sum(partial, axis=0)
 
 
 @triton.jit
 def _row_product(partial_ptr, b_ptr, row, slot, cols, col_mask, SPLITS, RANK, R_ALL, END_0, END_1, stride_b_slot,
                  stride_b_row, PARTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_RANK: tl.constexpr,
-                 BLOCK_S: tl.constexpr):
+                 BLOCK_S: tl.constexpr, READ_SPLITS):
     """One row's adapter product at output features `cols` [BLOCK_N], float32: its shrink's partial sums added in
     split order (for the projection each column belongs to: a fused layer's slices end at END_0, END_1, then N),
-    times its slot's B."""
+    times its slot's B; zeros, reading no partial sums and no B, for READ_SPLITS 0 and a col_mask all false."""
     ranks = tl.arange(0, BLOCK_RANK)
     part = (cols >= END_0).to(tl.int32) + (cols >= END_1).to(tl.int32)
-    first = _split_sum(partial_ptr, row, 0, SPLITS, RANK, R_ALL, BLOCK_S, BLOCK_RANK)
+    first = _split_sum(partial_ptr, row, 0, SPLITS, RANK, R_ALL, BLOCK_S, BLOCK_RANK, READ_SPLITS)
     shrunk = tl.zeros([BLOCK_N, BLOCK_RANK], tl.float32) + first[None, :]
     if PARTS > 1:
-        second = _split_sum(partial_ptr, row, 1, SPLITS, RANK, R_ALL, BLOCK_S, BLOCK_RANK)
+        second = _split_sum(partial_ptr, row, 1, SPLITS, RANK, R_ALL, BLOCK_S, BLOCK_RANK, READ_SPLITS)
         shrunk = tl.where(part[:, None] == 1, second[None, :], shrunk)
     if PARTS > 2:
-        third = _split_sum(partial_ptr, row, 2, SPLITS, RANK, R_ALL, BLOCK_S, BLOCK_RANK)
+        third = _split_sum(partial_ptr, row, 2, SPLITS, RANK, R_ALL, BLOCK_S, BLOCK_RANK, READ_SPLITS)
         shrunk = tl.where(part[:, None] == 2, third[None, :], shrunk)
     b = tl.load(b_ptr + slot.to(tl.int64) * stride_b_slot + cols[:, None].to(tl.int64) * stride_b_row
                 + ranks[None, :], mask=col_mask[:, None] & (ranks < RANK)[None, :], other=0.0)
@@ -83,15 +85,19 @@ def lora_rows_product(partial_ptr, b_ptr, slot_ptr, rows, cols, col_mask, M, SPL
                       stride_b_slot, stride_b_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       PARTS: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_S: tl.constexpr):
     """The adapter products of input rows 0..M-1 (M <= BLOCK_M) at output features `cols`: [BLOCK_M, BLOCK_N]
-    float32, zero for rows of slot -1; for a GEMV's epilogue (kernels/triton_gemv.py), whose tile holds every row."""
+    float32, zero for rows of slot -1; for a GEMV's epilogue (kernels/triton_gemv.py), whose tile holds every row.
+    No branch depends on a loaded slot: a row without an adapter (or past M) masks its loads instead, so the
+    unrolled rows' loads can all be in flight at once rather than one row's chain of loads after another's."""
     delta = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for m in tl.static_range(BLOCK_M):
-        if m < M:
-            slot = tl.load(slot_ptr + m)
-            if slot >= 0:
-                product = _row_product(partial_ptr, b_ptr, m, slot, cols, col_mask, SPLITS, RANK, R_ALL, END_0,
-                                       END_1, stride_b_slot, stride_b_row, PARTS, BLOCK_N, BLOCK_RANK, BLOCK_S)
-                delta = tl.where(rows[:, None] == m, product[None, :], delta)
+        slot = tl.load(slot_ptr + tl.minimum(m, M - 1))
+        slot = tl.where(m < M, slot, -1)
+        active = tl.where(slot >= 0, 1, 0)  # as integers: the masks below take no scalar booleans
+        row_cols = col_mask & ((cols * 0 + active) > 0)
+        product = _row_product(partial_ptr, b_ptr, m, tl.maximum(slot, 0), cols, row_cols, SPLITS, RANK, R_ALL,
+                               END_0, END_1, stride_b_slot, stride_b_row, PARTS, BLOCK_N, BLOCK_RANK, BLOCK_S,
+                               SPLITS * active)
+        delta = tl.where((rows[:, None] == m) & row_cols[None, :], product[None, :], delta)
     return delta
 
 
@@ -105,7 +111,7 @@ def _expand_kernel(partial_ptr, b_ptr, slot_ptr, out_ptr, N, SPLITS, RANK, R_ALL
     slot = tl.load(slot_ptr + row)
     if slot >= 0:
         delta = _row_product(partial_ptr, b_ptr, row, slot, cols, cols < N, SPLITS, RANK, R_ALL, END_0, END_1,
-                             stride_b_slot, stride_b_row, PARTS, BLOCK_N, BLOCK_RANK, BLOCK_S)
+                             stride_b_slot, stride_b_row, PARTS, BLOCK_N, BLOCK_RANK, BLOCK_S, SPLITS)
         out = out_ptr + row.to(tl.int64) * stride_out + cols
         current = tl.load(out, mask=cols < N, other=0.0)
         tl.store(out, (current.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=cols < N)

@@ -1,0 +1,68 @@
+"""The decode kernels compile for Hopper (sm_90) on a machine without a GPU: Triton's ahead-of-time compile to
+PTX and ptxas, so a kernel change that only a GPU would fail to build (types, layouts, constexpr branches) fails
+here first. The variants are the ones an H200 runs: bf16 and FP8 weights, split K, LoRA in the epilogue."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.kernels import INTERPRETED
+
+pytestmark = pytest.mark.skipif(INTERPRETED, reason="the interpreter replaces the kernels it would compile")
+triton = pytest.importorskip("triton")
+
+HOPPER = None if INTERPRETED else triton.backends.compiler.GPUTarget("cuda", 90, 32)
+POINTERS = {"x_ptr": "*bf16", "x_scale_ptr": "*fp32", "w_ptr": "*bf16", "bias_ptr": "*bf16", "scale_ptr": "*fp32",
+            "y_ptr": "*bf16", "partial_ptr": "*fp32", "arrivals_ptr": "*i32", "lora_partial_ptr": "*fp32",
+            "lora_b_ptr": "*bf16", "lora_slot_ptr": "*i32", "b_ptr": "*bf16", "slot_ptr": "*i32",
+            "out_ptr": "*bf16"}
+FP8 = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv"}
+
+
+def compile_for_hopper(kernel, constexprs: dict, pointers: dict | None = None) -> str:
+    """The kernel's PTX for sm_90, its pointer arguments typed by POINTERS (and `pointers`), the rest int32."""
+    from triton.compiler import ASTSource
+
+    types = {**POINTERS, **(pointers or {})}
+    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in kernel.arg_names}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=HOPPER, options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+
+
+GEMV = {"HAS_BIAS": False, "HAS_SCALE": False, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "USE_PDL": 0,
+        "X_MODE": 0, "LORA_PARTS": 0, "LORA_BLOCK_RANK": 16, "LORA_BLOCK_S": 16}
+
+
+@pytest.mark.parametrize(("split_k", "lora_parts"), [(1, 0), (1, 3), (2, 0), (2, 3)])
+def test_the_decode_gemv_compiles_for_hopper(split_k, lora_parts):
+    from raylm.kernels.triton_gemv import _gemv_kernel
+
+    ptx = compile_for_hopper(_gemv_kernel, {**GEMV, "SPLIT_K": split_k, "LORA_PARTS": lora_parts})
+    assert ".target sm_90" in ptx and "mma" in ptx
+
+
+@pytest.mark.parametrize("x_mode", [1, 2])
+def test_the_fp8_gemvs_compile_for_hopper(x_mode):
+    from raylm.kernels.triton_gemv import _gemv_kernel, _gemv_silu_mul_kernel
+
+    fp8 = {**GEMV, "HAS_SCALE": True, "BLOCK_K": 512, "X_MODE": x_mode}
+    pointers = FP8 if x_mode == 2 else {"w_ptr": "*fp8e4nv"}
+    assert ".target sm_90" in compile_for_hopper(_gemv_kernel, {**fp8, "SPLIT_K": 1}, pointers)
+    assert ".target sm_90" in compile_for_hopper(_gemv_silu_mul_kernel, fp8, pointers)
+
+
+@pytest.mark.parametrize("lora_parts", [0, 2])
+def test_the_silu_mul_gemv_compiles_for_hopper(lora_parts):
+    from raylm.kernels.triton_gemv import _gemv_silu_mul_kernel
+
+    assert ".target sm_90" in compile_for_hopper(_gemv_silu_mul_kernel, {**GEMV, "LORA_PARTS": lora_parts})
+
+
+def test_the_lora_kernels_compile_for_hopper():
+    from raylm.kernels.triton_lora import _expand_kernel, _shrink_kernel
+
+    assert ".target sm_90" in compile_for_hopper(_expand_kernel, {"PARTS": 3, "BLOCK_N": 128, "BLOCK_RANK": 16,
+                                                                   "BLOCK_S": 16, "USE_PDL": 1})
+    assert ".target sm_90" in compile_for_hopper(_shrink_kernel, {"BLOCK_R": 16, "BLOCK_K": 128, "SPLIT": 256,
+                                                                   "USE_PDL": 1}, {"x_ptr": "*bf16", "a_ptr": "*bf16",
+                                                                                   "out_ptr": "*fp32"})
