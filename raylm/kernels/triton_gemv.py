@@ -58,13 +58,18 @@ _FLOAT16_MAX = tl.constexpr(65504.0)
 
 def _configs(split: bool = False, fp8: bool = False) -> list[triton.Config]:
     """Tile shapes to time per (N, K), with split-K ones if `split`; Triton's timing clears the L2 between runs,
-    as a real step finds it. FP8 weights (`fp8`) get K tiles twice as wide: the same bytes per tile."""
+    as a real step finds it. FP8 weights (`fp8`) get K tiles twice as wide: the same bytes per tile; and tiles
+    whose dot takes the weight first (SWAP_AB), to be timed against those that take it transposed."""
     widen = 2 if fp8 else 1
     configs = [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k * widen}, num_warps=4, num_stages=stages)
                for block_n in (16, 32, 64) for block_k in (128, 256) for stages in (3, 4)]
     # Wider K tiles with more warps keep more bytes of W in flight per SM when there are few programs.
     configs += [triton.Config({"BLOCK_N": block_n, "BLOCK_K": 512 * widen}, num_warps=8, num_stages=stages)
                 for block_n in (16, 32) for stages in (2, 3)]
+    if fp8:  # the weight tile as the dot's first operand (SWAP_AB), as stored: no reordering of FP8 values
+        configs += [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "SWAP_AB": 1}, num_warps=4,
+                                  num_stages=stages)
+                    for block_n in (32, 64) for block_k in (256, 512) for stages in (3, 4)]
     if split:
         configs += [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k * widen, "SPLIT_K": split_k},
                                   num_warps=4, num_stages=3)
@@ -101,16 +106,38 @@ def _x_scales(x_scale_ptr, rows, row_mask, BLOCK_M: tl.constexpr, X_MODE: tl.con
 
 
 @triton.jit
-def _dot(x, w, x_scale, acc, X_MODE: tl.constexpr):
-    """acc + x w^T by X_MODE: 0, w widened to x's dtype (a no-op for a half-precision w); 1, both in float16; 2,
-    x's FP8 rows (their scales go on in the epilogue) and the FP8 w as they are."""
-    if X_MODE == 2:
-        return tl.dot(x, tl.trans(w), acc)
-    elif X_MODE == 1:  # inputs past float16's range are held at its largest value rather than made infinite
-        x16 = tl.clamp(x.to(tl.float32), -_FLOAT16_MAX, _FLOAT16_MAX).to(tl.float16)
-        return tl.dot(x16, tl.trans(w.to(tl.float16)), acc)
+def _dot(x, w, acc, X_MODE: tl.constexpr, SWAP_AB: tl.constexpr):
+    """acc + x w^T ([BLOCK_M, BLOCK_N]), or with SWAP_AB its transpose acc + w x^T ([BLOCK_N, BLOCK_M]: the weight
+    tile as the dot's first operand, in the order it is stored), by X_MODE: 0, w widened to x's dtype (a no-op for
+    a half-precision w); 1, both in float16; 2, x's FP8 rows (their scales go on in the epilogue) and the FP8 w as
+    they are."""
+    if X_MODE == 1:  # inputs past float16's range are held at its largest value rather than made infinite
+        x = tl.clamp(x.to(tl.float32), -_FLOAT16_MAX, _FLOAT16_MAX).to(tl.float16)
+        w = w.to(tl.float16)
+    elif X_MODE == 0:
+        w = w.to(x.dtype)
+    if SWAP_AB:
+        return tl.dot(w, tl.trans(x), acc)
     else:
-        return tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+        return tl.dot(x, tl.trans(w), acc)
+
+
+@triton.jit
+def _zero_sums(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+    """The float32 sums _dot accumulates into: [BLOCK_N, BLOCK_M] with SWAP_AB, else [BLOCK_M, BLOCK_N]."""
+    if SWAP_AB:
+        return tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        return tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+
+@triton.jit
+def _rows_first(acc, SWAP_AB: tl.constexpr):
+    """_dot's sums as [BLOCK_M, BLOCK_N]."""
+    if SWAP_AB:
+        return tl.trans(acc)
+    else:
+        return acc
 
 
 @triton.jit
@@ -119,7 +146,8 @@ def _gemv_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_
                  LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, HAS_BIAS: tl.constexpr,
                  HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0, X_MODE: tl.constexpr = 0,
-                 LORA_PARTS: tl.constexpr = 0, LORA_BLOCK_RANK: tl.constexpr = 16, LORA_BLOCK_S: tl.constexpr = 1):
+                 LORA_PARTS: tl.constexpr = 0, LORA_BLOCK_RANK: tl.constexpr = 16, LORA_BLOCK_S: tl.constexpr = 1,
+                 SWAP_AB: tl.constexpr = 0):
     """Program (i, s) computes output features [i BLOCK_N, (i + 1) BLOCK_N) over split s of K (the whole of K
     when SPLIT_K is 1); with SPLIT_K > 1, partial_ptr is a float32 workspace of at least [SPLIT_K, M, N] and
     arrivals_ptr one int32 counter per output tile, zero between calls. HAS_SCALE: W holds FP8 rows, each scaled by
@@ -150,12 +178,12 @@ def _gemv_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_
                            BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
     else:
         lora = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc = _dot(_x_tile(x_rows, ks, row_mask, k_end), w, x_scale, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
-               X_MODE)
+    acc = _dot(_x_tile(x_rows, ks, row_mask, k_end), w, _zero_sums(BLOCK_M, BLOCK_N, SWAP_AB), X_MODE, SWAP_AB)
     for start in range(k_start + BLOCK_K, k_end, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
-        acc = _dot(_x_tile(x_rows, ks, row_mask, k_end), _w_tile(w_rows, ks, col_mask, k_end), x_scale, acc, X_MODE)
+        acc = _dot(_x_tile(x_rows, ks, row_mask, k_end), _w_tile(w_rows, ks, col_mask, k_end), acc, X_MODE, SWAP_AB)
     pdl_trigger_at_tail(USE_PDL)
+    acc = _rows_first(acc, SWAP_AB)
     if SPLIT_K > 1:
         tile = rows[:, None] * N + cols[None, :]
         tl.store(partial_ptr + split * M * N + tile, acc, mask=out_mask)
@@ -213,7 +241,7 @@ def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr,
                           HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0, X_MODE: tl.constexpr = 0,
                           LORA_PARTS: tl.constexpr = 0, LORA_BLOCK_RANK: tl.constexpr = 16,
-                          LORA_BLOCK_S: tl.constexpr = 1):
+                          LORA_BLOCK_S: tl.constexpr = 1, SWAP_AB: tl.constexpr = 0):
     """silu(x W_gate^T) * (x W_up^T) for W = [W_gate; W_up] ([2N, K]): each program takes BLOCK_N gate rows and
     the matching up rows, and rounds as linear followed by silu_and_mul does (each projection to y's dtype,
     then the activation, then the product). LORA_PARTS 2: each projection gains its LoRA product first (gate's
@@ -239,14 +267,16 @@ def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr,
                           LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, BLOCK_M,
                           BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
     x = _x_tile(x_rows, ks, row_mask, K)
-    acc_gate = _dot(x, w_gate, x_scale, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), X_MODE)
-    acc_up = _dot(x, w_up, x_scale, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), X_MODE)
+    acc_gate = _dot(x, w_gate, _zero_sums(BLOCK_M, BLOCK_N, SWAP_AB), X_MODE, SWAP_AB)
+    acc_up = _dot(x, w_up, _zero_sums(BLOCK_M, BLOCK_N, SWAP_AB), X_MODE, SWAP_AB)
     for start in range(BLOCK_K, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         x = _x_tile(x_rows, ks, row_mask, K)
-        acc_gate = _dot(x, _w_tile(gate_rows, ks, col_mask, K), x_scale, acc_gate, X_MODE)
-        acc_up = _dot(x, _w_tile(up_rows, ks, col_mask, K), x_scale, acc_up, X_MODE)
+        acc_gate = _dot(x, _w_tile(gate_rows, ks, col_mask, K), acc_gate, X_MODE, SWAP_AB)
+        acc_up = _dot(x, _w_tile(up_rows, ks, col_mask, K), acc_up, X_MODE, SWAP_AB)
     pdl_trigger_at_tail(USE_PDL)
+    acc_gate = _rows_first(acc_gate, SWAP_AB)
+    acc_up = _rows_first(acc_up, SWAP_AB)
     if X_MODE == 2:
         acc_gate *= x_scale[:, None]
         acc_up *= x_scale[:, None]

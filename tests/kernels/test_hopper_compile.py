@@ -1,6 +1,7 @@
 """The decode kernels compile for Hopper (sm_90) on a machine without a GPU: Triton's ahead-of-time compile to
 PTX and ptxas, so a kernel change that only a GPU would fail to build (types, layouts, constexpr branches) fails
-here first. The variants are the ones an H200 runs: bf16 and FP8 weights, split K, LoRA in the epilogue."""
+here first. The variants are the ones an H200 runs: bf16 and FP8 weights (either operand order), split K, LoRA in
+the epilogue."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 
 from tests.kernels import INTERPRETED
 
-pytestmark = pytest.mark.skipif(INTERPRETED, reason="the interpreter replaces the kernels it would compile")
+pytestmark = [pytest.mark.slow,  # about 40 s of compiling: run before a GPU session (`pytest -m slow` on this file)
+              pytest.mark.skipif(INTERPRETED, reason="the interpreter replaces the kernels it would compile")]
 triton = pytest.importorskip("triton")
 
 HOPPER = None if INTERPRETED else triton.backends.compiler.GPUTarget("cuda", 90, 32)
@@ -30,7 +32,7 @@ def compile_for_hopper(kernel, constexprs: dict, pointers: dict | None = None) -
 
 
 GEMV = {"HAS_BIAS": False, "HAS_SCALE": False, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "USE_PDL": 0,
-        "X_MODE": 0, "LORA_PARTS": 0, "LORA_BLOCK_RANK": 16, "LORA_BLOCK_S": 16}
+        "X_MODE": 0, "LORA_PARTS": 0, "LORA_BLOCK_RANK": 16, "LORA_BLOCK_S": 16, "SWAP_AB": 0}
 
 
 @pytest.mark.parametrize(("split_k", "lora_parts"), [(1, 0), (1, 3), (2, 0), (2, 3)])
@@ -42,10 +44,11 @@ def test_the_decode_gemv_compiles_for_hopper(split_k, lora_parts):
 
 
 @pytest.mark.parametrize("x_mode", [1, 2])
-def test_the_fp8_gemvs_compile_for_hopper(x_mode):
+@pytest.mark.parametrize("swap_ab", [0, 1])
+def test_the_fp8_gemvs_compile_for_hopper(x_mode, swap_ab):
     from raylm.kernels.triton_gemv import _gemv_kernel, _gemv_silu_mul_kernel
 
-    fp8 = {**GEMV, "HAS_SCALE": True, "BLOCK_K": 512, "X_MODE": x_mode}
+    fp8 = {**GEMV, "HAS_SCALE": True, "BLOCK_K": 512, "X_MODE": x_mode, "SWAP_AB": swap_ab}
     pointers = FP8 if x_mode == 2 else {"w_ptr": "*fp8e4nv"}
     assert ".target sm_90" in compile_for_hopper(_gemv_kernel, {**fp8, "SPLIT_K": 1}, pointers)
     assert ".target sm_90" in compile_for_hopper(_gemv_silu_mul_kernel, fp8, pointers)

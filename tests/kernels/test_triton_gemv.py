@@ -158,6 +158,28 @@ def test_fp8_gemv_is_linear_of_the_dequantized_weight(dtype, rows, n, k, with_bi
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("input_mode", ["model_dtype", "float16", "fp8"])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_the_weight_first_dot_sums_as_the_transposed_one_does(dtype, input_mode, split_k):
+    """SWAP_AB (an FP8 tiling the tuner may pick): the dot takes the weight tile first and x transposed, and the
+    sums are transposed back once after the loop: the same output, through the split-K and SiLU-mul kernels too."""
+    x, quantized, scale, bias = _fp8_case(3, 100, 600, dtype, True, seed=21 + split_k)
+    if input_mode == "fp8":
+        x = _fp8_exact_rows(3, 600, dtype, seed=21)
+    config = {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": split_k}
+    plain = gemv(x, quantized, bias, weight_scale=scale, input_mode=input_mode, config=config)
+    swapped = gemv(x, quantized, bias, weight_scale=scale, input_mode=input_mode, config={**config, "SWAP_AB": 1})
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(swapped, plain, atol=tolerance * plain.abs().max().item(), rtol=tolerance)
+    if split_k == 1:
+        tiles = {"BLOCK_N": 16, "BLOCK_K": 256}
+        plain = gemv_silu_mul(x, quantized[:96], weight_scale=scale[:96], input_mode=input_mode, config=tiles)
+        swapped = gemv_silu_mul(x, quantized[:96], weight_scale=scale[:96], input_mode=input_mode,
+                                config={**tiles, "SWAP_AB": 1})
+        torch.testing.assert_close(swapped, plain, atol=2 * tolerance, rtol=2 * tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_tuned_fp8_gemv_is_linear_of_the_dequantized_weight(dtype):
     """The tile shapes tuned for FP8 weights (wider K tiles), on a shape that times all of them once."""
     x, quantized, scale, _ = _fp8_case(2, 96, 1024, dtype, False, seed=5)
