@@ -47,9 +47,25 @@ def test_overlap_gives_exactly_the_outputs_of_the_waiting_engine(tiny_model_dirs
             prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
             first = llm.generate(prompts, _mixed_params(eos), use_tqdm=False)
             again = llm.generate(prompts, _mixed_params(eos), use_tqdm=False)  # from the prefix cache
-            assert _summary(first) == _summary(again)
+            _assert_equal_but_for_rounding(_summary(first), _summary(again))
             results[overlap] = _summary(first)
     assert results[True] == results[False]
+
+
+def _assert_equal_but_for_rounding(first, again, tolerance: float = 2e-4):
+    """The same tokens, finish and stop reasons, and logprobs to within `tolerance`: a prompt read back from the
+    prefix cache computes its suffix in other matmul shapes than its whole prefill did, so float32 rounds
+    differently in the last bits (and a logprob rounded to 4 decimals can land either side of a boundary)."""
+    assert len(first) == len(again)
+    for outputs, outputs_again in zip(first, again):
+        assert len(outputs) == len(outputs_again)
+        for (tokens, finish, stop, cumulative, steps), (tokens2, finish2, stop2, cumulative2, steps2) in zip(
+                outputs, outputs_again):
+            assert (tokens, finish, stop) == (tokens2, finish2, stop2)
+            assert cumulative == pytest.approx(cumulative2, abs=tolerance * max(1, len(tokens)))
+            assert [[t for t, _ in step] for step in steps] == [[t for t, _ in step] for step in steps2]
+            for step, step2 in zip(steps, steps2):
+                assert [lp for _, lp in step] == pytest.approx([lp for _, lp in step2], abs=tolerance)
 
 
 def test_a_sequence_stopping_while_the_next_step_is_queued_drops_its_extra_token(tiny_model_dirs):

@@ -13,6 +13,7 @@ import time
 
 import httpx2
 import openai
+import psutil
 
 from raylm.cli import build_parser, main, serve_flag_values
 from raylm.serving.config import SCHEMA_PATH
@@ -87,8 +88,9 @@ def test_without_the_serve_extra_raylm_serve_says_how_to_install_it():
 def test_raylm_serve_runs_a_server_until_terminated(tmp_path):
     port = free_port()
     config = tmp_path / "config.yaml"
+    # HAProxy on the port (http_proxy; Serve's own proxy is what the other server tests go through)
     config.write_text(f"served_model_name: from-file\nmax_seq_len: 512\nhost: 127.0.0.1\nport: {port}\n"
-                      "kv_cache_config:\n  max_tokens: 4096\n")
+                      "kv_cache_config:\n  max_tokens: 4096\nhttp_proxy: haproxy\n")
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     env["RAYLM_API_KEY"] = "cli-key"
     log = tmp_path / "serve.log"
@@ -114,6 +116,16 @@ def test_raylm_serve_runs_a_server_until_terminated(tmp_path):
         completion = client.completions.create(model="from-set", prompt="The capital of France is", max_tokens=3,
                                                temperature=0)
         assert completion.choices[0].text.startswith(" Paris")
+        [listener] = [connection for connection in psutil.net_connections("tcp")
+                      if connection.status == psutil.CONN_LISTEN and connection.laddr.port == port]
+        assert psutil.Process(listener.pid).name() == "haproxy"
+        chunks = list(client.completions.create(model="from-set", prompt="The capital of France is", max_tokens=6,
+                                                temperature=0, stream=True))
+        assert sum(bool(chunk.choices[0].text) for chunk in chunks) >= 2  # streamed through HAProxy, not buffered
+        assert "".join(chunk.choices[0].text for chunk in chunks).startswith(completion.choices[0].text)
+        bad = httpx2.post(f"{base_url}/v1/completions", json={"model": "from-set", "prompt": "Hi", "max_tokens": -1},
+                          headers={"Authorization": "Bearer cli-key"}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
         # The app answers as soon as it runs; serve.run returns (and the CLI says where) once the controller saw it.
         served = f"is served at http://127.0.0.1:{port}/v1"
         deadline = time.monotonic() + 30
