@@ -312,6 +312,7 @@ def test_smollm2_drafting_for_itself_is_accepted_and_gives_the_tokens_and_logpro
     assert spec["totalAcceptedTokens"] > 0.9 * spec["totalDraftTokens"] > 0  # the same model: its own greedy walk
 
 
+@pytest.mark.slow  # ~28 s; preemption under speculation stays in the default suite with prompt lookup
 def test_a_random_draft_model_under_preemption_changes_no_token(reference, tiny_model_dirs):
     config = DraftTargetDecodingConfig(max_draft_len=3, speculative_model=str(tiny_model_dirs["llama"]))
     with LLM(dtype="float32", kv_cache_config=KvCacheConfig(max_tokens=160, tokens_per_block=16),
@@ -334,6 +335,7 @@ def test_a_draft_model_with_a_larger_vocabulary_is_refused_by_name(tmp_path, tin
             speculative_config=DraftTargetDecodingConfig(speculative_model=str(tmp_path)))
 
 
+@pytest.mark.slow  # ~31 s; guided speculation stays in the default suite with greedy decoding
 def test_sampled_guided_speculation_draws_from_the_grammar_masked_chain(markov_model, tiny_model_dirs):
     """A regex over the chain's first three tokens whose allowed set depends on the position: any of the three at
     even positions of the output, the first two at odd ones. Outputs follow the chain with what the grammar refuses
