@@ -22,7 +22,8 @@
 #                                        # engine replica) against the engine called directly, 8B 256 x (512, 128)
 #                                        # at 64 streaming clients                                    (~7 min)
 #   bash benchmarks/h200.sh serving-1    # the same with one client, 16 x (512, 128)                 (~6 min)
-#   bash benchmarks/h200.sh serving-ingress2  # 64 clients through 2 ingress replicas (ingress_replicas=2) (~4 min)
+#   bash benchmarks/h200.sh serving-ingress2  # 64 clients through 2 ingress replicas (ingress_replicas=2) (~4 min);
+#                                        # serving-ingress2-haproxy: the same behind HAProxy, and the engine directly (~5 min)
 #   bash benchmarks/h200.sh serving-haproxy   # 64 clients with HAProxy on the port (http_proxy=haproxy), and the
 #                                        # engine directly; serving-1-haproxy: 1 client          (~5 min each)
 #   bash benchmarks/h200.sh fp8          # FP8's GPU tests: torch._scaled_mm against the float32 reference, the decode
@@ -250,7 +251,7 @@ case "${1:-}" in
       backend=both; [ "$ingress" = engine ] && backend=serve
       watched 270 python benchmarks/serving.py --model "$llama" "${dummy[@]}" --backend "$backend" --ingress "$ingress" \
         "${load[@]}" --input_len 512 --output_len 128 --max_batch_size 256 \
-        $(output_json "serving-8b-$clients-$ingress") 2>&1 | grep -E '^(backend|engine|serve) |hop|mean time|wrote|Error'
+        $(output_json "serving-8b-$clients-$ingress") 2>&1 | grep -E '^(backend|engine|serve) |hop|mean time|mean TTFT|wrote|Error'
     done
     ;;
   serving-haproxy|serving-1-haproxy)
@@ -261,14 +262,17 @@ case "${1:-}" in
     else load=(--max_concurrency 1 --num_prompts 16); clients=c1; fi
     watched 270 python benchmarks/serving.py --model "$llama" "${dummy[@]}" --backend both --http_proxy haproxy \
       "${load[@]}" --input_len 512 --output_len 128 --max_batch_size 256 \
-      $(output_json "serving-8b-$clients-haproxy") 2>&1 | grep -E '^(backend|engine|serve) |hop|mean time|CPU|wrote|Error'
+      $(output_json "serving-8b-$clients-haproxy") 2>&1 | grep -E '^(backend|engine|serve) |hop|mean time|mean TTFT|CPU|wrote|Error'
     ;;
-  serving-ingress2)
-    # The ingress deployment with 2 replicas: its per-token host work spread over two processes.
+  serving-ingress2|serving-ingress2-haproxy)
+    # The ingress deployment with 2 replicas: its per-token host work, and the requests' way to the engine, spread
+    # over two processes; with HAProxy on the port (serving-ingress2-haproxy, beside the engine called directly).
     use_gemv_tuning_cache
-    watched 270 python benchmarks/serving.py --model "$llama" "${dummy[@]}" --backend serve --ingress_replicas 2 \
+    proxy=(--backend serve); name=serving-8b-c64-ingress2
+    [ "$1" = serving-ingress2-haproxy ] && proxy=(--backend both --http_proxy haproxy) && name=$name-haproxy
+    watched 270 python benchmarks/serving.py --model "$llama" "${dummy[@]}" "${proxy[@]}" --ingress_replicas 2 \
       --max_concurrency 64 --num_prompts 256 --input_len 512 --output_len 128 --max_batch_size 256 \
-      $(output_json "serving-8b-c64-ingress2") 2>&1 | grep -E '^(backend|engine|serve) |hop|mean time|CPU|wrote|Error'
+      $(output_json "$name") 2>&1 | grep -E '^(backend|engine|serve) |hop|mean time|mean TTFT|CPU|wrote|Error'
     ;;
   throughput)
     throughput throughput-8b-n1000 "$llama" 1000 1024 1024 256 500 --num_iters 3

@@ -5,7 +5,9 @@ TPOT and ITL (mean, median, p99) and output tok/s.
 Backends: `serve` deploys the Ray Serve app (`raylm serve`) on a local Ray cluster and streams from its OpenAI
 endpoint over HTTP; `engine` runs the same client workload against the engine called directly
 (LLM.generate_async in this process, on a Ray worker like the Serve deployment's engine); `both` runs the two in
-turn and reports the difference, the cost of the Serve hop (HTTP, the ingress and the engine deployment).
+turn and reports the difference, the cost of the Serve hop (HTTP, the ingress and the engine deployment). The
+engine's own TTFT (its arrival to first token) differs between runs by more than that hop, so the hop is also
+given as each path's client TTFT less the engine's own, subtracted.
 
     python benchmarks/serving.py --backend both --max_concurrency 16 --num_prompts 32
     python benchmarks/serving.py --backend both --max_concurrency 1 --num_prompts 8
@@ -41,6 +43,7 @@ class RequestRecord:
     output_tokens: int = 0
     itl_s: list[float] = field(default_factory=list)  # gaps between successive chunks that carried tokens
     error: str | None = None
+    engine_ttft_s: float | None = None  # the engine's own TTFT (its arrival to first token), engine backend only
 
 
 class ChunkClock:
@@ -108,6 +111,8 @@ def engine_sender(llm, output_len: int) -> Send:
         clock = ChunkClock()
         async for output in llm.generate_async(TokensPrompt(prompt_token_ids=prompt), params, streaming=True):
             clock.tokens(len(output.outputs[0].token_ids))
+            if clock.record.engine_ttft_s is None:
+                clock.record.engine_ttft_s = output.metrics.get("time_to_first_token")
         return clock.done()
 
     return send
@@ -159,6 +164,8 @@ def summarize(records: list[RequestRecord], duration: float) -> dict:
         "ttft_ms": _stats_ms([r.ttft_s for r in ok]), "tpot_ms": _stats_ms(tpots),
         "itl_ms": _stats_ms([gap for r in ok for gap in r.itl_s]),
         "e2e_latency_ms": _stats_ms([r.latency_s for r in ok]),
+        **({"engine_ttft_ms": _stats_ms(engine_ttfts)} if (engine_ttfts := [
+            r.engine_ttft_s for r in ok if r.engine_ttft_s is not None]) else {}),
     }
 
 
@@ -230,7 +237,8 @@ class ProcessCpu:
 
 
 _SERVER_HISTOGRAMS = {"raylm_request_hop_seconds": "hop", "raylm_time_to_first_token_seconds": "ttft",
-                      "raylm_e2e_request_latency_seconds": "e2e"}
+                      "raylm_e2e_request_latency_seconds": "e2e",
+                      "raylm_engine_time_to_first_token_seconds": "engine_ttft"}
 
 
 async def server_histograms(session, base_url: str) -> dict[str, list[float]]:
@@ -311,6 +319,12 @@ def vocab_size(args: argparse.Namespace) -> int:
     return load_hf_config(resolve_model(args.model), False).vocab_size
 
 
+def _over_engine_ttft(result: dict) -> float | None:
+    """The client's mean TTFT less the engine's own mean TTFT (the server's histogram, or the engine's outputs)."""
+    engine = result.get("server_mean_ms", {}).get("engine_ttft", result.get("engine_ttft_ms", {}).get("mean"))
+    return None if engine is None else result["ttft_ms"]["mean"] - engine
+
+
 def _row(label: str, result: dict) -> str:
     def triple(key: str) -> str:
         stats = result[key]
@@ -359,6 +373,12 @@ def main() -> None:
         results["serve_hop_ms"] = {metric: {stat: results["serve"][metric][stat] - results["engine"][metric][stat]
                                             for stat in ("mean", "median", "p99")}
                                    for metric in ("ttft_ms", "tpot_ms", "itl_ms")}
+        # The engine's own TTFT (its arrival to first token) differs from run to run by more than the hop; what
+        # each path adds over it does not.
+        over = [_over_engine_ttft(results[label]) for label in ("engine", "serve")]
+        if None not in over:
+            results["serve_hop_ms"]["ttft_over_engine_ms"] = {"engine": over[0], "serve": over[1],
+                                                              "hop": over[1] - over[0]}
 
     load = f"c{args.max_concurrency}" if args.max_concurrency else f"r{args.request_rate:g}"
     load += "-engine-ingress" if args.ingress == "engine" and args.backend != "engine" else ""
@@ -380,11 +400,15 @@ def main() -> None:
         print(f"Serve hop (serve - engine): TTFT mean {hop['ttft_ms']['mean']:+.1f} ms, median "
               f"{hop['ttft_ms']['median']:+.1f} ms; ITL mean {hop['itl_ms']['mean']:+.1f} ms, median "
               f"{hop['itl_ms']['median']:+.1f} ms")
+        if "ttft_over_engine_ms" in hop:
+            over = hop["ttft_over_engine_ms"]
+            print(f"Serve hop over the engine's own TTFT: client TTFT - engine's TTFT {over['serve']:+.1f} ms through "
+                  f"the server, {over['engine']:+.1f} ms called directly: hop {over['hop']:+.1f} ms")
     for label, result in results.items():
         if label == "serve_hop_ms":
             continue
         server = result.get("server_mean_ms", {})
-        hops = {name: ms for name, ms in server.items() if name not in ("ttft", "e2e")}
+        hops = {name: ms for name, ms in server.items() if name not in ("ttft", "e2e", "engine_ttft")}
         if hops:
             print(f"{label}: mean time between server and engine: " + ", ".join(
                 f"{hop} {ms:.2f} ms" for hop, ms in sorted(hops.items())))
@@ -392,6 +416,9 @@ def main() -> None:
             print(f"{label}: the server's mean TTFT {server['ttft']:.1f} ms, the client's "
                   f"{result['ttft_ms']['mean']:.1f}: {result['ttft_ms']['mean'] - server['ttft']:+.1f} ms outside the "
                   "server (proxy, HTTP, client)")
+        engine_ttft = server.get("engine_ttft", result.get("engine_ttft_ms", {}).get("mean"))
+        if engine_ttft is not None:
+            print(f"{label}: the engine's own mean TTFT (its arrival to first token) {engine_ttft:.1f} ms")
         print(f"{label}: CPU (cores) " + ", ".join(f"{title} {share:.2f}"
                                                  for title, share in result["cpu_utilization"].items()))
     print(f"wrote {path}")

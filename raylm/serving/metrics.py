@@ -53,6 +53,10 @@ class MetricFamilies:
         self.time_per_output_token = family(Histogram, "raylm_time_per_output_token_seconds",
                                             "Mean time between generated tokens after the first.",
                                             buckets=_PER_TOKEN_BUCKETS)
+        self.engine_time_to_first_token = family(
+            Histogram, "raylm_engine_time_to_first_token_seconds",
+            "Time from the engine's arrival of a request to its first generated token, as the engine timed it: the "
+            "server's TTFT less this is what the server and its hops added.", buckets=_LATENCY_BUCKETS)
         self.e2e_latency = family(Histogram, "raylm_e2e_request_latency_seconds",
                                   "Time from submission to the last output.", buckets=_LATENCY_BUCKETS)
         self.hop_time = Histogram(
@@ -83,6 +87,7 @@ class ServingMetrics:
         self.time_to_first_token = families.time_to_first_token.labels(**labels)
         self.time_per_output_token = families.time_per_output_token.labels(**labels)
         self.e2e_latency = families.e2e_latency.labels(**labels)
+        self.engine_time_to_first_token = families.engine_time_to_first_token.labels(**labels)
         self.to_engine = families.hop_time.labels(hop="to_engine", **labels)
         self.from_engine = families.hop_time.labels(hop="from_engine", **labels)
         self.draft_tokens = families.draft_tokens.labels(**labels)
@@ -146,16 +151,21 @@ class RequestTimer:
         self.submitted = time.perf_counter()
         self.submitted_at = time.time()  # the wall clock, to compare with the engine's
         self.first_token: float | None = None
+        self._engine_first_token = False
 
     def observe_chunk(self, chunk: OutputChunk) -> None:
         """Times the hops of a chunk just received: the request's way to the engine (its first chunk), and the
-        chunk's way back from the engine deployment."""
+        chunk's way back from the engine deployment; and the engine's own TTFT, from the first chunk that has it."""
         now = time.time()
         arrival = chunk.metrics.get("arrival_time")
         if chunk.first and arrival is not None:
             self.metrics.to_engine.observe(max(0.0, arrival - self.submitted_at))
         if chunk.sent_at is not None:
             self.metrics.from_engine.observe(max(0.0, now - chunk.sent_at))
+        engine_ttft = chunk.metrics.get("time_to_first_token")
+        if engine_ttft is not None and not self._engine_first_token:
+            self._engine_first_token = True
+            self.metrics.engine_time_to_first_token.observe(engine_ttft)
 
     def observe(self, request: RequestProgress) -> None:
         """Takes note of the request's progress each time it has changed."""

@@ -225,9 +225,13 @@ def test_iteration_stats_and_prometheus_metrics_follow_the_requests(client, base
     assert _sample(after, "raylm_generation_tokens", "_total") - _sample(
         before, "raylm_generation_tokens", "_total") == response.usage.completion_tokens
     for histogram in ("raylm_time_to_first_token_seconds", "raylm_time_per_output_token_seconds",
-                      "raylm_e2e_request_latency_seconds"):
+                      "raylm_e2e_request_latency_seconds", "raylm_engine_time_to_first_token_seconds"):
         assert after[histogram].type == "histogram"
         assert _sample(after, histogram, "_count") == _sample(before, histogram, "_count") + 1
+    added = {histogram: _sample(after, histogram, "_sum") - _sample(before, histogram, "_sum")
+             for histogram in ("raylm_time_to_first_token_seconds", "raylm_engine_time_to_first_token_seconds")}
+    # The engine's own TTFT lies within the server's, which also holds the submission and the output's way back.
+    assert 0 < added["raylm_engine_time_to_first_token_seconds"] <= added["raylm_time_to_first_token_seconds"]
     for gauge in ("raylm_num_requests_running", "raylm_num_requests_waiting", "raylm_num_requests_in_flight"):
         assert after[gauge].type == "gauge" and _sample(after, gauge) == 0
     assert 0 <= _sample(after, "raylm_kv_cache_usage_ratio") <= 1

@@ -146,6 +146,7 @@ def test_metrics_and_prometheus_metrics_parse(client, base_url):
     hops = {sample.labels["hop"]: sample.value for sample in families["raylm_request_hop_seconds"].samples
             if sample.name.endswith("_count")}
     assert hops["to_engine"] >= 1 and hops["from_engine"] >= 1  # the ways to and from the engine deployment, timed
+    assert families["raylm_engine_time_to_first_token_seconds"].type == "histogram"
     info = _get(base_url, "/server_info").json()
     assert info["max_seq_len"] == 1024 and info["kv_cache"]["maxNumTokens"] == 8192
 
