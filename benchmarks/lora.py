@@ -69,6 +69,11 @@ def timed_runs(llm, prompts, output_len: int, lora_requests, iters: int) -> list
     return times
 
 
+def progress(begin: float, text: str) -> None:
+    """A line as each phase ends (seconds since `begin`): a run cut off by its time limit shows where it was."""
+    print(f"[{time.perf_counter() - begin:7.1f} s] {text}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(parser, peer=False)
@@ -86,6 +91,7 @@ def main() -> None:
     hf_config = load_hf_config(resolve_model(args.model), False)
     max_seq_len = args.input_len + args.output_len + 16
     result = {}
+    begin = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
         adapters = []
         for index in range(args.batch_size + 1):  # one more, to time a load
@@ -93,13 +99,17 @@ def main() -> None:
             write_random_adapter(path, hf_config, args.rank, seed=index)
             adapters.append(LoRARequest(f"adapter-{index}", index + 1, str(path)))
         llm = build_llm(args, max_seq_len=max_seq_len)
+        progress(begin, "engine without LoRA started")
         prompts = random_prompts(args.batch_size, args.input_len, llm.info.vocab_size, args.seed)
         base = timed_runs(llm, prompts, args.output_len, None, args.num_iters)
+        progress(begin, f"engine without LoRA timed: {statistics.median(base):.3f} s")
         llm.shutdown()
         llm = build_llm(args, max_seq_len=max_seq_len,
                         lora_config=LoraConfig(max_loras=args.batch_size, max_cpu_loras=args.batch_size + 1,
                                                max_lora_rank=args.rank))
+        progress(begin, "engine with LoRA started")
         with_lora = timed_runs(llm, prompts, args.output_len, adapters[: args.batch_size], args.num_iters)
+        progress(begin, f"with {args.batch_size} adapters timed: {statistics.median(with_lora):.3f} s")
         same_engine_base = timed_runs(llm, prompts, args.output_len, None, args.num_iters)
         # A new adapter: read from disk and copied into a slot (the LRU one), then one token.
         from raylm import SamplingParams, TokensPrompt
