@@ -37,8 +37,8 @@
 #   bash benchmarks/h200.sh fp8-throughput  # 8B 1000 x (1024, 1024) with FP8 weights, then with the FP8 KV cache
 #                                        # too (max batch 512: the cache holds twice the tokens)   (~9 min)
 #   bash benchmarks/h200.sh lora         # multi-LoRA: 8B batch 8, 8 random rank-16 adapters against no LoRA, the expand
-#                                        # as its own kernel then in the GEMV's epilogue; the time a new
-#                                        # adapter takes to load                                       (~9 min)
+#                                        # as its own kernel after the GEMV, before it (lora_expand=before), then
+#                                        # in the GEMV's epilogue; the time a new adapter takes to load (~10 min)
 #   bash benchmarks/h200.sh speculative  # prompt lookup against plain decoding on SmolLM2's real weights, batch 1 to 64,
 #                                        # a copy workload; needs the GGUF at $SMOLLM2_GGUF (default
 #                                        # /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf). It is larger than a run may
@@ -229,8 +229,9 @@ case "${1:-}" in
       tests/kernels/test_pdl.py -k "lora or decode" -q -rs -p no:cacheprovider > "$log" 2>&1
     timeout 200 python -m pytest tests/test_lora.py -m gpu -q -rs -p no:cacheprovider >> "$log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$log" | tail -12
-    # The expand as a kernel of its own (the default), then in the GEMV's epilogue (kernel_config.lora_expand).
-    for expand in kernel epilogue; do
+    # The expand as a kernel of its own after the GEMV (the default), as one before it whose products the GEMV's
+    # epilogue adds, then inside the GEMV's epilogue (kernel_config.lora_expand).
+    for expand in kernel before epilogue; do
       watched 240 python benchmarks/lora.py --model "$llama" "${dummy[@]}" --batch_size 8 --rank 16 --input_len 32 \
         --output_len 128 --num_iters 3 --set kernel_config.lora_expand=$expand \
         $(output_json lora-llama-3.1-8b-b8-r16-$expand) 2>&1 | tail -6

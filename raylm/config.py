@@ -98,11 +98,13 @@ class KernelConfig(StrictModel):
                                        "'model_dtype' widens the weights to the activations' dtype; 'fp8' quantizes "
                                        "the activations per token (as prefill's FP8 matmul does) and multiplies FP8 "
                                        "by FP8.")
-    lora_expand: Literal["kernel", "epilogue"] = Field(
+    lora_expand: Literal["kernel", "epilogue", "before"] = Field(
         default="kernel", description="Decode steps with LoRA adapters: 'kernel' adds the adapters' products to a "
-                                      "layer's output in a kernel after its GEMV; 'epilogue' adds them inside the "
-                                      "GEMV before rounding (one launch fewer per layer, slower on the H200: "
-                                      "docs/benchmarks.md).")
+                                      "layer's output in a kernel after its GEMV; 'epilogue' computes them inside the "
+                                      "GEMV and adds them before rounding (one launch fewer per layer, slower on the "
+                                      "H200: docs/benchmarks.md); 'before' computes them in a kernel before the GEMV, "
+                                      "whose epilogue adds them before rounding (gate / up keep their fused SiLU-mul "
+                                      "GEMV).")
     pdl: Literal["auto", "off", "start", "after_wait", "exit", "tail"] = Field(
         default="auto", description="Programmatic dependent launch of the Triton decode kernels (compute capability "
                                     "9.0+): when a kernel lets the next one start. auto: 'tail' for models whose "

@@ -212,8 +212,13 @@ def test_bad_lora_requests_are_refused(fields, message):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_graphs_give_the_eager_tokens_with_adapters_mixed_per_row(tiny_model_dirs, tiny_lora_dirs, dtype):
+@pytest.mark.parametrize(("dtype", "kernels"), [
+    ("float32", {}), ("bfloat16", {}),
+    # the decode GEMV (half precision only) with the products added in its epilogue, computed there or before it
+    ("bfloat16", {"decode_gemv": True, "lora_expand": "epilogue"}),
+    ("bfloat16", {"decode_gemv": True, "lora_expand": "before"})], ids=str)
+def test_decode_graphs_give_the_eager_tokens_with_adapters_mixed_per_row(tiny_model_dirs, tiny_lora_dirs, dtype,
+                                                                         kernels):
     """On CUDA the decode graphs of an engine with adapters are captured once and read each row's slot from a
     buffer of theirs (the adapted layers' Triton kernels inside the graph): adapters and the base model mixed in
     one batch, and slots reused between generate calls, give the tokens of the same engine without graphs."""
@@ -225,7 +230,7 @@ def test_decode_graphs_give_the_eager_tokens_with_adapters_mixed_per_row(tiny_mo
     for graphs in (True, False):
         with LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, kv_cache_config=KV, max_seq_len=512,
                  dtype=dtype, device="cuda", lora_config=LoraConfig(max_loras=2, max_lora_rank=64),
-                 **({} if graphs else {"cuda_graph_config": None})) as llm:
+                 kernel_config=kernels, **({} if graphs else {"cuda_graph_config": None})) as llm:
             captured = "gen_cuda_graph_capture_seconds" in llm.startup_metrics.get("final_model_engine", {})
             assert captured == graphs
             first = _generate(llm, prompts, lora_requests)

@@ -15,13 +15,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pol
     weight comes with its per-row weight_scale and goes through the GEMV the same way (weights widened, x kept as
     it is), else through kernels/fp8.py (x quantized to FP8 too). lora: the rows' shrunk LoRA inputs
     (kernels/triton_lora.py's LoraRows), whose products join the output: in the GEMV's epilogue where the policy
-    says so (lora_in_gemv), else by the expand kernel after the matmul."""
+    says so (lora_in_gemv; computed first where lora_products_first), else by the expand kernel after the matmul."""
     if policy.gemv_applies(x, weight):
         from raylm.kernels.triton_gemv import gemv
 
         in_epilogue = lora is not None and policy.lora_in_gemv
         out = gemv(x, weight, bias, weight_scale=weight_scale, input_mode=policy.gemv_input_mode(weight_scale),
-                   pdl=policy.pdl, lora=lora if in_epilogue else None)
+                   pdl=policy.pdl, lora=policy.gemv_lora(lora) if in_epilogue else None)
         if lora is None or in_epilogue:
             return out
     elif weight_scale is not None:

@@ -55,7 +55,8 @@ class KernelPolicy:
     decode_gemv: bool = False
     pdl: int = 0
     fp8_gemv_input: str = "float16"  # how GEMVs on FP8 weights take their input (triton_gemv.INPUT_MODES)
-    lora_in_gemv: bool = False  # LoRA's expand in the decode GEMV's epilogue, not a kernel of its own after it
+    lora_in_gemv: bool = False  # LoRA's products join the decode GEMV's sums in its epilogue, not after it
+    lora_products_first: bool = False  # with lora_in_gemv: computed by a kernel before the GEMV, not inside it
 
     def on_triton(self, x: torch.Tensor) -> bool:
         """Whether an operation on x runs its Triton kernel."""
@@ -65,6 +66,15 @@ class KernelPolicy:
         """How the GEMV takes its input for a weight (triton_gemv.INPUT_MODES): fp8_gemv_input for an FP8 weight
         (one with a weight_scale), as it is for any other."""
         return self.fp8_gemv_input if weight_scale is not None else "model_dtype"
+
+    def gemv_lora(self, lora):
+        """What a decode GEMV takes of a layer's shrunk LoRA rows (kernels/triton_lora.py's LoraRows) to add their
+        products in its epilogue: the rows, or with lora_products_first the products computed now."""
+        if not self.lora_products_first:
+            return lora
+        from raylm.kernels.triton_lora import lora_products
+
+        return lora_products(lora, self.pdl)
 
     def gemv_applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether x @ weight.T goes to the Triton GEMV: a few rows of half-precision input on CUDA, the weight in
@@ -91,8 +101,8 @@ def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool =
                          fp8_gemv_input: str = "float16", lora_expand: str = "kernel") -> KernelPolicy:
     """The policy for a model of `weight_bytes` per rank on `device`, from kernel_config's fields: Triton where
     asked for, on CUDA, and importable; the GEMV (decode_gemv None) and PDL (pdl "auto") for models that stream
-    weights; PDL only on compute capability 9.0+ and never interpreted; LoRA's expand in the GEMV's epilogue where
-    lora_expand is "epilogue"."""
+    weights; PDL only on compute capability 9.0+ and never interpreted; LoRA's products in the GEMV's epilogue where
+    lora_expand is "epilogue" (computed there) or "before" (computed by a kernel before the GEMV)."""
     if pdl != "auto" and pdl not in PDL_TRIGGERS:
         raise ValueError(f"kernel_config.pdl must be 'auto' or one of {sorted(PDL_TRIGGERS)}, got {pdl!r}")
     on_triton = triton and device.type == "cuda" and triton_available()
@@ -103,4 +113,5 @@ def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool =
     if mode and (triton_interpreted() or torch.cuda.get_device_capability(device) < _PDL_MIN_CAPABILITY):
         mode = 0
     return KernelPolicy(triton=True, decode_gemv=streaming if decode_gemv is None else decode_gemv, pdl=mode,
-                        fp8_gemv_input=fp8_gemv_input, lora_in_gemv=lora_expand == "epilogue")
+                        fp8_gemv_input=fp8_gemv_input, lora_in_gemv=lora_expand in ("epilogue", "before"),
+                        lora_products_first=lora_expand == "before")

@@ -47,7 +47,7 @@ from raylm.kernels.fp8 import FP8_DTYPE
 from raylm.kernels.pdl import launch_options, pdl_trigger_at_tail, pdl_wait
 from raylm.kernels.policy import GEMV_MAX_ROWS
 from raylm.kernels.triton_fp8 import quantize_rows_fp8
-from raylm.kernels.triton_lora import LoraRows, lora_rows_product
+from raylm.kernels.triton_lora import LoraProducts, LoraRows, lora_rows_product
 
 _BLOCK_M = 16  # tl.dot's smallest tile; rows past M are masked
 _MIN_BLOCK_N = 16  # the narrowest output tile of any configuration: one arrival counter per such tile
@@ -151,8 +151,9 @@ def _gemv_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_
     """Program (i, s) computes output features [i BLOCK_N, (i + 1) BLOCK_N) over split s of K (the whole of K
     when SPLIT_K is 1); with SPLIT_K > 1, partial_ptr is a float32 workspace of at least [SPLIT_K, M, N] and
     arrivals_ptr one int32 counter per output tile, zero between calls. HAS_SCALE: W holds FP8 rows, each scaled by
-    its float32 scale_ptr[n]; X_MODE 2: so does x, by x_scale_ptr[m]. LORA_PARTS > 0: the layer's LoRA products
-    (the lora_* arguments, a LoraRows of kernels/triton_lora.py) join each row's sum before it is rounded."""
+    its float32 scale_ptr[n]; X_MODE 2: so does x, by x_scale_ptr[m]. LORA_PARTS other than 0: the layer's LoRA
+    products (the lora_* arguments: a LoraRows or a LoraProducts of kernels/triton_lora.py, _lora_delta) join each
+    row's sum before it is rounded."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -209,11 +210,16 @@ def _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mas
                 LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, LORA_PARTS: tl.constexpr, LORA_BLOCK_RANK: tl.constexpr,
                 LORA_BLOCK_S: tl.constexpr):
-    """The rows' LoRA products at output features `cols` [BLOCK_M, BLOCK_N] (float32), or zeros without LoRA."""
+    """The rows' LoRA products at output features `cols` [BLOCK_M, BLOCK_N] (float32), or zeros without LoRA:
+    LORA_PARTS > 0 computes them from the shrunk rows (LoraRows); LORA_PARTS -1 loads them, computed before the
+    GEMV (LoraProducts: float32 rows at lora_partial_ptr, LORA_R_ALL apart)."""
     if LORA_PARTS > 0:
         return lora_rows_product(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORA_SPLITS,
                                  LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row,
                                  BLOCK_M, BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
+    elif LORA_PARTS < 0:
+        return tl.load(lora_partial_ptr + rows[:, None] * LORA_R_ALL + cols[None, :],
+                       mask=(rows[:, None] < M) & col_mask[None, :], other=0.0)
     else:
         return tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
 
@@ -229,7 +235,7 @@ def _gemv_store(acc, bias_ptr, scale_ptr, y_ptr, rows, cols, col_mask, out_mask,
         acc *= tl.load(scale_ptr + cols, mask=col_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    if LORA_PARTS > 0:
+    if LORA_PARTS != 0:
         acc += lora
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
@@ -244,8 +250,8 @@ def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr,
                           LORA_BLOCK_S: tl.constexpr = 1, SWAP_AB: tl.constexpr = 0):
     """silu(x W_gate^T) * (x W_up^T) for W = [W_gate; W_up] ([2N, K]): each program takes BLOCK_N gate rows and
     the matching up rows, and rounds as linear followed by silu_and_mul does (each projection to y's dtype,
-    then the activation, then the product). LORA_PARTS 2: each projection gains its LoRA product first (gate's
-    the first slice of the adapters' outputs, up's the second)."""
+    then the activation, then the product). LORA_PARTS 2 (or -1, products computed before): each projection gains
+    its LoRA product first (gate's the first slice of the adapters' outputs, up's the second)."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -286,7 +292,7 @@ def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr,
     if HAS_BIAS:
         acc_gate += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         acc_up += tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    if LORA_PARTS > 0:
+    if LORA_PARTS != 0:
         acc_gate += lora_gate
         acc_up += lora_up
     gate = acc_gate.to(y_ptr.dtype.element_ty).to(tl.float32)
@@ -368,16 +374,23 @@ def _quantized(rows: torch.Tensor, input_mode: str) -> tuple[torch.Tensor, torch
 def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             weight_scale: torch.Tensor | None, out: torch.Tensor, N: int, config: dict | None, pdl: int,
             workspace: tuple[torch.Tensor, torch.Tensor] | None = None, input_mode: int = 0,
-            lora: LoraRows | None = None, x_scale: torch.Tensor | None = None) -> None:
+            lora: LoraRows | LoraProducts | None = None, x_scale: torch.Tensor | None = None) -> None:
     """Runs a GEMV kernel over N output features of out [M, N]: tuned per (N, K) (`tuned`, by the variant: FP8
     weight, INPUT_MODES value), or with `config` (the interpreter's one configuration when none is given there);
     with PDL's trigger mode `pdl`. A kernel that may split K takes its (partials, arrivals) `workspace` after out;
-    `lora`, the layer's shrunk rows, adds their LoRA products in the epilogue; `x_scale`, FP8 rows' scales."""
+    `lora`, the layer's shrunk rows or its products computed before, adds the LoRA products in the epilogue;
+    `x_scale`, FP8 rows' scales."""
     M, K = rows.shape
     if not M:
         return
     splittable = workspace is not None
-    if lora is not None:
+    if isinstance(lora, LoraProducts):
+        if tuple(lora.products.shape) != (M, weight.shape[0]) or lora.products.stride(1) != 1:
+            raise ValueError(f"LoRA products {list(lora.products.shape)} do not fit {M} rows of a weight "
+                             f"{list(weight.shape)}")
+        lora_args = (lora.products, out, out, 1, 1, lora.products.stride(0), 0, 0, 0, 0)
+        lora_flags = {"LORA_PARTS": -1}
+    elif lora is not None:
         if lora.partial.shape[0] != M or lora.lora_b.shape[1] != weight.shape[0]:
             raise ValueError(f"LoRA rows {list(lora.partial.shape)} with B {list(lora.lora_b.shape)} do not fit "
                              f"{M} rows of a weight {list(weight.shape)}")
@@ -409,15 +422,15 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          weight_scale: torch.Tensor | None = None, input_mode: str = "model_dtype", config: dict | None = None,
-         pdl: int = 0, lora: LoraRows | None = None) -> torch.Tensor:
+         pdl: int = 0, lora: LoraRows | LoraProducts | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x of at most GEMV_MAX_ROWS rows (any leading shape) and a half-precision
     weight [N, K] with contiguous rows, or an FP8 one with its float32 weight_scale [N] (F.linear of x and the
     dequantized weight; input_mode, an INPUT_MODES key, says how: with "fp8", F.linear of x quantized per row to
     FP8 and dequantized, as kernels/fp8.py's fp8_linear). `config` fixes the tiles ({"BLOCK_N", "BLOCK_K"[,
     "SPLIT_K"]}, and Triton's num_warps / num_stages) instead of tuning them: for tests and benchmarks. `pdl`: the
     launch's trigger mode (kernels/pdl.py). `lora`: the layer's shrunk rows (kernels/triton_lora.py's lora_shrink),
-    whose products the epilogue adds before rounding (one launch and one pass over the output fewer than
-    lora_expand after the GEMV)."""
+    or their products computed before (lora_products), which the epilogue adds before rounding (one pass over the
+    output fewer than lora_expand after the GEMV)."""
     rows = _input_rows(x, weight, weight_scale, "gemv", input_mode)
     N = weight.shape[0]
     out = torch.empty((rows.shape[0], N), dtype=x.dtype, device=x.device)
@@ -431,7 +444,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   weight_scale: torch.Tensor | None = None, input_mode: str = "model_dtype",
-                  config: dict | None = None, pdl: int = 0, lora: LoraRows | None = None) -> torch.Tensor:
+                  config: dict | None = None, pdl: int = 0,
+                  lora: LoraRows | LoraProducts | None = None) -> torch.Tensor:
     """silu_and_mul(F.linear(x, weight, bias)) in one kernel, for x as gemv takes it and a merged gate / up
     weight [2I, K] (gate rows, then up rows; bias and an FP8 weight's weight_scale likewise): returns [..., I],
     rounded as the two steps round. `input_mode`, `config`, `pdl` and `lora` (with gate and up slices) as gemv
@@ -441,7 +455,7 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"gemv_silu_mul needs gate and up rows of one size, got {weight.shape[0]} rows")
     N = weight.shape[0] // 2
     out = torch.empty((rows.shape[0], N), dtype=x.dtype, device=x.device)
-    if lora is not None and len(lora.slice_sizes) != 2:
+    if isinstance(lora, LoraRows) and len(lora.slice_sizes) != 2:
         raise ValueError(f"gemv_silu_mul takes LoRA rows of gate and up slices, got {lora.slice_sizes}")
     rows, x_scale = _quantized(rows, input_mode)
     _launch(_gemv_silu_mul_kernel, _gemv_silu_mul_tuned, rows, weight, bias, weight_scale, out, N, config, pdl,

@@ -104,12 +104,19 @@ def lora_rows_product(partial_ptr, b_ptr, slot_ptr, rows, cols, col_mask, M, SPL
 @triton.jit
 def _expand_kernel(partial_ptr, b_ptr, slot_ptr, out_ptr, N, SPLITS, RANK, R_ALL, END_0, END_1, stride_b_slot,
                    stride_b_row, stride_out, PARTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_RANK: tl.constexpr,
-                   BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr = 0):
+                   BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr = 0, STORE: tl.constexpr = 0):
+    """out[row] += the row's product; with STORE, out[row] = it (zeros for a row without an adapter), not read."""
     pdl_wait(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     slot = tl.load(slot_ptr + row)
-    if slot >= 0:
+    if STORE:
+        active = tl.where(slot >= 0, 1, 0)
+        delta = _row_product(partial_ptr, b_ptr, row, tl.maximum(slot, 0), cols, (cols < N) & ((cols * 0 + active) > 0),
+                             SPLITS, RANK, R_ALL, END_0, END_1, stride_b_slot, stride_b_row, PARTS, BLOCK_N, BLOCK_RANK,
+                             BLOCK_S, SPLITS * active)
+        tl.store(out_ptr + row.to(tl.int64) * stride_out + cols, delta.to(out_ptr.dtype.element_ty), mask=cols < N)
+    elif slot >= 0:
         delta = _row_product(partial_ptr, b_ptr, row, slot, cols, cols < N, SPLITS, RANK, R_ALL, END_0, END_1,
                              stride_b_slot, stride_b_row, PARTS, BLOCK_N, BLOCK_RANK, BLOCK_S, SPLITS)
         out = out_ptr + row.to(tl.int64) * stride_out + cols
@@ -175,6 +182,28 @@ def lora_expand(out: torch.Tensor, lora: LoraRows, pdl: int = 0) -> torch.Tensor
             lora.partial, lora.lora_b, lora.row_slots, out, N, *lora.kernel_args(), out.stride(0), BLOCK_N=_BLOCK_N,
             **lora.kernel_flags(), **launch_options(pdl))
     return out
+
+
+@dataclass
+class LoraProducts:
+    """A step's LoRA products of one adapted layer, computed ahead of its GEMV (lora_products): [rows, N] float32,
+    which the GEMV's epilogue adds to its sums before rounding, as it adds LoraRows' products, with one coalesced
+    load per tile instead of each row's partial sums and B."""
+
+    products: torch.Tensor
+
+
+def lora_products(lora: LoraRows, pdl: int = 0) -> LoraProducts:
+    """Each row's product (zeros for a row without an adapter) into a float32 buffer of its own: the expand needs
+    only the shrink, not the layer's output, so it can run before the GEMV, whose epilogue then adds the buffer
+    (kernel_config.lora_expand 'before'); gate / up keep their fused SiLU-mul GEMV that way."""
+    rows, N = lora.partial.shape[0], lora.lora_b.shape[1]
+    products = torch.empty(rows, N, dtype=torch.float32, device=lora.partial.device)
+    if rows:
+        _expand_kernel[(rows, triton.cdiv(N, _BLOCK_N))](
+            lora.partial, lora.lora_b, lora.row_slots, products, N, *lora.kernel_args(), products.stride(0),
+            BLOCK_N=_BLOCK_N, **lora.kernel_flags(), **launch_options(pdl), STORE=1)
+    return LoraProducts(products)
 
 
 def add_lora_rows(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,

@@ -1,7 +1,7 @@
 """The decode kernels compile for Hopper (sm_90) on a machine without a GPU: Triton's ahead-of-time compile to
 PTX and ptxas, so a kernel change that only a GPU would fail to build (types, layouts, constexpr branches) fails
 here first. The variants are the ones an H200 runs: bf16 and FP8 weights (either operand order), split K, LoRA in
-the epilogue."""
+the epilogue (computed there, or loaded, computed before the GEMV)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ GEMV = {"HAS_BIAS": False, "HAS_SCALE": False, "BLOCK_M": 16, "BLOCK_N": 32, "BL
         "X_MODE": 0, "LORA_PARTS": 0, "LORA_BLOCK_RANK": 16, "LORA_BLOCK_S": 16, "SWAP_AB": 0}
 
 
-@pytest.mark.parametrize(("split_k", "lora_parts"), [(1, 0), (1, 3), (2, 0), (2, 3)])
+@pytest.mark.parametrize(("split_k", "lora_parts"), [(1, 0), (1, 3), (1, -1), (2, 0), (2, 3), (2, -1)])
 def test_the_decode_gemv_compiles_for_hopper(split_k, lora_parts):
     from raylm.kernels.triton_gemv import _gemv_kernel
 
@@ -54,7 +54,7 @@ def test_the_fp8_gemvs_compile_for_hopper(x_mode, swap_ab):
     assert ".target sm_90" in compile_for_hopper(_gemv_silu_mul_kernel, fp8, pointers)
 
 
-@pytest.mark.parametrize("lora_parts", [0, 2])
+@pytest.mark.parametrize("lora_parts", [0, 2, -1])  # -1: the LoRA products computed before the GEMV
 def test_the_silu_mul_gemv_compiles_for_hopper(lora_parts):
     from raylm.kernels.triton_gemv import _gemv_silu_mul_kernel
 
@@ -66,6 +66,9 @@ def test_the_lora_kernels_compile_for_hopper():
 
     assert ".target sm_90" in compile_for_hopper(_expand_kernel, {"PARTS": 3, "BLOCK_N": 128, "BLOCK_RANK": 16,
                                                                    "BLOCK_S": 16, "USE_PDL": 1})
+    assert ".target sm_90" in compile_for_hopper(_expand_kernel, {"PARTS": 2, "BLOCK_N": 128, "BLOCK_RANK": 16,
+                                                                   "BLOCK_S": 16, "USE_PDL": 1, "STORE": 1},
+                                                 {"out_ptr": "*fp32"})
     assert ".target sm_90" in compile_for_hopper(_shrink_kernel, {"BLOCK_R": 16, "BLOCK_K": 128, "SPLIT": 256,
                                                                    "USE_PDL": 1}, {"x_ptr": "*bf16", "a_ptr": "*bf16",
                                                                                    "out_ptr": "*fp32"})

@@ -59,6 +59,9 @@ def test_kernel_config_overrides_the_defaults(hopper):
     assert choose_kernel_policy(GPU, LARGE, decode_gemv=False, pdl="off") == KernelPolicy(triton=True)
     assert choose_kernel_policy(GPU, SMALL, decode_gemv=True, pdl="exit") == KernelPolicy(True, True, 3)
     assert choose_kernel_policy(GPU, LARGE, triton=False) == KernelPolicy()  # the torch reference throughout
+    for lora_expand, in_gemv, first in (("kernel", False, False), ("epilogue", True, False), ("before", True, True)):
+        chosen = choose_kernel_policy(GPU, LARGE, lora_expand=lora_expand)
+        assert (chosen.lora_in_gemv, chosen.lora_products_first) == (in_gemv, first)
 
 
 def test_pdl_needs_hopper_and_compiled_triton(hopper, monkeypatch):
