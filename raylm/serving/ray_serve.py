@@ -9,7 +9,9 @@
 Two deployments. EngineDeployment holds one AsyncLLM whose tp x pp ranks run in the replica's own placement
 group: bundle 0 is the replica, bundles 1..world its ranks. OpenAIIngress serves build_app's FastAPI app over a
 RemoteEngine, the engine deployment seen through its DeploymentHandle. num_replicas (or autoscaling_config)
-applies to both, so each engine has an HTTP front end of its own: that is data parallelism.
+applies to both, so each engine has an HTTP front end of its own: that is data parallelism. With ingress
+'engine' (ServeArgs.ingress_layout: the default for one model on one replica) EngineServer is the one deployment,
+an engine replica that serves the app itself, so no request crosses between replicas.
 
 Several models (ServeArgs.models) are one engine deployment each (RaylmEngine-<index>-<name>), with that model's
 engine settings and its own num_replicas or autoscaling_config, behind one OpenAIIngress that holds a RemoteEngine
@@ -342,7 +344,7 @@ def build_openai_app(config: ServeArgs) -> Application:
         return {"placement_group_bundles": [{"CPU": 1.0}] + [dict(rank_bundle) for _ in range(args.world_size)],
                 "placement_group_strategy": "PACK", "ray_actor_options": actor_options, "health_check_period_s": 5}
 
-    if config.ingress == "engine":
+    if config.ingress_layout == "engine":
         [args] = models
         return EngineServer.options(
             max_ongoing_requests=config.max_queue + OTHER_ROUTES, **placed(args), **shared, **_replica_options(args),
@@ -394,7 +396,7 @@ class RunningServer:
 
 def start_server(config: ServeArgs, app_name: str = "raylm",
                  progress: Callable[[str], None] = lambda _: None) -> RunningServer:
-    """Deploys the app with Serve's HTTP proxy on config.host:config.port and returns once it serves. It runs
+    """Deploys the app behind config.http_proxy on config.host:config.port and returns once it serves. It runs
     on the Ray cluster this process is connected to, else the one at RAY_ADDRESS, else on a new local one.
     `progress` hears each stage as it begins; Ray's and Serve's own logs below config.log_level stay quiet."""
     import ray
@@ -405,7 +407,6 @@ def start_server(config: ServeArgs, app_name: str = "raylm",
     if owns_cluster:  # the new cluster's proxy listens on this machine
         check_port_free(config.host, config.port)
     check_http_proxy(config.http_proxy)
-    controller_env = http_proxy_env(config.http_proxy)
     models = config.served_models()
     level = getattr(logging, config.log_level.upper())
     progress("starting a local Ray cluster" if owns_cluster else "connecting to the Ray cluster")
@@ -413,6 +414,10 @@ def start_server(config: ServeArgs, app_name: str = "raylm",
     ensure_ray(_ingress_replicas(models) + sum(args.most_replicas * (args.world_size + 1) for args in models),
                logging_level=level)
     logging.getLogger(SERVE_LOGGER_NAME).setLevel(level)
+    config = config.model_copy(update={"http_proxy": resolve_http_proxy(config.http_proxy)})
+    controller_env = http_proxy_env(config.http_proxy)
+    if controller_env and _head_is_this_machine():
+        controller_env.update(haproxy_ports_env())
     server = RunningServer(f"http://{config.host}:{config.port}", app_name, owns_cluster)
     try:
         serve.start(http_options={"host": config.host, "port": config.port},
@@ -423,7 +428,9 @@ def start_server(config: ServeArgs, app_name: str = "raylm",
         warm_up = "compiling its kernels and capturing CUDA graphs" if on_gpus else "warming up"
         loads = ", ".join(f"{args.model_name} on {args.most_replicas} replica(s) of {args.world_size} rank(s)"
                           for args in models)
-        progress(f"loading {loads}, then {warm_up}")
+        front = "HTTP on the engine replica" if config.ingress_layout == "engine" else "HTTP on an ingress deployment"
+        proxy = "HAProxy" if config.http_proxy == "haproxy" else "Serve's proxy"
+        progress(f"loading {loads} ({front}, {proxy} on the port), then {warm_up}")
         serve.run(build_openai_app(config), name=app_name, route_prefix="/")
     except BaseException:
         server.stop()
@@ -439,10 +446,64 @@ HAPROXY_DRAIN_SECONDS = 5
 def http_proxy_env(http_proxy: str) -> dict[str, str]:
     """The environment variables through which Ray Serve's controller and replicas learn ServeArgs.http_proxy
     (Serve reads its proxy's kind from the environment of its processes)."""
-    if http_proxy == "serve":
+    if http_proxy != "haproxy":
         return {}
     return {"RAY_SERVE_ENABLE_HA_PROXY": "1",
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(HAPROXY_DRAIN_SECONDS)}
+
+
+# The fixed ports Serve gives HAProxy's stats and Prometheus listeners and its fallback proxy, which a second
+# HAProxy-fronted server on the same machine would fail to bind: each server takes free ones instead.
+HAPROXY_PORT_VARIABLES = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+                          "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT")
+
+
+def haproxy_ports_env() -> dict[str, str]:
+    """Free ports of this machine for HAProxy's own listeners (HAPROXY_PORT_VARIABLES), as the controller's
+    environment variables: the head node, where HAProxy runs, is this machine."""
+    sockets = [socket.socket() for _ in HAPROXY_PORT_VARIABLES]
+    try:
+        for sock in sockets:  # all bound at once, so that no two get the same port
+            sock.bind(("", 0))
+        return {name: str(sock.getsockname()[1]) for name, sock in zip(HAPROXY_PORT_VARIABLES, sockets, strict=True)}
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _head_is_this_machine() -> bool:
+    """Whether the connected cluster's head node (where Serve's controller and the head's HAProxy run) is this
+    machine."""
+    import ray
+
+    here = ray.util.get_node_ip_address()
+    return any(node["Alive"] and "node:__internal_head__" in node["Resources"] and node["NodeManagerAddress"] == here
+               for node in ray.nodes())
+
+
+def resolve_http_proxy(http_proxy: str) -> str:
+    """ServeArgs.http_proxy with 'auto' resolved, on the connected cluster: 'haproxy' where its binary is installed
+    and Serve does not run yet (a running Serve keeps its proxy: 'serve' stands for it), else 'serve'."""
+    if http_proxy != "auto":
+        return http_proxy
+    if _serve_running():
+        return "serve"
+    try:
+        check_http_proxy("haproxy")
+    except RuntimeError:
+        return "serve"
+    return "haproxy"
+
+
+def _serve_running() -> bool:
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:
+        return False
+    return True
 
 
 def check_http_proxy(http_proxy: str) -> None:

@@ -134,6 +134,7 @@ def test_raylm_serve_runs_a_server_until_terminated(tmp_path):
         assert served in log.read_text()
         console = log.read_text()
         assert "raylm serve: starting a local Ray cluster..." in console and "raylm serve: loading from-set" in console
+        assert "(HTTP on an ingress deployment, HAProxy on the port)" in console
         assert " INFO " not in console  # Ray's and Serve's INFO lines stay out below --log_level info
     finally:
         process.send_signal(signal.SIGTERM)

@@ -81,3 +81,26 @@ def test_ingress_replicas_sets_the_ingress_deployment_apart_from_the_engines(tin
         ServeArgs(model=model, ingress="engine", ingress_replicas=2)
     with pytest.raises(ValueError, match="ingress_replicas"):
         ServeArgs(model=model, ingress_replicas=0)
+
+
+def test_auto_puts_the_app_on_the_engine_replica_for_one_model_on_one_replica(tiny_model_dirs):
+    """ingress 'auto': the app on the engine replica, the faster layout for one replica behind HAProxy
+    (docs/benchmarks.md); the ingress deployment where a server routes across replicas or fronts several models."""
+    from raylm.serving.ray_serve import build_openai_app
+
+    model = str(tiny_model_dirs["llama"])
+
+    def layout(**fields) -> str:
+        return ServeArgs(model=model, **{"ingress": "auto", **fields}).ingress_layout
+
+    assert ServeArgs(model=model).ingress_layout == "deployment" and layout() == "engine"
+    assert layout(autoscaling_config={"min_replicas": 1, "max_replicas": 1}) == "engine"
+    assert layout(num_replicas=2) == layout(autoscaling_config={"min_replicas": 1, "max_replicas": 2}) == "deployment"
+    assert layout(ingress_replicas=1) == layout(request_router="prefix_aware") == "deployment"
+    assert layout(ingress="deployment") == "deployment" and layout(ingress="engine", num_replicas=2) == "engine"
+    assert ServeArgs(ingress="auto", models=[{"model": model, "served_model_name": "a"}]).ingress_layout == "engine"
+    two = [{"model": model, "served_model_name": "a"}, {"model": model, "served_model_name": "b"}]
+    assert ServeArgs(ingress="auto", models=two).ingress_layout == "deployment"
+    assert build_openai_app(ServeArgs(model=model, ingress="auto"))._bound_deployment.name == "RaylmServer"
+    assert build_openai_app(ServeArgs(model=model, ingress="auto", num_replicas=2))._bound_deployment.name == \
+        "OpenAIIngress"
