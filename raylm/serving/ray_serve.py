@@ -10,8 +10,8 @@ Two deployments. EngineDeployment holds one AsyncLLM whose tp x pp ranks run in 
 group: bundle 0 is the replica, bundles 1..world its ranks. OpenAIIngress serves build_app's FastAPI app over a
 RemoteEngine, the engine deployment seen through its DeploymentHandle. num_replicas (or autoscaling_config)
 applies to both, so each engine has an HTTP front end of its own: that is data parallelism. With ingress
-'engine' (ServeArgs.ingress_layout: the default for one model on one replica) EngineServer is the one deployment,
-an engine replica that serves the app itself, so no request crosses between replicas.
+'engine' (or 'auto' for one model on one replica: ServeArgs.ingress_layout) EngineServer is the one deployment, an
+engine replica that serves the app itself, so no request crosses between replicas.
 
 Several models (ServeArgs.models) are one engine deployment each (RaylmEngine-<index>-<name>), with that model's
 engine settings and its own num_replicas or autoscaling_config, behind one OpenAIIngress that holds a RemoteEngine
