@@ -38,7 +38,8 @@
 #                                        # too (max batch 512: the cache holds twice the tokens)   (~9 min)
 #   bash benchmarks/h200.sh lora         # multi-LoRA: 8B batch 8, 8 random rank-16 adapters against no LoRA, the expand
 #                                        # as its own kernel after the GEMV, before it (lora_expand=before), then
-#                                        # in the GEMV's epilogue; the time a new adapter takes to load (~10 min)
+#                                        # in the GEMV's epilogue; the time a new adapter takes to load (~5 min)
+#   bash benchmarks/h200.sh lora-tests   # the LoRA kernel, decode-graph and engine GPU tests (~8 min)
 #   bash benchmarks/h200.sh speculative  # prompt lookup against plain decoding on SmolLM2's real weights, batch 1 to 64,
 #                                        # a copy workload; needs the GGUF at $SMOLLM2_GGUF (default
 #                                        # /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf). It is larger than a run may
@@ -221,18 +222,21 @@ case "${1:-}" in
     throughput throughput-8b-fp8-kv "$llama" 1000 1024 1024 512 280 --set quant_config.quant_algo=FP8 \
       --set kv_cache_config.dtype=fp8
     ;;
-  lora)
+  lora-tests)
     # The LoRA kernels (with PDL too) and the decode graphs with adapters (captured once, each row's slot read in
-    # the graph); the whole pytest output goes to $OUT/lora-tests.log.
+    # the graph); the whole pytest output goes to $OUT/lora-tests.log. Their Triton compiles (three expand modes)
+    # take minutes, so they run apart from the benchmark.
     log="${OUT:-/tmp}/lora-tests.log"
-    timeout 200 python -m pytest tests/kernels/test_triton_lora.py tests/kernels/test_decode_step.py \
+    timeout 280 python -m pytest tests/kernels/test_triton_lora.py tests/kernels/test_decode_step.py \
       tests/kernels/test_pdl.py -k "lora or decode" -q -rs -p no:cacheprovider > "$log" 2>&1
-    timeout 200 python -m pytest tests/test_lora.py -m gpu -q -rs -p no:cacheprovider >> "$log" 2>&1
+    timeout 280 python -m pytest tests/test_lora.py -m gpu -q -rs -p no:cacheprovider >> "$log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$log" | tail -12
+    ;;
+  lora)
     # The expand as a kernel of its own after the GEMV (the default), as one before it whose products the GEMV's
     # epilogue adds, then inside the GEMV's epilogue (kernel_config.lora_expand).
     for expand in kernel before epilogue; do
-      watched 240 python benchmarks/lora.py --model "$llama" "${dummy[@]}" --batch_size 8 --rank 16 --input_len 32 \
+      watched 180 python benchmarks/lora.py --model "$llama" "${dummy[@]}" --batch_size 8 --rank 16 --input_len 32 \
         --output_len 128 --num_iters 3 --set kernel_config.lora_expand=$expand \
         $(output_json lora-llama-3.1-8b-b8-r16-$expand) 2>&1 | tail -6
     done
