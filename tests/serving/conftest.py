@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import openai
 import pytest
@@ -28,6 +29,23 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def wait_until_serving(base_url: str, process, log: Path, seconds: float = 240) -> None:
+    """Waits until the server that `process` (a `raylm serve` subprocess writing to `log`) runs answers /health
+    with 200; fails with the log's tail if the process exits or the time runs out first."""
+    import httpx2
+
+    deadline = time.monotonic() + seconds
+    while True:
+        assert process.poll() is None, f"raylm serve exited early:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"raylm serve did not come up:\n{log.read_text()[-3000:]}"
+        try:
+            if httpx2.get(f"{base_url}/health", timeout=5).status_code == 200:
+                return
+        except httpx2.TransportError:
+            pass
+        time.sleep(0.5)
 
 
 @contextmanager

@@ -18,7 +18,7 @@ import psutil
 from raylm.cli import build_parser, main, serve_flag_values
 from raylm.serving.config import SCHEMA_PATH
 from raylm.serving.config_sources import layer_serve_args
-from tests.serving.conftest import free_port
+from tests.serving.conftest import free_port, wait_until_serving
 
 
 def _layered(argv: list[str]):
@@ -100,16 +100,7 @@ def test_raylm_serve_runs_a_server_until_terminated(tmp_path):
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
     try:
         base_url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240
-        while True:
-            assert process.poll() is None, f"raylm serve exited early:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"raylm serve did not come up:\n{log.read_text()[-3000:]}"
-            try:
-                if httpx2.get(f"{base_url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx2.TransportError:
-                pass
-            time.sleep(0.5)
+        wait_until_serving(base_url, process, log)
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="cli-key", max_retries=0, timeout=120)
         models = client.models.list().data
         assert [model.id for model in models] == ["from-set"] and models[0].model_extra["max_model_len"] == 768

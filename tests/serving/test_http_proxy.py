@@ -19,7 +19,7 @@ from raylm.serving.ray_serve import (
     http_proxy_env,
     resolve_http_proxy,
 )
-from tests.serving.conftest import free_port
+from tests.serving.conftest import free_port, wait_until_serving
 
 
 def test_http_proxy_is_a_validated_setting_and_haproxy_needs_its_binary(monkeypatch):
@@ -59,7 +59,6 @@ def test_two_haproxy_fronted_servers_run_on_one_machine(tmp_path):
     fallback ports rather than failing on the first's."""
     import os
     import subprocess
-    import time
 
     servers = []
     try:
@@ -68,20 +67,12 @@ def test_two_haproxy_fronted_servers_run_on_one_machine(tmp_path):
             config = tmp_path / f"config-{index}.yaml"
             config.write_text(f"max_seq_len: 256\nhost: 127.0.0.1\nport: {port}\nkv_cache_config:\n  max_tokens: 1024\n"
                               "http_proxy: haproxy\ningress: auto\n")
-            log = open(tmp_path / f"serve-{index}.log", "w")
+            log_path = tmp_path / f"serve-{index}.log"
+            log = open(log_path, "w")
             command = [sys.executable, "-m", "raylm.cli", "serve", "--config", str(config)]
             env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
             servers.append((port, log, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)))
-            deadline = time.monotonic() + 240
-            while True:
-                assert servers[-1][2].poll() is None, (tmp_path / f"serve-{index}.log").read_text()[-3000:]
-                assert time.monotonic() < deadline, (tmp_path / f"serve-{index}.log").read_text()[-3000:]
-                try:
-                    if httpx2.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                        break
-                except httpx2.TransportError:
-                    pass
-                time.sleep(0.5)
+            wait_until_serving(f"http://127.0.0.1:{port}", servers[-1][2], log_path)
         for port, _, _ in servers:
             body = {"model": "smollm2-135m-instruct", "prompt": "The capital of France is", "max_tokens": 2,
                     "temperature": 0}
