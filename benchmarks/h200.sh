@@ -27,6 +27,8 @@
 #   bash benchmarks/h200.sh serving-haproxy   # 64 clients with HAProxy on the port (http_proxy=haproxy), and the
 #                                        # engine directly; then the app on the engine replica behind HAProxy;
 #                                        # serving-1-haproxy: 1 client                         (~5 min each)
+#   bash benchmarks/h200.sh serving-default   # raylm serve's defaults (ingress, http_proxy 'auto') against the engine
+#                                        # directly, 64 clients; serving-1-default: 1 client     (~5 min each)
 #   bash benchmarks/h200.sh fp8          # FP8's GPU tests: torch._scaled_mm against the float32 reference, the decode
 #                                        # GEMV on FP8 weights, the FP8 KV cache's kernels and engine    (~8 min)
 #   bash benchmarks/h200.sh fp8-gemv     # the FP8 GEMV's input modes per 8B layer against _scaled_mm (~9 min)
@@ -274,6 +276,16 @@ case "${1:-}" in
         --http_proxy haproxy "${load[@]}" --input_len 512 --output_len 128 --max_batch_size 256 \
         $(output_json "$name") 2>&1 | grep -E '^(backend|engine|serve) |hop|mean time|mean TTFT|CPU|wrote|Error'
     done
+    ;;
+  serving-default|serving-1-default)
+    # raylm serve's defaults (ingress and http_proxy 'auto': the app on the engine replica, HAProxy without
+    # splicing on the port) against the engine called directly in the same run, at 64 clients then 1.
+    use_gemv_tuning_cache
+    if [ "$1" = serving-default ]; then load=(--max_concurrency 64 --num_prompts 256); clients=c64
+    else load=(--max_concurrency 1 --num_prompts 16); clients=c1; fi
+    watched 300 python benchmarks/serving.py --model "$llama" "${dummy[@]}" --backend both \
+      "${load[@]}" --input_len 512 --output_len 128 --max_batch_size 256 \
+      $(output_json "serving-8b-$clients-default") 2>&1 | grep -E '^(backend|engine|serve) |hop|mean time|mean TTFT|CPU|wrote|Error'
     ;;
   serving-ingress2|serving-ingress2-haproxy)
     # The ingress deployment with 2 replicas: its per-token host work, and the requests' way to the engine, spread

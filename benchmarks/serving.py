@@ -289,7 +289,8 @@ def run_serve(args: argparse.Namespace, config, workload: Workload) -> dict:
 
     server = start_server(config, app_name="raylm-bench")
     try:
-        return asyncio.run(_over_http(server.url, config.model_name, None, args, workload))
+        return {**asyncio.run(_over_http(server.url, config.model_name, None, args, workload)),
+                "layout": server.layout}
     finally:
         server.stop()
 
@@ -341,11 +342,12 @@ def main() -> None:
     parser.add_argument("--base_url", default=None,
                         help="benchmark a running server instead (e.g. http://localhost:8000); no engine starts")
     parser.add_argument("--api_key", default=os.environ.get("RAYLM_API_KEY"), help="for --base_url")
-    parser.add_argument("--ingress", choices=["deployment", "engine", "auto"], default="deployment",
-                        help="serve backend: the HTTP app on an ingress deployment, or on each engine replica")
+    parser.add_argument("--ingress", choices=["deployment", "engine", "auto"], default="auto",
+                        help="serve backend: the HTTP app on an ingress deployment, or on each engine replica "
+                             "(ServeArgs.ingress; auto: the engine replica for one replica)")
     parser.add_argument("--ingress_replicas", type=int, default=None,
                         help="serve backend with --ingress deployment: replicas of the ingress deployment")
-    parser.add_argument("--http_proxy", choices=["serve", "haproxy", "auto"], default="serve",
+    parser.add_argument("--http_proxy", choices=["serve", "haproxy", "auto"], default="auto",
                         help="serve backend: what listens on the server's port (ServeArgs.http_proxy)")
     parser.add_argument("--engine_executor", choices=["ray", "local"], default="ray",
                         help="executor of the direct engine (ray: a worker actor, as the Serve deployment has)")
@@ -391,6 +393,8 @@ def main() -> None:
     print(f"\n{args.num_prompts} prompts x ({args.input_len} in, {args.output_len} out), "
           f"concurrency {args.max_concurrency or 'unbounded'}, request rate {args.request_rate:g}/s")
     print(f"{'':<14}{'':>5}{'':>10}{'TTFT (ms)':>24}{'TPOT (ms)':>24}{'ITL (ms)':>24}")
+    if "serve" in results and "layout" in results["serve"]:
+        print(f"serve layout (ingress, http_proxy): {results['serve']['layout']}")
     print(f"{'backend':<14}{'done':>5}{'out tok/s':>10}" + f"{'mean':>8}{'median':>8}{'p99':>8}" * 3)
     for label, result in results.items():
         if label != "serve_hop_ms":

