@@ -6,12 +6,13 @@
 
     serve.run(build_openai_app(ServeArgs(model="...", tensor_parallel_size=2, num_replicas=2)))
 
-Two deployments. EngineDeployment holds one AsyncLLM whose tp x pp ranks run in the replica's own placement
-group: bundle 0 is the replica, bundles 1..world its ranks. OpenAIIngress serves build_app's FastAPI app over a
-RemoteEngine, the engine deployment seen through its DeploymentHandle. num_replicas (or autoscaling_config)
-applies to both, so each engine has an HTTP front end of its own: that is data parallelism. With ingress
-'engine' (or 'auto' for one model on one replica: ServeArgs.ingress_layout) EngineServer is the one deployment, an
-engine replica that serves the app itself, so no request crosses between replicas.
+Each engine replica holds one AsyncLLM whose tp x pp ranks run in the replica's own placement group: bundle 0 is
+the replica, bundles 1..world its ranks. With ingress 'engine' (and 'auto', the default, for one model on one
+replica: ServeArgs.ingress_layout) EngineServer is the one deployment, an engine replica that serves
+build_app's FastAPI app itself, so no request crosses between replicas. With ingress 'deployment' there are two:
+EngineDeployment, and OpenAIIngress serving the app over a RemoteEngine, the engine deployment seen through its
+DeploymentHandle. num_replicas (or autoscaling_config) applies to both, so each engine has an HTTP front end of
+its own: that is data parallelism. raylm serve puts HAProxy on the port where it can (http_proxy 'auto').
 
 Several models (ServeArgs.models) are one engine deployment each (RaylmEngine-<index>-<name>), with that model's
 engine settings and its own num_replicas or autoscaling_config, behind one OpenAIIngress that holds a RemoteEngine
