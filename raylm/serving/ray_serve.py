@@ -501,22 +501,24 @@ def haproxy_binary_env() -> dict[str, str]:
     return {"RAY_SERVE_HAPROXY_BINARY_PATH": path}
 
 
-def _cluster_is_this_machine() -> bool:
-    """Whether every node of the connected cluster is this machine, so that a path of this machine holds for all."""
+def _alive_nodes() -> list[tuple[bool, bool]]:
+    """Each alive node of the connected cluster: (whether it is the head node, whether it is this machine)."""
     import ray
 
     here = ray.util.get_node_ip_address()
-    return all(node["NodeManagerAddress"] == here for node in ray.nodes() if node["Alive"])
+    return [("node:__internal_head__" in node["Resources"], node["NodeManagerAddress"] == here)
+            for node in ray.nodes() if node["Alive"]]
+
+
+def _cluster_is_this_machine() -> bool:
+    """Whether every node of the connected cluster is this machine, so that a path of this machine holds for all."""
+    return all(here for _, here in _alive_nodes())
 
 
 def _head_is_this_machine() -> bool:
     """Whether the connected cluster's head node (where Serve's controller and the head's HAProxy run) is this
     machine."""
-    import ray
-
-    here = ray.util.get_node_ip_address()
-    return any(node["Alive"] and "node:__internal_head__" in node["Resources"] and node["NodeManagerAddress"] == here
-               for node in ray.nodes())
+    return any(head and here for head, here in _alive_nodes())
 
 
 def resolve_http_proxy(http_proxy: str) -> str:
