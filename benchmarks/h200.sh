@@ -36,7 +36,8 @@
 #   bash benchmarks/h200.sh fp8-latency  # 8B batch 1 and 8 latency: bf16, FP8 weights (the GEMV's input in float16),
 #                                        # then the GEMV's other input modes (kernel_config.fp8_gemv_input)  (~6 min)
 #   bash benchmarks/h200.sh fp8-prefill  # 8B prefill alone, 256 x (2048, 1), bf16 then FP8 weights   (~4 min)
-#   bash benchmarks/h200.sh fp8-throughput  # 8B 1000 x (1024, 1024) with FP8 weights, then with the FP8 KV cache
+#   bash benchmarks/h200.sh fp8-prefill-512  # the same for 256 x (512, 1), three runs each        (~3 min)
+#   bash benchmarks/h200.sh fp8-throughput  # 8B 1000 x (1024, 1024) in bf16, with FP8 weights, then with the FP8 KV cache
 #                                        # too (max batch 512: the cache holds twice the tokens)   (~9 min)
 #   bash benchmarks/h200.sh lora         # multi-LoRA: 8B batch 8, 8 random rank-16 adapters against no LoRA, the expand
 #                                        # as its own kernel after the GEMV, before it (lora_expand=before), then
@@ -218,10 +219,16 @@ case "${1:-}" in
     throughput throughput-8b-prefill "$llama" 256 2048 1 256 150
     throughput throughput-8b-prefill-fp8 "$llama" 256 2048 1 256 150 --set quant_config.quant_algo=FP8
     ;;
+  fp8-prefill-512)
+    # The prefill of the 256 x (512, 128) workload alone, 256 x (512, 1): bf16, then FP8 weights (three runs each).
+    throughput throughput-8b-prefill-512 "$llama" 256 512 1 256 100 --num_iters 3
+    throughput throughput-8b-prefill-512-fp8 "$llama" 256 512 1 256 100 --num_iters 3 --set quant_config.quant_algo=FP8
+    ;;
   fp8-throughput)
-    # 8B 1000 x (1024, 1024): FP8 weights, then FP8 weights and the FP8 KV cache (one run each).
-    throughput throughput-8b-fp8 "$llama" 1000 1024 1024 256 280 --set quant_config.quant_algo=FP8
-    throughput throughput-8b-fp8-kv "$llama" 1000 1024 1024 512 280 --set quant_config.quant_algo=FP8 \
+    # 8B 1000 x (1024, 1024): bf16, FP8 weights, then FP8 weights and the FP8 KV cache (one run each).
+    throughput throughput-8b "$llama" 1000 1024 1024 256 170
+    throughput throughput-8b-fp8 "$llama" 1000 1024 1024 256 170 --set quant_config.quant_algo=FP8
+    throughput throughput-8b-fp8-kv "$llama" 1000 1024 1024 512 170 --set quant_config.quant_algo=FP8 \
       --set kv_cache_config.dtype=fp8
     ;;
   lora-tests)
