@@ -7,6 +7,8 @@ gemv_silu_mul, which applies SiLU-mul in its epilogue.
     python benchmarks/gemv.py --tp 2        # the shard of each rank at tensor-parallel size 2
     python benchmarks/gemv.py --fp8         # FP8 weights (per-row scales): the GEMV (weights widened to bf16; both
                                             # in fp16; input quantized to FP8) against torch._scaled_mm
+    python benchmarks/gemv.py --fp8 --rows 1 --impls triton_fp16 triton_fp16_dot
+                                            # one row: the CUDA-core GEMV against the tensor-core one (in fp16)
 
 Each timing replays a CUDA graph of calls over enough copies of the weight (≥ 1 GiB in all) that no call
 finds its weight in L2, as in a real step, where every weight is read once.
@@ -43,14 +45,31 @@ def time_calls(fn, x: torch.Tensor, weights: list[torch.Tensor], replays: int = 
     return graph_call_us(body, len(weights), replays)
 
 
-def tuned_config(variant: tuple[bool, int] = (False, 0)) -> str:
+def tuned_config(variant: tuple[bool, int, bool] = (False, 0, False)) -> str:
     """The tile configuration the GEMV's tuning chose for its last call of a variant (FP8 weight, its input mode:
-    triton_gemv.INPUT_MODES): BLOCK_N, BLOCK_K, SPLIT_K if split."""
+    triton_gemv.INPUT_MODES, on the CUDA cores): BLOCK_N, BLOCK_K, SPLIT_K if split; "-" if it has not run."""
     from raylm.kernels import triton_gemv
 
-    config = triton_gemv._gemv_tuned[variant].best_config
+    config = getattr(triton_gemv._gemv_tuned[variant], "best_config", None)
+    if config is None:
+        return "-"
     tiles = ", ".join(f"{key} {value}" for key, value in config.kwargs.items())
     return f"{tiles}, warps {config.num_warps}, stages {config.num_stages}"
+
+
+def on_tensor_cores(fn):
+    """fn with one-row FP8 GEMVs on the tensor-core dot, as more rows run, instead of the CUDA cores (to time one
+    against the other)."""
+    from raylm.kernels import triton_gemv
+
+    def call(x, w):
+        saved, triton_gemv._CORE_ROWS = triton_gemv._CORE_ROWS, 0
+        try:
+            return fn(x, w)
+        finally:
+            triton_gemv._CORE_ROWS = saved
+
+    return call
 
 
 def time_gate_up_silu(rows: int, tp: int, dtype: torch.dtype) -> dict:
@@ -78,10 +97,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--fp8", action="store_true", help="FP8 weights: the GEMV against torch._scaled_mm")
+    parser.add_argument("--impls", nargs="+", default=None,
+                        help="time only these (with --fp8: scaled_mm, triton, triton_fp16, triton_fp16_dot, "
+                             "triton_fp8_input; triton_fp16_dot, one row on the tensor cores too, is not timed "
+                             "by default)")
     parser.add_argument("--output_json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gemv.py times CUDA kernels: it needs a GPU")
+    from raylm.kernels import triton_gemv
     from raylm.kernels.fp8 import dequantize_fp8, fp8_linear, quantize_fp8
     from raylm.kernels.triton_gemv import gemv
 
@@ -89,9 +113,17 @@ def main() -> None:
     if args.fp8:  # a weight is (FP8 rows, their scales)
         impls = {"scaled_mm": lambda x, w: fp8_linear(x, *w), "triton": lambda x, w: gemv(x, w[0], weight_scale=w[1]),
                  "triton_fp16": lambda x, w: gemv(x, w[0], weight_scale=w[1], input_mode="float16"),
+                 "triton_fp16_dot": on_tensor_cores(lambda x, w: gemv(x, w[0], weight_scale=w[1],
+                                                                      input_mode="float16")),
                  "triton_fp8_input": lambda x, w: gemv(x, w[0], weight_scale=w[1], input_mode="fp8")}
+        chosen = args.impls or [impl for impl in impls if impl != "triton_fp16_dot"]
     else:
         impls = {"cublas": lambda x, w: F.linear(x, w), "triton": gemv}
+        chosen = args.impls or list(impls)
+    unknown = sorted(set(chosen) - set(impls))
+    if unknown:
+        parser.error(f"--impls: unknown {unknown}; choose from {sorted(impls)}")
+    impls = {impl: impls[impl] for impl in chosen}
     result: dict = {}
     for rows in args.rows:
         per_step = dict.fromkeys(impls, 0.0)
@@ -103,23 +135,24 @@ def main() -> None:
             if args.fp8:
                 weights = [quantize_fp8(w) for w in weights]
             x = torch.randn(rows, k, device="cuda", dtype=dtype)
-            if args.fp8:
-                expected = F.linear(x.float(), dequantize_fp8(*weights[0])).to(dtype)
-                torch.testing.assert_close(impls["triton"](x, weights[0]), expected, atol=5e-2, rtol=2e-2)
-            else:
-                torch.testing.assert_close(gemv(x, weights[0]), F.linear(x, weights[0]), atol=5e-2, rtol=2e-2)
+            expected = F.linear(x.float(), dequantize_fp8(*weights[0]) if args.fp8 else weights[0].float()).to(dtype)
+            for impl in ("triton", "triton_fp16", "triton_fp16_dot"):
+                if impl in impls:
+                    torch.testing.assert_close(impls[impl](x, weights[0]), expected, atol=5e-2, rtol=2e-2)
             entry = {}
+            core = args.fp8 and rows <= triton_gemv._CORE_ROWS
+            variants = {"triton": (args.fp8, 0, core), "triton_fp16": (True, 1, core),
+                        "triton_fp16_dot": (True, 1, False), "triton_fp8_input": (True, 2, core)}
             for impl, fn in impls.items():
                 micros = time_calls(fn, x, weights)
                 entry[impl] = {"us": micros, "tb_per_s": nbytes / micros / 1e6}
+                if impl in variants:
+                    entry[impl]["config"] = tuned_config(variants[impl])
                 per_step[impl] += micros * (1 if name == "lm_head" else LAYERS)
-            entry["triton"]["config"] = tuned_config((args.fp8, 0))
-            if args.fp8:
-                entry["triton_fp16"]["config"] = tuned_config((True, 1))
-                entry["triton_fp8_input"]["config"] = tuned_config((True, 2))
             result.setdefault(str(rows), {})[name] = entry
             timings = ", ".join(f"{impl} {entry[impl]['us']:.1f} us ({entry[impl]['tb_per_s']:.2f} TB/s)"
-                                for impl in impls) + f" [{entry['triton']['config']}]"
+                                + (f" [{entry[impl]['config']}]" if "config" in entry[impl] else "")
+                                for impl in impls)
             print(f"rows {rows} {name:<8} [{n} x {k}]: {timings}", flush=True)
             del weights
             torch.cuda.empty_cache()

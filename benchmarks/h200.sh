@@ -33,6 +33,8 @@
 #                                        # GEMV on FP8 weights, the FP8 KV cache's kernels and engine    (~8 min)
 #   bash benchmarks/h200.sh fp8-gemv     # the FP8 GEMV's input modes per 8B layer against _scaled_mm (~9 min)
 #   bash benchmarks/h200.sh fp8-accuracy # SmolLM2's accuracy in bf16 with FP8 weights / the FP8 KV cache (~4 min)
+#   bash benchmarks/h200.sh fp8-one-row  # one row on FP8 weights on the CUDA cores: GPU tests, the 8B layers against
+#                                        # the tensor-core GEMV, 8B batch 1 bf16 / FP8, the FP8 step profile (~8 min)
 #   bash benchmarks/h200.sh fp8-latency  # 8B batch 1 and 8 latency: bf16, FP8 weights (the GEMV's input in float16),
 #                                        # then the GEMV's other input modes (kernel_config.fp8_gemv_input)  (~6 min)
 #   bash benchmarks/h200.sh fp8-prefill  # 8B prefill alone, 256 x (2048, 1), bf16 then FP8 weights   (~4 min)
@@ -202,6 +204,18 @@ case "${1:-}" in
       timeout 200 python benchmarks/accuracy.py --dtype bfloat16 --set "$setting" \
         $(output_json "accuracy-smollm2-bf16-${setting##*=}") 2>&1 | tail -4
     done
+    ;;
+  fp8-one-row)
+    # One row on FP8 weights on the CUDA cores: its GPU tests, the 8B layers at 1 row against the tensor-core GEMV,
+    # then 8B batch 1 latency in bf16 and with FP8 weights, and the FP8 step profile.
+    timeout 150 python -m pytest tests/kernels/test_triton_gemv.py -m gpu -k "cuda_cores or one_row" -q -rs \
+      -p no:cacheprovider 2>&1 | tail -4
+    timeout 200 python benchmarks/gemv.py --fp8 --rows 1 --impls triton_fp16 triton_fp16_dot \
+      $(output_json gemv-llama-3.1-8b-fp8-one-row) 2>&1 | grep -E "^rows|wrote|Error"
+    latency latency-8b-b1 "$llama" 1
+    latency latency-8b-b1-fp8 "$llama" 1 --set quant_config.quant_algo=FP8
+    watched 100 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
+      --kernels 10 --gaps 6 --set quant_config.quant_algo=FP8 $(output_json step-profile-8b-b1-fp8) 2>&1 | tail -16
     ;;
   fp8-latency)
     fp8=(--set quant_config.quant_algo=FP8)

@@ -30,6 +30,12 @@ the FP8 tile meets x is kernel_config.fp8_gemv_input (INPUT_MODES):
   triton_fp8's quantizer before the GEMV, and the tensor cores multiply FP8 by FP8, no widening in the loop. (Each
   program re-reading x's whole row for its amax inside the GEMV measured 14.4 ms/token.)
 
+One input row on FP8 weights (batch-1 decode) skips the tensor cores (CORE): the dot pads x to 16 rows and, in
+the float16 mode, converts all 16 every tile, as much work per tile as widening the weight when BLOCK_N is 16. On
+the CUDA cores each thread multiplies its 16 weight bytes by x's matching values in float32, sums them in its
+registers, and keeps a running sum per 16 columns until the loop ends; it requests the next tile before using the
+current one (Triton does not pipeline loads that feed no dot). Exact products as the dot's; other summation order.
+
 The SiLU-mul after the gate / up projection runs in that GEMV's epilogue (gemv_silu_mul: each program owns
 matching gate and up rows, so the activation needs nothing from other programs). The add + RMSNorm before qkv
 and gate_up stay separate kernels: folded into the GEMV's input loads they measured slower (docs/benchmarks.md).
@@ -54,6 +60,7 @@ _MIN_BLOCK_N = 16  # the narrowest output tile of any configuration: one arrival
 _SPLITS = (2, 4)  # the split-K factors tuned
 _MAX_SPLIT_N = 16384  # split K only for layers of at most this many output features (enough programs above)
 _FLOAT16_MAX = tl.constexpr(65504.0)
+_CORE_RUN = tl.constexpr(16)  # FP8 weights a thread loads in one 16-byte vector: summed in its registers each tile
 
 
 def _configs(split: bool = False, fp8: bool = False) -> list[triton.Config]:
@@ -74,6 +81,20 @@ def _configs(split: bool = False, fp8: bool = False) -> list[triton.Config]:
         configs += [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k * widen, "SPLIT_K": split_k},
                                   num_warps=4, num_stages=3)
                     for block_n in (_MIN_BLOCK_N, 32) for block_k in (128, 256) for split_k in _SPLITS]
+    return configs
+
+
+def _core_configs(split: bool = False) -> list[triton.Config]:
+    """Tile shapes to time for one row of x against FP8 weights on the CUDA cores (CORE). Their loads are not
+    pipelined by Triton (the loop requests each next tile itself), so one stage; 60-130 registers a thread for the
+    plain GEMV, up to ~240 for the SiLU-mul one (ptxas, sm_90)."""
+    shapes = [(16, 256, 4), (16, 512, 4), (32, 256, 4), (16, 1024, 8), (32, 512, 8), (64, 256, 8)]
+    configs = [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "CORE": 1}, num_warps=warps, num_stages=1)
+               for block_n, block_k, warps in shapes]
+    if split:
+        configs += [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "CORE": 1},
+                                  num_warps=4, num_stages=1)
+                    for block_n, block_k in ((16, 256), (16, 512), (32, 256)) for split_k in _SPLITS]
     return configs
 
 
@@ -123,6 +144,43 @@ def _dot(x, w, acc, X_MODE: tl.constexpr, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
+def _core_fma(x, w, acc, X_MODE: tl.constexpr):
+    """acc + x's row ([BLOCK_K]) times each weight row, element by element on the CUDA cores ([BLOCK_N, BLOCK_K]
+    float32, summed over K once after the loop): for one input row, where the tensor-core dot pads x to 16 rows and
+    converts all 16 every tile. The products are exact in float32 (an e4m3 value times a 16-bit one), as the dot's
+    are."""
+    if X_MODE == 1:  # x rounded to float16 as the dot's float16 mode rounds it
+        x = tl.clamp(x.to(tl.float32), -_FLOAT16_MAX, _FLOAT16_MAX).to(tl.float16)
+    products = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    BLOCK_N: tl.constexpr = products.shape[0]
+    BLOCK_K: tl.constexpr = products.shape[1]
+    return acc + tl.sum(tl.reshape(products, [BLOCK_N, BLOCK_K // _CORE_RUN, _CORE_RUN]), axis=2)
+
+
+@triton.jit
+def _core_x(x_ptr, ks, K):
+    """One [BLOCK_K] tile of the input's only row."""
+    return tl.load(x_ptr + ks, mask=ks < K, other=0.0)
+
+
+@triton.jit
+def _core_sums(x_ptr, w_rows, w, ks, col_mask, k_start, k_end, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               X_MODE: tl.constexpr):
+    """x's row times W's rows over K from k_start to k_end on the CUDA cores ([1, BLOCK_N] float32), w being the
+    first weight tile (at ks), loaded already. Each tile's successor is requested before the tile is multiplied, so
+    two tiles of every program are in flight."""
+    acc = tl.zeros([BLOCK_N, BLOCK_K // _CORE_RUN], dtype=tl.float32)
+    for start in range(k_start + BLOCK_K, k_end, BLOCK_K):
+        following = start + tl.arange(0, BLOCK_K)
+        w_next = _w_tile(w_rows, following, col_mask, k_end)
+        acc = _core_fma(_core_x(x_ptr, ks, k_end), w, acc, X_MODE)
+        w = w_next
+        ks = following
+    acc = _core_fma(_core_x(x_ptr, ks, k_end), w, acc, X_MODE)
+    return tl.sum(acc, axis=1)[None, :]
+
+
+@triton.jit
 def _zero_sums(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
     """The float32 sums _dot accumulates into: [BLOCK_N, BLOCK_M] with SWAP_AB, else [BLOCK_M, BLOCK_N]."""
     if SWAP_AB:
@@ -147,13 +205,13 @@ def _gemv_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_
                  HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0, X_MODE: tl.constexpr = 0,
                  LORA_PARTS: tl.constexpr = 0, LORA_BLOCK_RANK: tl.constexpr = 16, LORA_BLOCK_S: tl.constexpr = 1,
-                 SWAP_AB: tl.constexpr = 0):
+                 SWAP_AB: tl.constexpr = 0, CORE: tl.constexpr = 0):
     """Program (i, s) computes output features [i BLOCK_N, (i + 1) BLOCK_N) over split s of K (the whole of K
     when SPLIT_K is 1); with SPLIT_K > 1, partial_ptr is a float32 workspace of at least [SPLIT_K, M, N] and
     arrivals_ptr one int32 counter per output tile, zero between calls. HAS_SCALE: W holds FP8 rows, each scaled by
     its float32 scale_ptr[n]; X_MODE 2: so does x, by x_scale_ptr[m]. LORA_PARTS other than 0: the layer's LoRA
     products (the lora_* arguments: a LoraRows or a LoraProducts of kernels/triton_lora.py, _lora_delta) join each
-    row's sum before it is rounded."""
+    row's sum before it is rounded. CORE: one input row (BLOCK_M 1), multiplied on the CUDA cores (_core_sums)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -179,12 +237,17 @@ def _gemv_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_
                            BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
     else:
         lora = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc = _dot(_x_tile(x_rows, ks, row_mask, k_end), w, _zero_sums(BLOCK_M, BLOCK_N, SWAP_AB), X_MODE, SWAP_AB)
-    for start in range(k_start + BLOCK_K, k_end, BLOCK_K):
-        ks = start + tl.arange(0, BLOCK_K)
-        acc = _dot(_x_tile(x_rows, ks, row_mask, k_end), _w_tile(w_rows, ks, col_mask, k_end), acc, X_MODE, SWAP_AB)
-    pdl_trigger_at_tail(USE_PDL)
-    acc = _rows_first(acc, SWAP_AB)
+    if CORE:
+        acc = _core_sums(x_ptr, w_rows, w, ks, col_mask, k_start, k_end, BLOCK_N, BLOCK_K, X_MODE)
+        pdl_trigger_at_tail(USE_PDL)
+    else:
+        acc = _dot(_x_tile(x_rows, ks, row_mask, k_end), w, _zero_sums(BLOCK_M, BLOCK_N, SWAP_AB), X_MODE, SWAP_AB)
+        for start in range(k_start + BLOCK_K, k_end, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            acc = _dot(_x_tile(x_rows, ks, row_mask, k_end), _w_tile(w_rows, ks, col_mask, k_end), acc, X_MODE,
+                       SWAP_AB)
+        pdl_trigger_at_tail(USE_PDL)
+        acc = _rows_first(acc, SWAP_AB)
     if SPLIT_K > 1:
         tile = rows[:, None] * N + cols[None, :]
         tl.store(partial_ptr + split * M * N + tile, acc, mask=out_mask)
@@ -247,11 +310,12 @@ def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr,
                           HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0, X_MODE: tl.constexpr = 0,
                           LORA_PARTS: tl.constexpr = 0, LORA_BLOCK_RANK: tl.constexpr = 16,
-                          LORA_BLOCK_S: tl.constexpr = 1, SWAP_AB: tl.constexpr = 0):
+                          LORA_BLOCK_S: tl.constexpr = 1, SWAP_AB: tl.constexpr = 0, CORE: tl.constexpr = 0):
     """silu(x W_gate^T) * (x W_up^T) for W = [W_gate; W_up] ([2N, K]): each program takes BLOCK_N gate rows and
     the matching up rows, and rounds as linear followed by silu_and_mul does (each projection to y's dtype,
     then the activation, then the product). LORA_PARTS 2 (or -1, products computed before): each projection gains
-    its LoRA product first (gate's the first slice of the adapters' outputs, up's the second)."""
+    its LoRA product first (gate's the first slice of the adapters' outputs, up's the second). CORE as in
+    _gemv_kernel."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -272,17 +336,35 @@ def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr,
     lora_up = _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, N + cols, col_mask, M, LORA_SPLITS,
                           LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, BLOCK_M,
                           BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
-    x = _x_tile(x_rows, ks, row_mask, K)
-    acc_gate = _dot(x, w_gate, _zero_sums(BLOCK_M, BLOCK_N, SWAP_AB), X_MODE, SWAP_AB)
-    acc_up = _dot(x, w_up, _zero_sums(BLOCK_M, BLOCK_N, SWAP_AB), X_MODE, SWAP_AB)
-    for start in range(BLOCK_K, K, BLOCK_K):
-        ks = start + tl.arange(0, BLOCK_K)
+    if CORE:
+        acc_gate = tl.zeros([BLOCK_N, BLOCK_K // _CORE_RUN], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K // _CORE_RUN], dtype=tl.float32)
+        for start in range(BLOCK_K, K, BLOCK_K):  # each tile's successor requested before the tile is multiplied
+            following = start + tl.arange(0, BLOCK_K)
+            gate_next = _w_tile(gate_rows, following, col_mask, K)
+            up_next = _w_tile(up_rows, following, col_mask, K)
+            x = _core_x(x_ptr, ks, K)
+            acc_gate = _core_fma(x, w_gate, acc_gate, X_MODE)
+            acc_up = _core_fma(x, w_up, acc_up, X_MODE)
+            w_gate = gate_next
+            w_up = up_next
+            ks = following
+        x = _core_x(x_ptr, ks, K)
+        acc_gate = tl.sum(_core_fma(x, w_gate, acc_gate, X_MODE), axis=1)[None, :]
+        acc_up = tl.sum(_core_fma(x, w_up, acc_up, X_MODE), axis=1)[None, :]
+        pdl_trigger_at_tail(USE_PDL)
+    else:
         x = _x_tile(x_rows, ks, row_mask, K)
-        acc_gate = _dot(x, _w_tile(gate_rows, ks, col_mask, K), acc_gate, X_MODE, SWAP_AB)
-        acc_up = _dot(x, _w_tile(up_rows, ks, col_mask, K), acc_up, X_MODE, SWAP_AB)
-    pdl_trigger_at_tail(USE_PDL)
-    acc_gate = _rows_first(acc_gate, SWAP_AB)
-    acc_up = _rows_first(acc_up, SWAP_AB)
+        acc_gate = _dot(x, w_gate, _zero_sums(BLOCK_M, BLOCK_N, SWAP_AB), X_MODE, SWAP_AB)
+        acc_up = _dot(x, w_up, _zero_sums(BLOCK_M, BLOCK_N, SWAP_AB), X_MODE, SWAP_AB)
+        for start in range(BLOCK_K, K, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            x = _x_tile(x_rows, ks, row_mask, K)
+            acc_gate = _dot(x, _w_tile(gate_rows, ks, col_mask, K), acc_gate, X_MODE, SWAP_AB)
+            acc_up = _dot(x, _w_tile(up_rows, ks, col_mask, K), acc_up, X_MODE, SWAP_AB)
+        pdl_trigger_at_tail(USE_PDL)
+        acc_gate = _rows_first(acc_gate, SWAP_AB)
+        acc_up = _rows_first(acc_up, SWAP_AB)
     if X_MODE == 2:
         acc_gate *= x_scale[:, None]
         acc_up *= x_scale[:, None]
@@ -303,18 +385,21 @@ def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr,
              mask=row_mask[:, None] & col_mask[None, :])
 
 
-def _tuned(kernel, split: bool, fp8: bool):
+def _tuned(kernel, split: bool, fp8: bool, core: bool):
     prune = {"early_config_prune": _without_splits_for_wide_layers} if split else None
-    return triton.autotune(configs=_configs(split, fp8), key=["N", "K"], prune_configs_by=prune)(kernel)
+    configs = _core_configs(split) if core else _configs(split, fp8)
+    return triton.autotune(configs=configs, key=["N", "K"], prune_configs_by=prune)(kernel)
 
 
 # How a GEMV on FP8 weights takes its input (X_MODE): "model_dtype" widens the weight to the input's dtype, "float16"
 # multiplies both in float16, "fp8" quantizes the input to FP8.
 INPUT_MODES = {"model_dtype": 0, "float16": 1, "fp8": 2}
-# Tuned kernels by (whether the weight is FP8, the input mode).
-_VARIANTS = ((False, 0), (True, 0), (True, 1), (True, 2))
-_gemv_tuned = {variant: _tuned(_gemv_kernel, True, variant[0]) for variant in _VARIANTS}
-_gemv_silu_mul_tuned = {variant: _tuned(_gemv_silu_mul_kernel, False, variant[0]) for variant in _VARIANTS}
+# A GEMV of one row on FP8 weights multiplies on the CUDA cores (CORE); more rows take the tensor-core dot.
+_CORE_ROWS = 1
+# Tuned kernels by (whether the weight is FP8, the input mode, whether they multiply on the CUDA cores).
+_VARIANTS = ((False, 0, False), *((True, mode, core) for mode in (0, 1, 2) for core in (False, True)))
+_gemv_tuned = {variant: _tuned(_gemv_kernel, True, *variant[::2]) for variant in _VARIANTS}
+_gemv_silu_mul_tuned = {variant: _tuned(_gemv_silu_mul_kernel, False, *variant[::2]) for variant in _VARIANTS}
 # The interpreter (CPU tests; read at import, as Triton does) has no device to time configurations on: it runs one.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _INTERPRETED_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 128}
@@ -401,10 +486,14 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
     args = (rows, x_scale if x_scale is not None else weight, weight, bias if bias is not None else weight,
             weight_scale if weight_scale is not None else weight,
             out, *(workspace or ()), M, N, K, rows.stride(0), weight.stride(0), out.stride(0), *lora_args)
-    flags = {"HAS_BIAS": bias is not None, "HAS_SCALE": weight_scale is not None, "BLOCK_M": _BLOCK_M,
-             "X_MODE": input_mode, **lora_flags}
     if _INTERPRETED and config is None:
         config = _INTERPRETED_CONFIG
+    # One row on FP8 weights multiplies on the CUDA cores, unless a given configuration says otherwise.
+    core = bool(config.get("CORE", 0)) if config is not None else weight_scale is not None and M <= _CORE_ROWS
+    if core and M > _CORE_ROWS:
+        raise ValueError(f"CORE multiplies at most {_CORE_ROWS} input row, got {M}")
+    flags = {"HAS_BIAS": bias is not None, "HAS_SCALE": weight_scale is not None,
+             "BLOCK_M": _CORE_ROWS if core else _BLOCK_M, "X_MODE": input_mode, **lora_flags}
     options = launch_options(pdl)
     if config is not None:
         config = dict(config)
@@ -415,7 +504,7 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
         grid = (triton.cdiv(N, config["BLOCK_N"]), split_k)
         kernel[grid](*args, **flags, **config, **options)
         return
-    tuned[(weight_scale is not None, input_mode)][
+    tuned[(weight_scale is not None, input_mode, core)][
         lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta.get("SPLIT_K", 1))](
         *args, **flags, **options)
 

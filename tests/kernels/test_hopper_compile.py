@@ -21,18 +21,28 @@ POINTERS = {"x_ptr": "*bf16", "x_scale_ptr": "*fp32", "w_ptr": "*bf16", "bias_pt
 FP8 = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv"}
 
 
-def compile_for_hopper(kernel, constexprs: dict, pointers: dict | None = None) -> str:
-    """The kernel's PTX for sm_90, its pointer arguments typed by POINTERS (and `pointers`), the rest int32."""
+# Integer arguments that a model's layers pass as multiples of 16, which Triton's launcher marks as such (as it
+# marks every pointer 16-byte aligned): the loads' vector widths follow from these marks.
+MULTIPLES_OF_16 = {"N", "K", "stride_xm", "stride_wn", "stride_ym"}
+
+
+def compile_for_hopper(kernel, constexprs: dict, pointers: dict | None = None, num_warps: int = 4,
+                       num_stages: int = 3, asm: str = "ptx") -> str:
+    """The kernel's PTX (or another of Triton's stages, `asm`) for sm_90, its pointer arguments typed by POINTERS
+    (and `pointers`), the rest int32, marked as the launcher would mark a model's arguments."""
     from triton.compiler import ASTSource
 
     types = {**POINTERS, **(pointers or {})}
     signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in kernel.arg_names}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(source, target=HOPPER, options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+    attrs = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(kernel.arg_names)
+             if name not in constexprs and (signature[name].startswith("*") or name in MULTIPLES_OF_16)}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages}).asm[asm]
 
 
 GEMV = {"HAS_BIAS": False, "HAS_SCALE": False, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "USE_PDL": 0,
-        "X_MODE": 0, "LORA_PARTS": 0, "LORA_BLOCK_RANK": 16, "LORA_BLOCK_S": 16, "SWAP_AB": 0}
+        "X_MODE": 0, "LORA_PARTS": 0, "LORA_BLOCK_RANK": 16, "LORA_BLOCK_S": 16, "SWAP_AB": 0,
+        "CORE": 0}
 
 
 @pytest.mark.parametrize(("split_k", "lora_parts"), [(1, 0), (1, 3), (1, -1), (2, 0), (2, 3), (2, -1)])
@@ -52,6 +62,21 @@ def test_the_fp8_gemvs_compile_for_hopper(x_mode, swap_ab):
     pointers = FP8 if x_mode == 2 else {"w_ptr": "*fp8e4nv"}
     assert ".target sm_90" in compile_for_hopper(_gemv_kernel, {**fp8, "SPLIT_K": 1}, pointers)
     assert ".target sm_90" in compile_for_hopper(_gemv_silu_mul_kernel, fp8, pointers)
+
+
+@pytest.mark.parametrize("x_mode", [0, 1, 2])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_the_one_row_fp8_gemvs_compile_for_hopper(x_mode, split_k):
+    """CORE: one row of x against FP8 weights on the CUDA cores, no tensor-core instructions."""
+    from raylm.kernels.triton_gemv import _gemv_kernel, _gemv_silu_mul_kernel
+
+    core = {**GEMV, "HAS_SCALE": True, "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 512, "X_MODE": x_mode, "CORE": 1}
+    pointers = FP8 if x_mode == 2 else {"w_ptr": "*fp8e4nv"}
+    ptx = compile_for_hopper(_gemv_kernel, {**core, "SPLIT_K": split_k}, pointers)
+    assert ".target sm_90" in ptx and "mma" not in ptx
+    if split_k == 1:
+        ptx = compile_for_hopper(_gemv_silu_mul_kernel, core, pointers)
+        assert ".target sm_90" in ptx and "mma" not in ptx
 
 
 @pytest.mark.parametrize("lora_parts", [0, 2, -1])  # -1: the LoRA products computed before the GEMV

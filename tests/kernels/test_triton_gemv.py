@@ -293,3 +293,55 @@ def test_float16_input_gemv_is_linear_of_the_dequantized_weight(dtype, split_k):
                config={"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": split_k})
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(got, expected.to(dtype), atol=tolerance * expected.abs().max().item(), rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("input_mode", ["model_dtype", "float16", "fp8"])
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_one_row_on_the_cuda_cores_sums_as_the_dot_does(dtype, input_mode, split_k, with_bias):
+    """CORE (what a one-row GEMV on FP8 weights runs): x's row times the widened weight element by element in
+    float32, summed over K after the loop, each tile's successor loaded before the tile is used: the dot's output and
+    F.linear of the dequantized weight, through split K, the SiLU-mul GEMV and a K that is no multiple of the tile."""
+    x, quantized, scale, bias = _fp8_case(1, 100, 600, dtype, with_bias, seed=31 + split_k)
+    if input_mode == "fp8":
+        x = _fp8_exact_rows(1, 600, dtype, seed=31)
+    config = {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": split_k}
+    dot = gemv(x, quantized, bias, weight_scale=scale, input_mode=input_mode, config=config)
+    core = gemv(x, quantized, bias, weight_scale=scale, input_mode=input_mode, config={**config, "CORE": 1})
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(core, dot, atol=tolerance * dot.abs().max().item(), rtol=tolerance)
+    if input_mode == "model_dtype":
+        expected = F.linear(x.float(), dequantize_fp8(quantized, scale), None if bias is None else bias.float())
+        torch.testing.assert_close(core, expected.to(dtype), atol=tolerance * expected.abs().max().item(),
+                                   rtol=tolerance)
+    if split_k == 1:
+        tiles = {"BLOCK_N": 16, "BLOCK_K": 256}
+        gate_up = slice(0, 96)
+        dot = gemv_silu_mul(x, quantized[gate_up], None if bias is None else bias[gate_up],
+                            weight_scale=scale[gate_up], input_mode=input_mode, config=tiles)
+        core = gemv_silu_mul(x, quantized[gate_up], None if bias is None else bias[gate_up],
+                             weight_scale=scale[gate_up], input_mode=input_mode, config={**tiles, "CORE": 1})
+        torch.testing.assert_close(core, dot, atol=2 * tolerance, rtol=2 * tolerance)
+
+
+def test_the_cuda_cores_take_one_row_only():
+    x, quantized, scale, _ = _fp8_case(2, 32, 256, torch.float16, False, seed=0)
+    with pytest.raises(ValueError, match="CORE multiplies at most 1 input row, got 2"):
+        gemv(x, quantized, weight_scale=scale, config={"BLOCK_N": 16, "BLOCK_K": 256, "CORE": 1})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device")
+@pytest.mark.parametrize("input_mode", ["model_dtype", "float16"])
+def test_tuned_one_row_fp8_gemvs_are_linear_of_the_dequantized_weight(input_mode):
+    """One row on FP8 weights takes the CUDA-core tilings by default: each tuned GEMV (split K among them) and the
+    SiLU-mul GEMV stay F.linear of the dequantized weight."""
+    x, quantized, scale, bias = _fp8_case(1, 2 * 1536, 2048, torch.bfloat16, True, seed=41)
+    expected = F.linear(x.float(), dequantize_fp8(quantized, scale), bias.float())
+    tolerance = TOLERANCE[torch.bfloat16]
+    got = gemv(x, quantized, bias, weight_scale=scale, input_mode=input_mode)
+    torch.testing.assert_close(got, expected.to(x.dtype), atol=tolerance * expected.abs().max().item(),
+                               rtol=tolerance)
+    activated = gemv_silu_mul(x, quantized, bias, weight_scale=scale, input_mode=input_mode)
+    torch.testing.assert_close(activated, silu_and_mul(got), atol=2 * tolerance, rtol=2 * tolerance)
