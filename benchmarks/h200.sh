@@ -207,13 +207,13 @@ case "${1:-}" in
     ;;
   fp8-one-row)
     # One row on FP8 weights on the CUDA cores: its GPU tests, the 8B layers at 1 row against the tensor-core GEMV,
-    # then 8B batch 1 latency in bf16 and with FP8 weights, and the FP8 step profile.
+    # then 8B batch 1 latency with FP8 weights and in bf16, and the FP8 step profile.
     timeout 150 python -m pytest tests/kernels/test_triton_gemv.py -m gpu -k "cuda_cores or one_row" -q -rs \
       -p no:cacheprovider 2>&1 | tail -4
     timeout 200 python benchmarks/gemv.py --fp8 --rows 1 --impls triton_fp16 triton_fp16_dot \
       $(output_json gemv-llama-3.1-8b-fp8-one-row) 2>&1 | grep -E "^rows|wrote|Error"
-    latency latency-8b-b1 "$llama" 1
     latency latency-8b-b1-fp8 "$llama" 1 --set quant_config.quant_algo=FP8
+    latency latency-8b-b1 "$llama" 1
     watched 100 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
       --kernels 10 --gaps 6 --set quant_config.quant_algo=FP8 $(output_json step-profile-8b-b1-fp8) 2>&1 | tail -16
     ;;
