@@ -35,6 +35,8 @@
 #   bash benchmarks/h200.sh fp8-accuracy # SmolLM2's accuracy in bf16 with FP8 weights / the FP8 KV cache (~4 min)
 #   bash benchmarks/h200.sh fp8-one-row  # one row on FP8 weights on the CUDA cores: GPU tests, the 8B layers against
 #                                        # the tensor-core GEMV, 8B batch 1 bf16 / FP8, the FP8 step profile (~8 min)
+#   bash benchmarks/h200.sh fp8-b1       # the same without the tests and the layers                 (~4 min)
+#   bash benchmarks/h200.sh fp8-throughput-profile  # the step profile of 512 x (1024, 256), FP8 weights and KV (~3 min)
 #   bash benchmarks/h200.sh fp8-latency  # 8B batch 1 and 8 latency: bf16, FP8 weights (the GEMV's input in float16),
 #                                        # then the GEMV's other input modes (kernel_config.fp8_gemv_input)  (~6 min)
 #   bash benchmarks/h200.sh fp8-prefill  # 8B prefill alone, 256 x (2048, 1), bf16 then FP8 weights   (~4 min)
@@ -216,6 +218,19 @@ case "${1:-}" in
     latency latency-8b-b1 "$llama" 1
     watched 100 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
       --kernels 10 --gaps 6 --set quant_config.quant_algo=FP8 $(output_json step-profile-8b-b1-fp8) 2>&1 | tail -16
+    ;;
+  fp8-b1)
+    # 8B batch 1 latency with FP8 weights and in bf16, then the FP8 step profile (fp8-one-row without its tests).
+    latency latency-8b-b1-fp8 "$llama" 1 --set quant_config.quant_algo=FP8
+    latency latency-8b-b1 "$llama" 1
+    watched 100 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
+      --kernels 10 --gaps 6 --set quant_config.quant_algo=FP8 $(output_json step-profile-8b-b1-fp8) 2>&1 | tail -16
+    ;;
+  fp8-throughput-profile)
+    # Where a step of the FP8 throughput workload goes: 512 x (1024, 256) with FP8 weights and the FP8 KV cache.
+    watched 240 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 512 \
+      --batch_size 512 --input_len 1024 --output_len 256 --kernels 15 --gaps 4 --set quant_config.quant_algo=FP8 \
+      --set kv_cache_config.dtype=fp8 $(output_json step-profile-8b-b512-fp8-kv) 2>&1 | tail -24
     ;;
   fp8-latency)
     fp8=(--set quant_config.quant_algo=FP8)

@@ -30,11 +30,13 @@ the FP8 tile meets x is kernel_config.fp8_gemv_input (INPUT_MODES):
   triton_fp8's quantizer before the GEMV, and the tensor cores multiply FP8 by FP8, no widening in the loop. (Each
   program re-reading x's whole row for its amax inside the GEMV measured 14.4 ms/token.)
 
-One input row on FP8 weights (batch-1 decode) skips the tensor cores (CORE): the dot pads x to 16 rows and, in
-the float16 mode, converts all 16 every tile, as much work per tile as widening the weight when BLOCK_N is 16. On
-the CUDA cores each thread multiplies its 16 weight bytes by x's matching values in float32, sums them in its
-registers, and keeps a running sum per 16 columns until the loop ends; it requests the next tile before using the
-current one (Triton does not pipeline loads that feed no dot). Exact products as the dot's; other summation order.
+One input row on FP8 weights (batch-1 decode) skips the tensor cores in the plain GEMV (CORE): the dot pads x to 16
+rows and, in the float16 mode, converts all 16 every tile, as much work per tile as widening the weight when
+BLOCK_N is 16. On the CUDA cores each thread multiplies its 16 weight bytes by x's matching values in float32, sums
+them in its registers, and keeps a running sum per 16 columns until the loop ends; it requests the next tile before
+using the current one (Triton does not pipeline loads that feed no dot). Exact products as the dot's; another
+summation order. 8B batch 1: the qkv / o / down GEMVs took 2.01 ms a step against 2.32 on the dot; the gate / up
+SiLU-mul GEMV keeps the dot, which streams its wide layer faster (docs/benchmarks.md).
 
 The SiLU-mul after the gate / up projection runs in that GEMV's epilogue (gemv_silu_mul: each program owns
 matching gate and up rows, so the activation needs nothing from other programs). The add + RMSNorm before qkv
@@ -86,8 +88,8 @@ def _configs(split: bool = False, fp8: bool = False) -> list[triton.Config]:
 
 def _core_configs(split: bool = False) -> list[triton.Config]:
     """Tile shapes to time for one row of x against FP8 weights on the CUDA cores (CORE). Their loads are not
-    pipelined by Triton (the loop requests each next tile itself), so one stage; 60-130 registers a thread for the
-    plain GEMV, up to ~240 for the SiLU-mul one (ptxas, sm_90)."""
+    pipelined by Triton (the loop requests each next tile itself), so one stage; 60-130 registers a thread (ptxas,
+    sm_90)."""
     shapes = [(16, 256, 4), (16, 512, 4), (32, 256, 4), (16, 1024, 8), (32, 512, 8), (64, 256, 8)]
     configs = [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "CORE": 1}, num_warps=warps, num_stages=1)
                for block_n, block_k, warps in shapes]
@@ -310,12 +312,11 @@ def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr,
                           HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0, X_MODE: tl.constexpr = 0,
                           LORA_PARTS: tl.constexpr = 0, LORA_BLOCK_RANK: tl.constexpr = 16,
-                          LORA_BLOCK_S: tl.constexpr = 1, SWAP_AB: tl.constexpr = 0, CORE: tl.constexpr = 0):
+                          LORA_BLOCK_S: tl.constexpr = 1, SWAP_AB: tl.constexpr = 0):
     """silu(x W_gate^T) * (x W_up^T) for W = [W_gate; W_up] ([2N, K]): each program takes BLOCK_N gate rows and
     the matching up rows, and rounds as linear followed by silu_and_mul does (each projection to y's dtype,
     then the activation, then the product). LORA_PARTS 2 (or -1, products computed before): each projection gains
-    its LoRA product first (gate's the first slice of the adapters' outputs, up's the second). CORE as in
-    _gemv_kernel."""
+    its LoRA product first (gate's the first slice of the adapters' outputs, up's the second)."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -336,35 +337,17 @@ def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr,
     lora_up = _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, N + cols, col_mask, M, LORA_SPLITS,
                           LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, BLOCK_M,
                           BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
-    if CORE:
-        acc_gate = tl.zeros([BLOCK_N, BLOCK_K // _CORE_RUN], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, BLOCK_K // _CORE_RUN], dtype=tl.float32)
-        for start in range(BLOCK_K, K, BLOCK_K):  # each tile's successor requested before the tile is multiplied
-            following = start + tl.arange(0, BLOCK_K)
-            gate_next = _w_tile(gate_rows, following, col_mask, K)
-            up_next = _w_tile(up_rows, following, col_mask, K)
-            x = _core_x(x_ptr, ks, K)
-            acc_gate = _core_fma(x, w_gate, acc_gate, X_MODE)
-            acc_up = _core_fma(x, w_up, acc_up, X_MODE)
-            w_gate = gate_next
-            w_up = up_next
-            ks = following
-        x = _core_x(x_ptr, ks, K)
-        acc_gate = tl.sum(_core_fma(x, w_gate, acc_gate, X_MODE), axis=1)[None, :]
-        acc_up = tl.sum(_core_fma(x, w_up, acc_up, X_MODE), axis=1)[None, :]
-        pdl_trigger_at_tail(USE_PDL)
-    else:
+    x = _x_tile(x_rows, ks, row_mask, K)
+    acc_gate = _dot(x, w_gate, _zero_sums(BLOCK_M, BLOCK_N, SWAP_AB), X_MODE, SWAP_AB)
+    acc_up = _dot(x, w_up, _zero_sums(BLOCK_M, BLOCK_N, SWAP_AB), X_MODE, SWAP_AB)
+    for start in range(BLOCK_K, K, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
         x = _x_tile(x_rows, ks, row_mask, K)
-        acc_gate = _dot(x, w_gate, _zero_sums(BLOCK_M, BLOCK_N, SWAP_AB), X_MODE, SWAP_AB)
-        acc_up = _dot(x, w_up, _zero_sums(BLOCK_M, BLOCK_N, SWAP_AB), X_MODE, SWAP_AB)
-        for start in range(BLOCK_K, K, BLOCK_K):
-            ks = start + tl.arange(0, BLOCK_K)
-            x = _x_tile(x_rows, ks, row_mask, K)
-            acc_gate = _dot(x, _w_tile(gate_rows, ks, col_mask, K), acc_gate, X_MODE, SWAP_AB)
-            acc_up = _dot(x, _w_tile(up_rows, ks, col_mask, K), acc_up, X_MODE, SWAP_AB)
-        pdl_trigger_at_tail(USE_PDL)
-        acc_gate = _rows_first(acc_gate, SWAP_AB)
-        acc_up = _rows_first(acc_up, SWAP_AB)
+        acc_gate = _dot(x, _w_tile(gate_rows, ks, col_mask, K), acc_gate, X_MODE, SWAP_AB)
+        acc_up = _dot(x, _w_tile(up_rows, ks, col_mask, K), acc_up, X_MODE, SWAP_AB)
+    pdl_trigger_at_tail(USE_PDL)
+    acc_gate = _rows_first(acc_gate, SWAP_AB)
+    acc_up = _rows_first(acc_up, SWAP_AB)
     if X_MODE == 2:
         acc_gate *= x_scale[:, None]
         acc_up *= x_scale[:, None]
@@ -394,11 +377,13 @@ def _tuned(kernel, split: bool, fp8: bool, core: bool):
 # How a GEMV on FP8 weights takes its input (X_MODE): "model_dtype" widens the weight to the input's dtype, "float16"
 # multiplies both in float16, "fp8" quantizes the input to FP8.
 INPUT_MODES = {"model_dtype": 0, "float16": 1, "fp8": 2}
-# A GEMV of one row on FP8 weights multiplies on the CUDA cores (CORE); more rows take the tensor-core dot.
+# A plain GEMV of one row on FP8 weights multiplies on the CUDA cores (CORE); more rows, and the SiLU-mul GEMV, take
+# the tensor-core dot (on the CUDA cores the 8B gate / up layer measured 1.6 ms a step against 1.0).
 _CORE_ROWS = 1
 # Tuned kernels by (whether the weight is FP8, the input mode, whether they multiply on the CUDA cores).
-_VARIANTS = ((False, 0, False), *((True, mode, core) for mode in (0, 1, 2) for core in (False, True)))
-_gemv_tuned = {variant: _tuned(_gemv_kernel, True, *variant[::2]) for variant in _VARIANTS}
+_VARIANTS = ((False, 0, False), *((True, mode, False) for mode in (0, 1, 2)))
+_gemv_tuned = {variant: _tuned(_gemv_kernel, True, *variant[::2])
+               for variant in (*_VARIANTS, *((True, mode, True) for mode in (0, 1, 2)))}
 _gemv_silu_mul_tuned = {variant: _tuned(_gemv_silu_mul_kernel, False, *variant[::2]) for variant in _VARIANTS}
 # The interpreter (CPU tests; read at import, as Triton does) has no device to time configurations on: it runs one.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -488,10 +473,11 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
             out, *(workspace or ()), M, N, K, rows.stride(0), weight.stride(0), out.stride(0), *lora_args)
     if _INTERPRETED and config is None:
         config = _INTERPRETED_CONFIG
-    # One row on FP8 weights multiplies on the CUDA cores, unless a given configuration says otherwise.
-    core = bool(config.get("CORE", 0)) if config is not None else weight_scale is not None and M <= _CORE_ROWS
-    if core and M > _CORE_ROWS:
-        raise ValueError(f"CORE multiplies at most {_CORE_ROWS} input row, got {M}")
+    # One row of a plain GEMV on FP8 weights multiplies on the CUDA cores, unless a given configuration says otherwise.
+    core = bool(config.get("CORE", 0)) if config is not None else (
+        kernel is _gemv_kernel and weight_scale is not None and M <= _CORE_ROWS)
+    if core and (M > _CORE_ROWS or kernel is not _gemv_kernel):
+        raise ValueError(f"CORE multiplies at most {_CORE_ROWS} input row, in the plain GEMV; got M={M}")
     flags = {"HAS_BIAS": bias is not None, "HAS_SCALE": weight_scale is not None,
              "BLOCK_M": _CORE_ROWS if core else _BLOCK_M, "X_MODE": input_mode, **lora_flags}
     options = launch_options(pdl)
