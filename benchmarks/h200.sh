@@ -37,6 +37,7 @@
 #                                        # the tensor-core GEMV, 8B batch 1 bf16 / FP8, the FP8 step profile (~8 min)
 #   bash benchmarks/h200.sh fp8-b1       # the same without the tests and the layers                 (~4 min)
 #   bash benchmarks/h200.sh fp8-throughput-profile  # the step profile of 512 x (1024, 256), FP8 weights and KV (~3 min)
+#   bash benchmarks/h200.sh fp8-attention  # FP8 decode attention alone (tiles swept), then FP8 + FP8 KV throughput (~6 min)
 #   bash benchmarks/h200.sh fp8-latency  # 8B batch 1 and 8 latency: bf16, FP8 weights (the GEMV's input in float16),
 #                                        # then the GEMV's other input modes (kernel_config.fp8_gemv_input)  (~6 min)
 #   bash benchmarks/h200.sh fp8-prefill  # 8B prefill alone, 256 x (2048, 1), bf16 then FP8 weights   (~4 min)
@@ -231,6 +232,14 @@ case "${1:-}" in
     watched 240 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 512 \
       --batch_size 512 --input_len 1024 --output_len 256 --kernels 15 --gaps 4 --set quant_config.quant_algo=FP8 \
       --set kv_cache_config.dtype=fp8 $(output_json step-profile-8b-b512-fp8-kv) 2>&1 | tail -24
+    ;;
+  fp8-attention)
+    # The decode attention kernel alone at 512 x 1024 keys: bf16 and FP8 caches, the FP8 one under a grid of tiles;
+    # then the FP8 throughput workload (FP8 weights and KV cache) once.
+    timeout 150 python benchmarks/attention.py --sweep $(output_json attention-decode-8b-b512-l1024) 2>&1 \
+      | grep -v Warning | tail -24
+    throughput throughput-8b-fp8-kv "$llama" 1000 1024 1024 512 230 --set quant_config.quant_algo=FP8 \
+      --set kv_cache_config.dtype=fp8
     ;;
   fp8-latency)
     fp8=(--set quant_config.quant_algo=FP8)

@@ -7,8 +7,12 @@ gathers a tile of keys one row at a time (row = one position of one KV head, D c
 tile may span several cache blocks and its size is chosen for the GPU, not by the cache's block size.
 
 An FP8 cache (float8_e4m3fn rows, a float32 scale per row beside them: triton_kv_cache.py) is read as it is
-stored: each tile widened to the queries' dtype, the keys' scales applied to the scores and the values' to the
-probabilities before they multiply the values (both scales belong to a key, a column of the tile).
+stored: each tile widened to float16 (one conversion per two values; to bfloat16 it takes three, which bounded the
+decode kernel at ~1.5 TB/s of FP8 keys and values on the H200), the 16-bit queries rounded to float16 once per
+program. The keys' scales go on the scores; the values' weigh the probabilities before they multiply the values
+(both scales belong to a key, a column of the tile), divided by the tile's largest first so that the float16
+weights keep their precision whatever the scales' magnitude, that largest scale multiplying the tile's product.
+Float32 queries (the CPU's models) widen the tiles to float32 instead.
 
 Query heads that share a KV head are processed by one program, so each K/V tile is read once per group.
 Scores are accumulated in float32 and the softmax runs online in base 2 (exp2 of scores scaled by log2 e).
@@ -36,6 +40,7 @@ _MIN_KEYS_PER_SPLIT = 256
 _MAX_SPLITS = 64
 # Number of multiprocessors assumed when the tensors are not on a CUDA device (an H200 has 132).
 _DEFAULT_SM_COUNT = 132
+_FLOAT16_MAX = tl.constexpr(65504.0)
 
 
 # ------------------------------------------------------------------------------------------ shared parts
@@ -63,11 +68,21 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, key_pos, key_ma
 
 
 @triton.jit
+def _fp8_cache_queries(q, KV_FP8: tl.constexpr):
+    """The queries as an FP8 cache's tiles meet them: 16-bit queries rounded to float16 (held within its range),
+    float32 ones as they are; any queries as they are for another cache."""
+    if KV_FP8:
+        if q.dtype != tl.float32:
+            q = tl.clamp(q.to(tl.float32), -_FLOAT16_MAX, _FLOAT16_MAX).to(tl.float16)
+    return q
+
+
+@triton.jit
 def _attend_tile(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
     """One online-softmax step over a tile of keys: returns the updated (row max, row sum, accumulator). An FP8
-    tile's keys and values are widened to q's dtype, their scales (per key) applied to the scores and to the
-    probabilities that weigh the values.
+    tile's keys and values are widened to q's dtype (float16 or float32: _fp8_cache_queries), their scales (per
+    key) applied to the scores and to the probabilities that weigh the values.
 
     With MASKED, scores where `visible` is false are dropped; rows that see no key yet keep max -inf and
     their probabilities are computed against 0, so that no NaN (from -inf - -inf) enters the sums.
@@ -86,10 +101,12 @@ def _attend_tile(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, MA
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if KV_FP8:
-        weights = (p * v_scale[None, :]).to(v.dtype)
+        top = tl.max(v_scale, axis=0)
+        top = tl.where(top > 0.0, top, 1.0)
+        weights = (p * (v_scale / top)[None, :]).to(v.dtype)
+        acc = tl.dot(weights, v, acc=acc * (alpha / top)[:, None], input_precision=DOT_PRECISION) * top
     else:
-        weights = p.to(v.dtype)
-    acc = tl.dot(weights, v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
+        acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -171,6 +188,7 @@ def _decode_split_kernel(
         tl.debug_barrier()
     else:
         q = tl.load(q_ptr + q_offsets + dims[None, :], mask=q_mask, other=0.0)
+    q = _fp8_cache_queries(q, KV_FP8)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -291,6 +309,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     pdl: int = 0,
     kv_scales: tuple[torch.Tensor, ...] = (),
+    config: TileConfig | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; returns [B, H_q, D] in q's dtype.
 
@@ -299,10 +318,11 @@ def paged_decode_attention(
     int32; context_lens: [B] int32 or int64, keys per sequence including the current one. A sliding window
     hides keys at positions < context_len - sliding_window. A sequence with context_len 0 gets zeros.
     num_splits partitions each context for split-K (chosen from the shapes when None; 1 disables it). `pdl`: the
-    launches' trigger mode (kernels/pdl.py). kv_scales: an FP8 cache's (k_scale, v_scale).
+    launches' trigger mode (kernels/pdl.py). kv_scales: an FP8 cache's (k_scale, v_scale). `config` fixes the
+    tiles instead of decode_config's (for benchmarks; block_m is raised to the GQA group's power of two).
     """
     return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, None, pdl,
-                   kv_scales)
+                   kv_scales, config)
 
 
 def rotary_decode_attention(
@@ -340,7 +360,7 @@ def rotary_decode_attention(
 
 
 def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope, pdl,
-            kv_scales):
+            kv_scales, config=None):
     """The decode attention launch of paged_decode_attention, and of rotary_decode_attention with rope =
     (k, v, cos_rows, sin_rows, slot_mapping)."""
     batch, num_q_heads, head_dim = q.shape
@@ -368,7 +388,7 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     block_d = triton.next_power_of_2(head_dim)
-    config = decode_config(block_d, q.element_size())
+    config = config or decode_config(block_d, q.element_size())
     direct = num_splits == 1
     if direct:
         part_acc = part_max = part_sum = out  # unused by the kernel
@@ -465,6 +485,7 @@ def _prefill_kernel(
     token_rows = (query_start + tokens).to(tl.int64)
     q = tl.load(q_ptr + token_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    q = _fp8_cache_queries(q, KV_FP8)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

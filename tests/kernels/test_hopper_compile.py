@@ -23,7 +23,9 @@ FP8 = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv"}
 
 # Integer arguments that a model's layers pass as multiples of 16, which Triton's launcher marks as such (as it
 # marks every pointer 16-byte aligned): the loads' vector widths follow from these marks.
-MULTIPLES_OF_16 = {"N", "K", "stride_xm", "stride_wn", "stride_ym"}
+MULTIPLES_OF_16 = {"N", "K", "stride_xm", "stride_wn", "stride_ym", "head_dim", "stride_qb", "stride_qh", "stride_ob",
+                   "stride_oh", "stride_block", "stride_slot", "stride_head", "stride_kt", "stride_kh", "stride_vt",
+                   "stride_vh", "stride_scale_block"}
 
 
 def compile_for_hopper(kernel, constexprs: dict, pointers: dict | None = None, num_warps: int = 4,
@@ -96,3 +98,22 @@ def test_the_lora_kernels_compile_for_hopper():
     assert ".target sm_90" in compile_for_hopper(_shrink_kernel, {"BLOCK_R": 16, "BLOCK_K": 128, "SPLIT": 256,
                                                                    "USE_PDL": 1}, {"x_ptr": "*bf16", "a_ptr": "*bf16",
                                                                                    "out_ptr": "*fp32"})
+
+
+ATTENTION = {"q_ptr": "*bf16", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "out_ptr": "*bf16",
+             "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "k_ptr": "*bf16",
+             "v_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_mapping_ptr": "*i64",
+             "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "qk_scale": "fp32"}
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_the_fp8_cache_decode_attention_widens_its_tiles_to_float16(rope):
+    """An FP8 cache's tiles meet bf16 queries in float16: one conversion per two values (cvt e4m3x2 to f16x2),
+    none of the one-value float16-to-bfloat16 conversions that widening to bfloat16 adds per value."""
+    from raylm.kernels.triton_attention import _decode_split_kernel
+
+    constexprs = {"GROUP": 4, "BLOCK_G": 16, "BLOCK_D": 128, "BLOCK_N": 64, "PAGE_SIZE": 16, "DIRECT_OUTPUT": True,
+                  "DOT_PRECISION": "tf32", "ROPE": rope, "KV_FP8": True, "USE_PDL": 0}
+    pointers = {**ATTENTION, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+    ptx = compile_for_hopper(_decode_split_kernel, constexprs, pointers)
+    assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx and "mma" in ptx

@@ -1,0 +1,95 @@
+"""The decode attention kernel (kernels/triton_attention.py) alone on the Llama-3.1-8B shape (32 query heads, 8 KV
+heads, head dim 128, 16-token pages): one step of B sequences of L cached keys each, over a bf16 cache and an FP8
+cache; time per call and the rate at which it reads the cache (keys, values and an FP8 cache's scales). With
+--sweep, the FP8 cache also under every tile configuration of a small grid, to choose decode_config's.
+
+    python benchmarks/attention.py                        # B 512, L 1024 (the FP8 throughput workload's steps)
+    python benchmarks/attention.py --batch 64 --context 4096 --sweep
+
+Each timing replays a CUDA graph of calls; the cache (GBs) is far larger than the L2, as in a real step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import graph_call_us, write_result  # noqa: E402
+
+Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+
+
+def _cases(batch: int, context: int, seed: int):
+    """q, the block tables (each sequence's pages scattered over the cache) and the context lengths."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    pages = context // PAGE
+    tables = torch.randperm(batch * pages, device="cuda", generator=generator).to(torch.int32).view(batch, pages)
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=generator)
+    lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    return q, tables, lens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--context", type=int, default=1024, help="cached keys per sequence (a multiple of 16)")
+    parser.add_argument("--calls", type=int, default=4, help="calls per CUDA graph")
+    parser.add_argument("--sweep", action="store_true", help="also time the FP8 cache under a grid of tiles")
+    parser.add_argument("--output_json", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/attention.py times CUDA kernels: it needs a GPU")
+    if args.context % PAGE:
+        parser.error(f"--context must be a multiple of {PAGE}")
+    from raylm.kernels.fp8 import quantize_fp8
+    from raylm.kernels.triton_attention import TileConfig, paged_decode_attention
+
+    q, tables, lens = _cases(args.batch, args.context, seed=0)
+    blocks = args.batch * args.context // PAGE
+    shape = (blocks, PAGE, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    (k8, k_scale), (v8, v_scale) = quantize_fp8(k_cache), quantize_fp8(v_cache)
+    caches = {"bf16": ((k_cache, v_cache), ()), "fp8": ((k8, v8), (k_scale, v_scale))}
+    keys = args.batch * args.context * KV_HEADS
+    result: dict = {"batch": args.batch, "context": args.context}
+    scale = HEAD_DIM ** -0.5
+
+    def timed(kind: str, config: TileConfig | None) -> dict:
+        (k, v), scales = caches[kind]
+        nbytes = 2 * keys * HEAD_DIM * k.element_size() + (2 * keys * 4 if scales else 0)
+
+        def call():
+            return paged_decode_attention(q, k, v, tables, lens, scale, kv_scales=scales, config=config)
+
+        call()  # compiles outside the capture
+        micros = graph_call_us(lambda: [call() for _ in range(args.calls)], args.calls)
+        entry = {"us": micros, "tb_per_s": nbytes / micros / 1e6}
+        label = "default" if config is None else (f"block_n {config.block_n}, warps {config.num_warps}, "
+                                                  f"stages {config.num_stages}")
+        print(f"{kind:<5} {label:<32} {micros:9.1f} us  {entry['tb_per_s']:.2f} TB/s", flush=True)
+        return {"config": label, **entry}
+
+    reference = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+    fp8_out = paged_decode_attention(q, k8, v8, tables, lens, scale, kv_scales=(k_scale, v_scale))
+    gap = (fp8_out.float() - reference.float()).abs().max().item()
+    print(f"B {args.batch} x L {args.context}: FP8 cache against bf16, largest output gap {gap:.4f}", flush=True)
+    result["fp8_max_gap_vs_bf16"] = gap
+    result["bf16"] = timed("bf16", None)
+    result["fp8"] = timed("fp8", None)
+    if args.sweep:
+        result["fp8_sweep"] = [timed("fp8", TileConfig(block_m=16, block_n=block_n, num_warps=warps,
+                                                       num_stages=stages))
+                               for block_n in (32, 64, 128) for warps in (4, 8) for stages in (2, 3, 4)]
+        best = min(result["fp8_sweep"], key=lambda entry: entry["us"])
+        print(f"fastest FP8 tiles: {best['config']} ({best['tb_per_s']:.2f} TB/s)")
+    path = write_result(f"attention-decode-llama-3.1-8b-b{args.batch}-l{args.context}", args, result)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
