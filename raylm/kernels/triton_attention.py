@@ -7,12 +7,14 @@ gathers a tile of keys one row at a time (row = one position of one KV head, D c
 tile may span several cache blocks and its size is chosen for the GPU, not by the cache's block size.
 
 An FP8 cache (float8_e4m3fn rows, a float32 scale per row beside them: triton_kv_cache.py) is read as it is
-stored: each tile widened to float16 (one conversion per two values; to bfloat16 it takes three, which bounded the
-decode kernel at ~1.5 TB/s of FP8 keys and values on the H200), the 16-bit queries rounded to float16 once per
-program. The keys' scales go on the scores; the values' weigh the probabilities before they multiply the values
-(both scales belong to a key, a column of the tile), divided by the tile's largest first so that the float16
-weights keep their precision whatever the scales' magnitude, that largest scale multiplying the tile's product.
-Float32 queries (the CPU's models) widen the tiles to float32 instead.
+stored: each tile widened to float16 (one conversion per two values; to bfloat16 it takes three), the 16-bit
+queries rounded to float16 once per program. The keys' scales go on the scores; the values' weigh the
+probabilities before they multiply the values (both scales belong to a key, a column of the tile), divided by the
+tile's largest first so that the float16 weights keep their precision whatever the scales' magnitude, that largest
+scale multiplying the tile's product. Float32 queries (the CPU's models) widen the tiles to float32 instead.
+On the H200 this decode reads an FP8 cache at ~1.6 TB/s against ~3.9 for bf16 (docs/benchmarks.md). In its sm_90
+PTX the FP8 tiles stay in shared memory and a thread assembles its operands with 64 one-byte loads a tile (most
+likely the values', whose reduction runs along keys, not contiguous), where 16-bit tiles are read with ldmatrix.
 
 Query heads that share a KV head are processed by one program, so each K/V tile is read once per group.
 Scores are accumulated in float32 and the softmax runs online in base 2 (exp2 of scores scaled by log2 e).
