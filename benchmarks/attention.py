@@ -1,7 +1,9 @@
 """The decode attention kernel (kernels/triton_attention.py) alone on the Llama-3.1-8B shape (32 query heads, 8 KV
 heads, head dim 128, 16-token pages): one step of B sequences of L cached keys each, over a bf16 cache and an FP8
-cache; time per call and the rate at which it reads the cache (keys, values and an FP8 cache's scales). With
---sweep, the FP8 cache also under every tile configuration of a small grid, to choose decode_config's.
+cache, the FP8 one with its values stored by rows (as the keys, the engine's layout) and transposed within their
+pages (contiguous along keys, the value operand's reduction); time per call and the rate at which it reads the
+cache (keys, values and an FP8 cache's scales). With --sweep, each FP8 layout also under every tile configuration
+of a small grid, to choose decode_config's.
 
     python benchmarks/attention.py                        # B 512, L 1024 (the FP8 throughput workload's steps)
     python benchmarks/attention.py --batch 64 --context 4096 --sweep
@@ -54,7 +56,10 @@ def main() -> None:
     k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     (k8, k_scale), (v8, v_scale) = quantize_fp8(k_cache), quantize_fp8(v_cache)
-    caches = {"bf16": ((k_cache, v_cache), ()), "fp8": ((k8, v8), (k_scale, v_scale))}
+    v8_by_slots = torch.empty(blocks, KV_HEADS, HEAD_DIM, PAGE, dtype=v8.dtype, device="cuda").permute(0, 3, 1, 2)
+    v8_by_slots.view(torch.uint8).copy_(v8.view(torch.uint8))
+    caches = {"bf16": ((k_cache, v_cache), ()), "fp8": ((k8, v8), (k_scale, v_scale)),
+              "fp8-values-by-slots": ((k8, v8_by_slots), (k_scale, v_scale))}
     keys = args.batch * args.context * KV_HEADS
     result: dict = {"batch": args.batch, "context": args.context}
     scale = HEAD_DIM ** -0.5
@@ -71,22 +76,28 @@ def main() -> None:
         entry = {"us": micros, "tb_per_s": nbytes / micros / 1e6}
         label = "default" if config is None else (f"block_n {config.block_n}, warps {config.num_warps}, "
                                                   f"stages {config.num_stages}")
-        print(f"{kind:<5} {label:<32} {micros:9.1f} us  {entry['tb_per_s']:.2f} TB/s", flush=True)
+        print(f"{kind:<20} {label:<32} {micros:9.1f} us  {entry['tb_per_s']:.2f} TB/s", flush=True)
         return {"config": label, **entry}
 
     reference = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
     fp8_out = paged_decode_attention(q, k8, v8, tables, lens, scale, kv_scales=(k_scale, v_scale))
+    by_slots = paged_decode_attention(q, k8, v8_by_slots, tables, lens, scale, kv_scales=(k_scale, v_scale))
     gap = (fp8_out.float() - reference.float()).abs().max().item()
-    print(f"B {args.batch} x L {args.context}: FP8 cache against bf16, largest output gap {gap:.4f}", flush=True)
+    layouts_gap = (by_slots.float() - fp8_out.float()).abs().max().item()
+    if layouts_gap > 0.01:
+        sys.exit(f"the FP8 cache's values by slots gave other outputs than by rows (largest gap {layouts_gap})")
+    print(f"B {args.batch} x L {args.context}: FP8 cache against bf16, largest output gap {gap:.4f}; values by "
+          f"slots against by rows {layouts_gap:.4f}", flush=True)
     result["fp8_max_gap_vs_bf16"] = gap
-    result["bf16"] = timed("bf16", None)
-    result["fp8"] = timed("fp8", None)
+    for kind in caches:
+        result[kind] = timed(kind, None)
     if args.sweep:
-        result["fp8_sweep"] = [timed("fp8", TileConfig(block_m=16, block_n=block_n, num_warps=warps,
-                                                       num_stages=stages))
-                               for block_n in (32, 64, 128) for warps in (4, 8) for stages in (2, 3, 4)]
-        best = min(result["fp8_sweep"], key=lambda entry: entry["us"])
-        print(f"fastest FP8 tiles: {best['config']} ({best['tb_per_s']:.2f} TB/s)")
+        for kind in ("fp8", "fp8-values-by-slots"):
+            result[f"{kind}_sweep"] = [timed(kind, TileConfig(block_m=16, block_n=block_n, num_warps=warps,
+                                                              num_stages=stages))
+                                       for block_n in (32, 64, 128) for warps in (4, 8) for stages in (2, 3)]
+            best = min(result[f"{kind}_sweep"], key=lambda entry: entry["us"])
+            print(f"fastest {kind} tiles: {best['config']} ({best['tb_per_s']:.2f} TB/s)")
     path = write_result(f"attention-decode-llama-3.1-8b-b{args.batch}-l{args.context}", args, result)
     print(f"wrote {path}")
 

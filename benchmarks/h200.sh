@@ -234,11 +234,12 @@ case "${1:-}" in
       --set kv_cache_config.dtype=fp8 $(output_json step-profile-8b-b512-fp8-kv) 2>&1 | tail -24
     ;;
   fp8-attention)
-    # The decode attention kernel alone at 512 x 1024 keys: bf16 and FP8 caches, the FP8 one under a grid of tiles;
-    # then the FP8 cache's GPU tests.
-    timeout 200 python benchmarks/attention.py --sweep $(output_json attention-decode-8b-b512-l1024) 2>&1 \
+    # The decode attention kernel alone at 512 x 1024 keys: bf16 and FP8 caches, the FP8 one with its values by rows
+    # and transposed within pages, each under a grid of tiles; then the FP8 cache's and the value layouts' GPU tests.
+    timeout 300 python benchmarks/attention.py --sweep $(output_json attention-decode-8b-b512-l1024) 2>&1 \
       | grep -v Warning | tail -24
-    timeout 120 python -m pytest tests/kernels/test_triton_attention.py -m gpu -k fp8 -q -p no:cacheprovider 2>&1 \
+    timeout 150 python -m pytest tests/kernels/test_triton_attention.py tests/kernels/test_triton_kv_cache.py -m gpu \
+      -k "fp8 or transposed" -q -p no:cacheprovider 2>&1 \
       | tail -3
     ;;
   fp8-latency)

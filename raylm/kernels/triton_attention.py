@@ -12,9 +12,12 @@ queries rounded to float16 once per program. The keys' scales go on the scores; 
 probabilities before they multiply the values (both scales belong to a key, a column of the tile), divided by the
 tile's largest first so that the float16 weights keep their precision whatever the scales' magnitude, that largest
 scale multiplying the tile's product. Float32 queries (the CPU's models) widen the tiles to float32 instead.
-On the H200 this decode reads an FP8 cache at ~1.6 TB/s against ~3.9 for bf16 (docs/benchmarks.md). In its sm_90
-PTX the FP8 tiles stay in shared memory and a thread assembles its operands with 64 one-byte loads a tile (most
-likely the values', whose reduction runs along keys, not contiguous), where 16-bit tiles are read with ldmatrix.
+The value cache has strides of its own (by rows as the keys, or transposed within its pages: triton_kv_cache.py).
+On the H200 this decode reads an FP8 cache with values by rows at ~1.6 TB/s against ~3.9 for bf16
+(docs/benchmarks.md). Compiled for sm_90 by Triton 3.9 it keeps the FP8 values in shared memory and assembles their
+operand (whose reduction runs along keys, not contiguous by rows) from 64 one-byte loads a thread per tile; with
+values transposed within their pages it has none (its value loads from memory are then one byte each, not yet
+timed).
 
 Query heads that share a KV head are processed by one program, so each K/V tile is read once per group.
 Scores are accumulated in float32 and the softmax runs online in base 2 (exp2 of scores scaled by log2 e).
@@ -31,7 +34,14 @@ import triton
 import triton.language as tl
 
 from raylm.kernels.pdl import launch_options, pdl_wait
-from raylm.kernels.triton_kv_cache import cache_scales, check_cache, check_cache_write, store_rows
+from raylm.kernels.triton_kv_cache import (
+    cache_scales,
+    check_cache,
+    check_cache_write,
+    check_value_cache,
+    store_rows,
+    value_strides,
+)
 from raylm.kernels.triton_ops import cos_sin_row, rope_rows, rotated_rows
 
 _LOG2_E = 1.4426950408889634
@@ -50,15 +60,23 @@ _FLOAT16_MAX = tl.constexpr(65504.0)
 
 @triton.jit
 def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, key_pos, key_mask, kv_head, dims, dim_mask,
-                  stride_block, stride_slot, stride_head, k_scale_ptr, v_scale_ptr, stride_scale_block,
-                  stride_scale_slot, PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr):
+                  stride_block, stride_slot, stride_head, stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
+                  k_scale_ptr, v_scale_ptr, stride_scale_block, stride_scale_slot, PAGE_SIZE: tl.constexpr,
+                  KV_FP8: tl.constexpr, V_BY_SLOTS: tl.constexpr):
     """The keys and values at `key_pos` of one KV head, read through a sequence's block table (zeros where
-    key_mask is false), and an FP8 cache's scales of those keys and values (1.0 for another cache)."""
+    key_mask is false), and an FP8 cache's scales of those keys and values (1.0 for another cache). The values are
+    stored by rows with the keys' strides, or transposed within their pages (V_BY_SLOTS, strides stride_v_*)."""
     block_id = tl.load(block_table_row_ptr + key_pos // PAGE_SIZE, mask=key_mask, other=0).to(tl.int64)
-    rows = block_id * stride_block + (key_pos % PAGE_SIZE) * stride_slot + kv_head * stride_head
+    slot = key_pos % PAGE_SIZE
+    rows = block_id * stride_block + slot * stride_slot + kv_head * stride_head
     kv_mask = key_mask[:, None] & dim_mask[None, :]
     k = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    if V_BY_SLOTS:  # loaded [dims, keys] as stored, then transposed: the dot reads it along keys, its reduction
+        v_rows = block_id * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
+        v = tl.trans(tl.load(v_cache_ptr + v_rows[None, :] + dims[:, None] * stride_v_dim,
+                             mask=dim_mask[:, None] & key_mask[None, :], other=0.0))
+    else:  # by rows, at the keys' offsets (check_value_cache: the same strides)
+        v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     if KV_FP8:
         scale_rows = block_id * stride_scale_block + (key_pos % PAGE_SIZE) * stride_scale_slot + kv_head
         k_scale = tl.load(k_scale_ptr + scale_rows, mask=key_mask, other=0.0)
@@ -137,11 +155,13 @@ def _decode_split_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     qk_scale, window, num_q_heads, num_splits, head_dim,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_block, stride_slot, stride_head, stride_table,
+    stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
     k_ptr, v_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
     stride_sin, k_scale_ptr, v_scale_ptr, stride_scale_block, stride_scale_slot,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ROPE: tl.constexpr = False, KV_FP8: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
+    V_BY_SLOTS: tl.constexpr = False,
 ):
     """One (sequence, KV head, split): attends the group's query heads over the split's range of keys.
 
@@ -178,15 +198,18 @@ def _decode_split_kernel(
             row_mask = tl.full([1, 1], True, tl.int1)
             cache_row = ((slot // PAGE_SIZE) * stride_block + (slot % PAGE_SIZE) * stride_slot
                          + kv_head * stride_head + tl.zeros([1, 1], tl.int64))
+            value_row = ((slot // PAGE_SIZE) * stride_v_block + (slot % PAGE_SIZE) * stride_v_slot
+                         + kv_head * stride_v_head + tl.zeros([1, 1], tl.int64))
             scale_row = ((slot // PAGE_SIZE) * stride_scale_block + (slot % PAGE_SIZE) * stride_scale_slot + kv_head
                          + tl.zeros([1, 1], tl.int64))
             key = rotated_rows(k_ptr, seq.to(tl.int64) * stride_kt + kv_head * stride_kh, dims, kv_mask, cos, sin,
                                half)
             store_rows(k_cache_ptr, k_scale_ptr, key.to(k_ptr.dtype.element_ty), cache_row, scale_row, dims,
-                       kv_mask, row_mask, KV_FP8)
+                       kv_mask, row_mask, 1, KV_FP8)
             value = tl.load(v_ptr + seq.to(tl.int64) * stride_vt + kv_head * stride_vh + dims[None, :], mask=kv_mask,
                             other=0.0)
-            store_rows(v_cache_ptr, v_scale_ptr, value, cache_row, scale_row, dims, kv_mask, row_mask, KV_FP8)
+            store_rows(v_cache_ptr, v_scale_ptr, value, value_row, scale_row, dims, kv_mask, row_mask, stride_v_dim,
+                       KV_FP8)
         tl.debug_barrier()
     else:
         q = tl.load(q_ptr + q_offsets + dims[None, :], mask=q_mask, other=0.0)
@@ -200,8 +223,9 @@ def _decode_split_kernel(
         key_pos = tile_start + tl.arange(0, BLOCK_N)
         key_mask = key_pos < split_end
         k, v, k_scale, v_scale = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, key_pos, key_mask, kv_head, dims,
-                                               dim_mask, stride_block, stride_slot, stride_head, k_scale_ptr,
-                                               v_scale_ptr, stride_scale_block, stride_scale_slot, PAGE_SIZE, KV_FP8)
+                                               dim_mask, stride_block, stride_slot, stride_head, stride_v_block,
+                                               stride_v_slot, stride_v_head, stride_v_dim, k_scale_ptr, v_scale_ptr,
+                                               stride_scale_block, stride_scale_slot, PAGE_SIZE, KV_FP8, V_BY_SLOTS)
         m_i, l_i, acc = _attend_tile(q, k, v, k_scale, v_scale, key_mask[None, :], m_i, l_i, acc, qk_scale, True,
                                      DOT_PRECISION, KV_FP8)
 
@@ -368,8 +392,7 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     check_cache("k_cache", k_cache, num_kv_heads, head_dim)
-    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError("v_cache must have k_cache's shape and strides")
+    check_value_cache(v_cache, k_cache)
     if num_q_heads % num_kv_heads:
         raise ValueError(f"q heads ({num_q_heads}) must be a multiple of the cache's KV heads ({num_kv_heads})")
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or context_lens.shape != (batch,):
@@ -406,12 +429,13 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_max, part_sum,
         scale * _LOG2_E, window, num_q_heads, num_splits, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), *value_strides(v_cache),
         k, v, cos, sin, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         k_scale, v_scale, stride_scale_block, stride_scale_slot,
         GROUP=group, BLOCK_G=max(config.block_m, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=config.block_n, PAGE_SIZE=page_size, DIRECT_OUTPUT=direct, DOT_PRECISION=_dot_precision(q.dtype),
-        ROPE=rope is not None, KV_FP8=fp8, num_warps=config.num_warps, num_stages=config.num_stages,
+        ROPE=rope is not None, KV_FP8=fp8, V_BY_SLOTS=v_cache.stride() != k_cache.stride(), num_warps=config.num_warps,
+        num_stages=config.num_stages,
         **launch_options(pdl),
     )
     if not direct:  # one BLOCK_S for every split count up to _MAX_SPLITS: one compiled variant
@@ -428,15 +452,17 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
 
 @triton.jit
 def _prefill_tile(q, k_cache_ptr, v_cache_ptr, table_row, tile_start, key_end, query_pos, window, kv_head, dims,
-                  dim_mask, m_i, l_i, acc, qk_scale, stride_block, stride_slot, stride_head, k_scale_ptr, v_scale_ptr,
-                  stride_scale_block, stride_scale_slot, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
+                  dim_mask, m_i, l_i, acc, qk_scale, stride_block, stride_slot, stride_head, stride_v_block,
+                  stride_v_slot, stride_v_head, stride_v_dim, k_scale_ptr, v_scale_ptr, stride_scale_block,
+                  stride_scale_slot, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, V_BY_SLOTS: tl.constexpr):
     """Attends a prefill tile's rows to the keys tile_start.. (causally and within the window if MASKED)."""
     key_pos = tile_start + tl.arange(0, BLOCK_N)
     key_mask = key_pos < key_end
     k, v, k_scale, v_scale = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, key_pos, key_mask, kv_head, dims,
-                                           dim_mask, stride_block, stride_slot, stride_head, k_scale_ptr, v_scale_ptr,
-                                           stride_scale_block, stride_scale_slot, PAGE_SIZE, KV_FP8)
+                                           dim_mask, stride_block, stride_slot, stride_head, stride_v_block,
+                                           stride_v_slot, stride_v_head, stride_v_dim, k_scale_ptr, v_scale_ptr,
+                                           stride_scale_block, stride_scale_slot, PAGE_SIZE, KV_FP8, V_BY_SLOTS)
     visible = ((key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] > query_pos[:, None] - window)
                & key_mask[None, :])
     return _attend_tile(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, MASKED, DOT_PRECISION, KV_FP8)
@@ -447,10 +473,11 @@ def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_starts_ptr,
     context_lens_ptr, qk_scale, window, num_seqs, head_dim,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_block, stride_slot, stride_head, stride_table,
+    stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
     k_scale_ptr, v_scale_ptr, stride_scale_block, stride_scale_slot,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQ_CHUNK: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False, V_BY_SLOTS: tl.constexpr = False,
 ):
     """One tile of BLOCK_M // GROUP_PAD query tokens of one sequence, all query heads of one KV head.
 
@@ -503,13 +530,17 @@ def _prefill_kernel(
     for tile_start in range(key_begin, unmasked_end, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(q, k_cache_ptr, v_cache_ptr, table_row, tile_start, key_end, query_pos,
                                       window, kv_head, dims, dim_mask, m_i, l_i, acc, qk_scale, stride_block,
-                                      stride_slot, stride_head, k_scale_ptr, v_scale_ptr, stride_scale_block,
-                                      stride_scale_slot, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION, KV_FP8)
+                                      stride_slot, stride_head, stride_v_block, stride_v_slot, stride_v_head,
+                                      stride_v_dim, k_scale_ptr, v_scale_ptr, stride_scale_block,
+                                      stride_scale_slot, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION, KV_FP8,
+                                      V_BY_SLOTS)
     for tile_start in range(unmasked_end, key_end, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(q, k_cache_ptr, v_cache_ptr, table_row, tile_start, key_end, query_pos,
                                       window, kv_head, dims, dim_mask, m_i, l_i, acc, qk_scale, stride_block,
-                                      stride_slot, stride_head, k_scale_ptr, v_scale_ptr, stride_scale_block,
-                                      stride_scale_slot, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION, KV_FP8)
+                                      stride_slot, stride_head, stride_v_block, stride_v_slot, stride_v_head,
+                                      stride_v_dim, k_scale_ptr, v_scale_ptr, stride_scale_block,
+                                      stride_scale_slot, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION, KV_FP8,
+                                      V_BY_SLOTS)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + token_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
@@ -539,8 +570,7 @@ def paged_prefill_attention(
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     check_cache("k_cache", k_cache, num_kv_heads, head_dim)
-    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError("v_cache must have k_cache's shape and strides")
+    check_value_cache(v_cache, k_cache)
     if num_q_heads % num_kv_heads:
         raise ValueError(f"q heads ({num_q_heads}) must be a multiple of the cache's KV heads ({num_kv_heads})")
     num_seqs = seq_starts.shape[0]
@@ -565,10 +595,11 @@ def paged_prefill_attention(
         q, k_cache, v_cache, out, block_tables, query_start_loc, seq_starts, context_lens,
         scale * _LOG2_E, _window(sliding_window), num_seqs, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), *value_strides(v_cache),
         k_scale, v_scale, stride_scale_block, stride_scale_slot,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1], SEQ_CHUNK=128, HAS_WINDOW=sliding_window is not None,
-        DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=fp8, num_warps=config.num_warps, num_stages=config.num_stages,
+        DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=fp8, V_BY_SLOTS=v_cache.stride() != k_cache.stride(),
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -7,6 +7,11 @@ Decode tokens are rotated and stored by their attention kernel instead (triton_a
 An FP8 cache (float8_e4m3fn) takes each row (one token's key or value of one head) quantized by its own scale,
 the row's amax / 448, stored in a float32 scale cache [num_blocks, block_size, H_kv] beside it, as the torch
 reference does (kernels/attention.py: write_kv_cache).
+
+The value cache has strides of its own in every kernel here and in triton_attention.py: stored by rows as the keys
+are, or transposed within its pages ([num_blocks, H_kv, D, block_size] in memory, seen as a [num_blocks,
+block_size, H_kv, D] view with contiguous slots), where the attention's value operand, whose reduction runs along
+keys, is contiguous (benchmarks/attention.py times an FP8 cache both ways; the engine stores by rows).
 """
 
 from __future__ import annotations
@@ -31,26 +36,43 @@ def check_cache(name: str, cache: torch.Tensor, num_kv_heads: int, head_dim: int
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {cache.stride()}")
 
 
+def check_value_cache(v_cache: torch.Tensor, k_cache: torch.Tensor) -> None:
+    """Raises ValueError unless v_cache has k_cache's shape, stored by rows with k_cache's strides or transposed
+    within its pages (contiguous slots)."""
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have k_cache's shape {list(k_cache.shape)}, got {list(v_cache.shape)}")
+    if v_cache.stride() != k_cache.stride() and v_cache.stride(1) != 1:
+        raise ValueError(f"v_cache must have k_cache's strides {k_cache.stride()} or contiguous slots (transposed "
+                         f"within its pages), got strides {v_cache.stride()}")
+
+
+def value_strides(v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """The kernels' value-cache strides: of a block, a slot, a head and a dimension."""
+    return v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3)
+
+
 @triton.jit
-def store_rows(cache_ptr, scale_ptr, rows, cache_offsets, scale_offsets, dims, mask, row_mask,
+def store_rows(cache_ptr, scale_ptr, rows, cache_offsets, scale_offsets, dims, mask, row_mask, stride_dim,
                KV_FP8: tl.constexpr):
-    """Stores [R, D] rows at cache_offsets ([R, 1], each row's start) in the cache's dtype; into an FP8 cache each
-    row quantized by its own scale (its amax / 448, as kernels/fp8.py's quantize_fp8), stored at scale_offsets
-    ([R, 1]) of scale_ptr. mask: the [R, D] elements to store (others must be zero), row_mask: the [R, 1] rows."""
+    """Stores [R, D] rows at cache_offsets ([R, 1], each row's start; its elements stride_dim apart) in the cache's
+    dtype; into an FP8 cache each row quantized by its own scale (its amax / 448, as kernels/fp8.py's
+    quantize_fp8), stored at scale_offsets ([R, 1]) of scale_ptr. mask: the [R, D] elements to store (others must
+    be zero), row_mask: the [R, 1] rows."""
+    elements = cache_ptr + cache_offsets + dims[None, :] * stride_dim
     if KV_FP8:
         values = rows.to(tl.float32)
         scale = fp8_scale(tl.max(tl.abs(values), axis=1, keep_dims=True))
-        tl.store(cache_ptr + cache_offsets + dims[None, :], to_fp8(values, scale), mask=mask)
+        tl.store(elements, to_fp8(values, scale), mask=mask)
         tl.store(scale_ptr + scale_offsets, scale, mask=row_mask)
     else:
-        tl.store(cache_ptr + cache_offsets + dims[None, :], rows.to(cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(elements, rows.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
                      num_kv_heads, head_dim, stride_kt, stride_kh, stride_vt, stride_vh, stride_block, stride_slot,
-                     stride_head, stride_scale_block, stride_scale_slot,
-                     PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                     stride_head, stride_v_block, stride_v_slot, stride_v_head, stride_v_dim, stride_scale_block,
+                     stride_scale_slot, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                      KV_FP8: tl.constexpr = False, USE_PDL: tl.constexpr = 0):
     pdl_wait(USE_PDL)
     token = tl.program_id(0)
@@ -62,11 +84,12 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
     row_mask = (slot >= 0) & (heads < num_kv_heads)
     mask = row_mask & (dims[None, :] < head_dim)
     cache_rows = (slot // PAGE_SIZE) * stride_block + (slot % PAGE_SIZE) * stride_slot + heads * stride_head
+    value_rows = (slot // PAGE_SIZE) * stride_v_block + (slot % PAGE_SIZE) * stride_v_slot + heads * stride_v_head
     scale_rows = (slot // PAGE_SIZE) * stride_scale_block + (slot % PAGE_SIZE) * stride_scale_slot + heads
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims[None, :], mask=mask, other=0.0)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims[None, :], mask=mask, other=0.0)
-    store_rows(k_cache_ptr, k_scale_ptr, k, cache_rows, scale_rows, dims, mask, row_mask, KV_FP8)
-    store_rows(v_cache_ptr, v_scale_ptr, v, cache_rows, scale_rows, dims, mask, row_mask, KV_FP8)
+    store_rows(k_cache_ptr, k_scale_ptr, k, cache_rows, scale_rows, dims, mask, row_mask, 1, KV_FP8)
+    store_rows(v_cache_ptr, v_scale_ptr, v, value_rows, scale_rows, dims, mask, row_mask, stride_v_dim, KV_FP8)
 
 
 def cache_scales(k_cache: torch.Tensor, kv_scales: tuple[torch.Tensor, ...]) -> tuple:
@@ -97,8 +120,7 @@ def check_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v
     if v.shape != k.shape:
         raise ValueError(f"v must have k's shape {list(k.shape)}, got {list(v.shape)}")
     check_cache("k_cache", k_cache, num_kv_heads, head_dim)
-    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride():
-        raise ValueError("v_cache must have k_cache's shape and strides")
+    check_value_cache(v_cache, k_cache)
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping must be [{num_tokens}], got {list(slot_mapping.shape)}")
 
@@ -108,8 +130,9 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     """Stores keys and values [T, H_kv, D] at their cache slots (slot = block_id * block_size + offset).
 
     Caches are [num_blocks, block_size, H_kv, D], written in place (cast to the cache dtype; an FP8 cache's rows
-    quantized, their scales into kv_scales); tokens whose slot is negative are padding and are not written. Both
-    caches must share one layout. `pdl`: the launch's trigger mode (kernels/pdl.py).
+    quantized, their scales into kv_scales); tokens whose slot is negative are padding and are not written. The
+    value cache may be stored by rows or transposed within its pages. `pdl`: the launch's trigger mode
+    (kernels/pdl.py).
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     check_cache_write(k, v, k_cache, v_cache, slot_mapping)
@@ -121,7 +144,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     _write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, num_kv_heads, head_dim,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        stride_scale_block, stride_scale_slot,
+        *value_strides(v_cache), stride_scale_block, stride_scale_slot,
         PAGE_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim), KV_FP8=fp8, num_warps=4, **launch_options(pdl),
     )
@@ -132,8 +155,8 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_
                             v_scale_ptr, slot_mapping_ptr, num_q_heads, num_kv_heads, head_dim,
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
                             stride_q_out_t, stride_q_out_h, stride_block, stride_slot, stride_head,
-                            stride_scale_block, stride_scale_slot,
-                            PAGE_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                            stride_v_block, stride_v_slot, stride_v_head, stride_v_dim, stride_scale_block,
+                            stride_scale_slot, PAGE_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
                             BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr = False, USE_PDL: tl.constexpr = 0):
     """One token: rotates its query heads into q_out, and its key heads (rotated) and value heads into its
     cache slot (none for a negative slot). Keys are rounded to k's dtype before the cache's, as rotating then
@@ -154,11 +177,12 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_
     row_mask = (kv_heads < num_kv_heads) & (slot >= 0)
     mask = mask & (slot >= 0)
     cache_rows = (slot // PAGE_SIZE) * stride_block + (slot % PAGE_SIZE) * stride_slot + kv_heads * stride_head
+    value_rows = (slot // PAGE_SIZE) * stride_v_block + (slot % PAGE_SIZE) * stride_v_slot + kv_heads * stride_v_head
     scale_rows = (slot // PAGE_SIZE) * stride_scale_block + (slot % PAGE_SIZE) * stride_scale_slot + kv_heads
     store_rows(k_cache_ptr, k_scale_ptr, key.to(k_ptr.dtype.element_ty), cache_rows, scale_rows, dims, mask,
-               row_mask, KV_FP8)
+               row_mask, 1, KV_FP8)
     v = tl.load(v_ptr + token * stride_vt + kv_heads * stride_vh + dims[None, :], mask=mask, other=0.0)
-    store_rows(v_cache_ptr, v_scale_ptr, v, cache_rows, scale_rows, dims, mask, row_mask, KV_FP8)
+    store_rows(v_cache_ptr, v_scale_ptr, v, value_rows, scale_rows, dims, mask, row_mask, stride_v_dim, KV_FP8)
 
 
 def rotary_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -179,8 +203,8 @@ def rotary_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
             q, k, v, cos_rows, sin_rows, q_out, k_cache, v_cache, k_scale, v_scale, slot_mapping, num_q_heads,
             num_kv_heads, head_dim, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cos_rows.stride(0), sin_rows.stride(0), q_out.stride(0), q_out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_scale_block, stride_scale_slot,
-            PAGE_SIZE=k_cache.shape[1], BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *value_strides(v_cache), stride_scale_block,
+            stride_scale_slot, PAGE_SIZE=k_cache.shape[1], BLOCK_HQ=triton.next_power_of_2(num_q_heads),
             BLOCK_HK=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), KV_FP8=fp8,
             num_warps=4, **launch_options(pdl),
         )

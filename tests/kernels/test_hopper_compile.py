@@ -25,7 +25,8 @@ FP8 = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv"}
 # marks every pointer 16-byte aligned): the loads' vector widths follow from these marks.
 MULTIPLES_OF_16 = {"N", "K", "stride_xm", "stride_wn", "stride_ym", "head_dim", "stride_qb", "stride_qh", "stride_ob",
                    "stride_oh", "stride_block", "stride_slot", "stride_head", "stride_kt", "stride_kh", "stride_vt",
-                   "stride_vh", "stride_scale_block"}
+                   "stride_vh", "stride_scale_block", "stride_v_block", "stride_v_slot", "stride_v_head",
+                   "stride_v_dim"}
 
 
 def compile_for_hopper(kernel, constexprs: dict, pointers: dict | None = None, num_warps: int = 4,
@@ -113,7 +114,22 @@ def test_the_fp8_cache_decode_attention_widens_its_tiles_to_float16(rope):
     from raylm.kernels.triton_attention import _decode_split_kernel
 
     constexprs = {"GROUP": 4, "BLOCK_G": 16, "BLOCK_D": 128, "BLOCK_N": 64, "PAGE_SIZE": 16, "DIRECT_OUTPUT": True,
-                  "DOT_PRECISION": "tf32", "ROPE": rope, "KV_FP8": True, "USE_PDL": 0}
+                  "DOT_PRECISION": "tf32", "ROPE": rope, "KV_FP8": True, "USE_PDL": 0, "V_BY_SLOTS": False}
     pointers = {**ATTENTION, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
     ptx = compile_for_hopper(_decode_split_kernel, constexprs, pointers)
     assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx and "mma" in ptx
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_fp8_values_transposed_within_their_pages_reach_the_tensor_cores_without_one_byte_shared_loads(rope):
+    """The FP8 value operand's reduction runs along keys. Values transposed within their pages (slot stride 1, which
+    Triton's launcher specializes on) are contiguous that way, and no thread assembles the operand from one-byte
+    shared loads, as it does from values by rows (64 a tile with Triton 3.9)."""
+    from raylm.kernels.triton_attention import _decode_split_kernel
+
+    constexprs = {"GROUP": 4, "BLOCK_G": 16, "BLOCK_D": 128, "BLOCK_N": 64, "PAGE_SIZE": 16, "DIRECT_OUTPUT": True,
+                  "DOT_PRECISION": "tf32", "ROPE": rope, "KV_FP8": True, "USE_PDL": 0, "stride_v_slot": 1,
+                  "V_BY_SLOTS": True}
+    pointers = {**ATTENTION, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+    ptx = compile_for_hopper(_decode_split_kernel, constexprs, pointers)
+    assert "ld.shared.b8" not in ptx and "mma" in ptx

@@ -58,11 +58,13 @@ def _cdiv(a: int, b: int) -> int:
 
 def _run_step(device: torch.device, dtype: torch.dtype, shape: Shape, decode_lens: list[int],
               prefill_chunks: list[tuple[int, int]], sliding_window: int | None = None,
-              num_splits: int | None = None, planner=None, fp8: bool = False) -> None:
+              num_splits: int | None = None, planner=None, fp8: bool = False, transposed_values: bool = False) -> None:
     """Runs one step of decodes (context lengths) then prefill chunks ((start, query_len)) through the
     kernels and through the reference, and asserts that outputs and caches agree. With a planner (the
     FlashInfer backend's build_metadata), the step runs through the metadata it plans instead of the Triton
-    attention kernels. With fp8, the caches are FP8 with their scales, and the reference reads them as its own."""
+    attention kernels. With fp8, the caches are FP8 with their scales, and the reference reads them as its own.
+    With transposed_values, the kernels' value cache is stored transposed within its pages, the reference's by
+    rows."""
     page_size, num_kv_heads, head_dim = shape.page_size, shape.num_kv_heads, shape.head_dim
     num_q_heads = num_kv_heads * shape.group
     context_lens = decode_lens + [start + length for start, length in prefill_chunks]
@@ -122,8 +124,13 @@ def _run_step(device: torch.device, dtype: torch.dtype, shape: Shape, decode_len
     slot_tensor = torch.tensor(slots, dtype=torch.int64, device=device)
     if fp8:  # the quantizing write has tests of its own (test_triton_kv_cache.py): these test reading the cache
         reference_write_kv_cache(k, v, k_cache, v_cache, slot_tensor, scales["kv_scales"])
+        if transposed_values:
+            v_cache = transposed_within_pages(v_cache)
     else:
+        if transposed_values:
+            v_cache = transposed_within_pages(v_cache)
         write_kv_cache(k, v, k_cache, v_cache, slot_tensor)
+    caches = (k_cache, v_cache, *caches[2:])
     out = torch.empty_like(q)
     if num_decodes:
         out[:num_decodes] = paged_decode_attention(
@@ -139,6 +146,19 @@ def _run_step(device: torch.device, dtype: torch.dtype, shape: Shape, decode_len
             seq_starts.to(device), (seq_starts + query_lens).to(device), scale, sliding_window, **scales)
 
     _assert_step_matches(out, expected, caches, ref_caches, dtype)
+
+
+def transposed_within_pages(cache: torch.Tensor) -> torch.Tensor:
+    """cache's contents in a cache stored transposed within its pages: [blocks, heads, dims, slots] in memory, seen
+    as [blocks, slots, heads, dims] (contiguous slots)."""
+    blocks, page, heads, dims = cache.shape
+    stored = torch.empty(blocks, heads, dims, page, dtype=cache.dtype, device=cache.device).permute(0, 3, 1, 2)
+    if cache.element_size() == 1:  # float8 copies go through their bytes (no CPU copy kernel for every case)
+        stored.view(torch.uint8).copy_(cache.view(torch.uint8))
+    else:
+        stored.copy_(cache)
+    assert stored.stride(1) == 1 and torch.equal(stored.float(), cache.float())
+    return stored
 
 
 def _assert_step_matches(out, expected, caches, ref_caches, dtype: torch.dtype) -> None:
@@ -308,10 +328,21 @@ def test_fp8_cache_prefill_and_decode_of_one_step_match_the_reference(device, dt
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "same-dtype"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_a_value_cache_transposed_within_its_pages_reads_and_writes_as_one_by_rows(device, dtype, fp8, num_splits):
+    """The kernels take the value cache's own strides: stored [blocks, heads, dims, slots], decode, prefill over a
+    cached prefix, and the write of the step's values give what a cache by rows gives."""
+    _run_step(device, dtype, Shape(16, 2, 4, 64), [1, 17, 40, 300], [(0, 17), (16, 40), (100, 3)],
+              num_splits=num_splits, fp8=fp8, transposed_values=True)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_fp8_cache_rotary_decode_stores_what_rotary_write_stores(device, dtype, num_splits):
     """The decode kernel that rotates and stores the step's key quantizes it as rotary_write_kv_cache does, and
-    attends over the cache as paged_decode_attention does."""
+    attends over the cache as paged_decode_attention does (its value cache transposed within its pages, the other
+    kernels' by rows: the stores follow the value cache's strides)."""
     from raylm.kernels.rotary import RotaryEmbedding, rope_inv_freq
 
     torch.manual_seed(5)
@@ -324,15 +355,15 @@ def test_fp8_cache_rotary_decode_stores_what_rotary_write_stores(device, dtype, 
     table = torch.tensor([[1, 0, 0, 0], [2, 3, 0, 0], [4, 5, 6, 0]], dtype=torch.int32, device=device)
     slots = torch.stack([table[b, (lens[b] - 1) // page] * page + (lens[b] - 1) % page for b in range(batch)]).long()
     fused = list(quantize_fp8(torch.randn(7, page, kv_heads, head_dim).to(device)))
-    fused = [fused[0], fused[0].clone(), fused[1], fused[1].clone()]
-    split = [tensor.clone() for tensor in fused]
+    fused = [fused[0], transposed_within_pages(fused[0]), fused[1], fused[1].clone()]
+    split = [fused[0].clone(), fused[1].contiguous(), fused[2].clone(), fused[3].clone()]
     got = rotary_decode_attention(q, k, v, cos, sin, fused[0], fused[1], slots, table, lens, head_dim**-0.5,
                                   num_splits=num_splits, kv_scales=(fused[2], fused[3]))
     rotated_q = rotary_write_kv_cache(q, k, v, cos, sin, split[0], split[1], slots, kv_scales=(split[2], split[3]))
     expected = paged_decode_attention(rotated_q, split[0], split[1], table, lens, head_dim**-0.5,
                                       num_splits=num_splits, kv_scales=(split[2], split[3]))
     for mine, theirs in zip(fused, split):
-        assert torch.equal(mine.view(torch.uint8) if mine.dtype != torch.float32 else mine,
+        assert torch.equal(mine.contiguous().view(torch.uint8) if mine.dtype != torch.float32 else mine,
                            theirs.view(torch.uint8) if theirs.dtype != torch.float32 else theirs)
     torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
@@ -347,3 +378,14 @@ def test_fp8_cache_refuses_missing_or_misshapen_scales(device):
         paged_decode_attention(q, cache, cache, table, lens, 0.125, kv_scales=(scale[:, :8], scale))
     with pytest.raises(ValueError, match="kv_scales go with an FP8 cache"):
         paged_decode_attention(q, cache.float(), cache.float(), table, lens, 0.125, kv_scales=(scale, scale))
+
+
+def test_a_value_cache_neither_by_rows_nor_transposed_within_pages_is_refused(device):
+    cache = torch.randn(3, 16, 2, 64, device=device)
+    heads_last = torch.randn(3, 64, 16, 2, device=device).permute(0, 2, 3, 1)  # contiguous heads: neither layout
+    q = torch.randn(1, 2, 64, device=device)
+    table, lens = torch.ones(1, 1, dtype=torch.int32, device=device), torch.ones(1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"v_cache must have k_cache's strides \(2048, 128, 64, 1\) or contiguous"):
+        paged_decode_attention(q, cache, heads_last, table, lens, 0.125)
+    with pytest.raises(ValueError, match=r"v_cache must have k_cache's shape \[3, 16, 2, 64\]"):
+        paged_decode_attention(q, cache, cache[:2], table, lens, 0.125)

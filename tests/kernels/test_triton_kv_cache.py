@@ -99,3 +99,42 @@ def test_fp8_writes_quantize_each_row_as_the_reference_does(device, dtype, rotar
     assert torch.equal(mine[1].view(torch.uint8), theirs[1].view(torch.uint8))
     torch.testing.assert_close(mine[2], theirs[2], rtol=1e-6, atol=0)
     torch.testing.assert_close(mine[3], theirs[3], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "same-dtype"])
+def test_writes_into_a_value_cache_transposed_within_its_pages_store_what_writes_by_rows_store(device, dtype,
+                                                                                               rotary, fp8):
+    """A value cache stored [blocks, heads, dims, slots] takes the same values (an FP8 one the same bytes and
+    scales) as one stored by rows; keys stay by rows."""
+    from raylm.kernels.fp8 import quantize_fp8
+    from raylm.kernels.rotary import RotaryEmbedding, rope_inv_freq
+
+    torch.manual_seed(6)
+    tokens, kv_heads, head_dim, page = 5, 2, 64, 16
+    q = torch.randn(tokens, 4, head_dim, device=device).to(dtype)
+    k, v = (torch.randn(tokens, kv_heads, head_dim, device=device).to(dtype) for _ in range(2))
+    slots = torch.tensor([17, -1, 63, 34, 5], device=device)
+    if fp8:
+        cache, scale = quantize_fp8(torch.randn(4, page, kv_heads, head_dim, device=device))
+        by_rows = [cache.clone(), cache.clone(), scale.clone(), scale.clone()]
+    else:
+        by_rows = [torch.randn(4, page, kv_heads, head_dim, device=device).to(dtype) for _ in range(2)]
+    transposed = [tensor.clone() for tensor in by_rows]
+    stored = torch.empty(4, kv_heads, head_dim, page, dtype=by_rows[1].dtype, device=device).permute(0, 3, 1, 2)
+    stored.view(torch.uint8 if fp8 else dtype).copy_(by_rows[1].view(torch.uint8 if fp8 else dtype))
+    transposed[1] = stored
+    scales = [{"kv_scales": (caches[2], caches[3])} if fp8 else {} for caches in (by_rows, transposed)]
+    for caches, fp8_scales in zip((by_rows, transposed), scales):
+        if rotary:
+            cos, sin = RotaryEmbedding(head_dim, 64, rope_inv_freq(head_dim, 10000.0)).to(device).cos_sin(
+                torch.tensor([0, 7, 19, 3, 40], device=device), dtype)
+            rotary_write_kv_cache(q, k, v, cos, sin, caches[0], caches[1], slots, **fp8_scales)
+        else:
+            write_kv_cache(k, v, caches[0], caches[1], slots, **fp8_scales)
+    assert transposed[1].stride(1) == 1
+    for mine, theirs in zip(transposed, by_rows):
+        if mine.element_size() == 1:
+            mine, theirs = mine.contiguous().view(torch.uint8), theirs.view(torch.uint8)
+        assert torch.equal(mine, theirs)
