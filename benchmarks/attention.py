@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--context", type=int, default=1024, help="cached keys per sequence (a multiple of 16)")
     parser.add_argument("--calls", type=int, default=4, help="calls per CUDA graph")
-    parser.add_argument("--sweep", action="store_true", help="also time the FP8 cache under a grid of tiles")
+    parser.add_argument("--sweep", action="store_true", help="also time each FP8 layout under a grid of tiles")
     parser.add_argument("--output_json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
