@@ -148,10 +148,10 @@ def _dot(x, w, acc, X_MODE: tl.constexpr, SWAP_AB: tl.constexpr):
 
 @triton.jit
 def _core_fma(x, w, acc, X_MODE: tl.constexpr):
-    """acc + x's row ([BLOCK_K]) times each weight row, element by element on the CUDA cores ([BLOCK_N, BLOCK_K]
-    float32, summed over K once after the loop): for one input row, where the tensor-core dot pads x to 16 rows and
-    converts all 16 every tile. The products are exact in float32 (an e4m3 value times a 16-bit one), as the dot's
-    are."""
+    """acc + x's row ([BLOCK_K]) times each weight row, element by element on the CUDA cores: acc is [BLOCK_N,
+    BLOCK_K // 16] float32, each thread's 16 products of a row summed in its registers every tile, the rest summed
+    over K once after the loop. For one input row, where the tensor-core dot pads x to 16 rows and converts all 16
+    every tile. The products are exact in float32 (an e4m3 value times a 16-bit one), as the dot's are."""
     if X_MODE == 1:  # x rounded to float16 as the dot's float16 mode rounds it
         x = tl.clamp(x.to(tl.float32), -_FLOAT16_MAX, _FLOAT16_MAX).to(tl.float16)
     products = w.to(tl.float32) * x.to(tl.float32)[None, :]
