@@ -15,9 +15,11 @@ scale multiplying the tile's product. Float32 queries (the CPU's models) widen t
 The value cache has strides of its own (by rows as the keys, or transposed within its pages: triton_kv_cache.py).
 On the H200 this decode reads an FP8 cache with values by rows at ~1.6 TB/s against ~3.9 for bf16
 (docs/benchmarks.md). Compiled for sm_90 by Triton 3.9 it keeps the FP8 values in shared memory and assembles their
-operand (whose reduction runs along keys, not contiguous by rows) from 64 one-byte loads a thread per tile; with
-values transposed within their pages it has none (its value loads from memory are then one byte each, not yet
-timed).
+operand (whose reduction runs along keys, not contiguous by rows) from 64 one-byte loads a thread per tile. With
+values transposed within their pages it has none: the decode reads them in whole runs of 16 keys of a page (tiles
+start at a run's start; keys outside the split are masked in the scores), 16 bytes a load through cp.async as the
+keys' are, with 148-152 registers against 168-186 (not yet timed). A run can read slots past a sequence's end,
+weighted 0: a value cache stored that way must hold finite values there (zeroed when allocated).
 
 Query heads that share a KV head are processed by one program, so each K/V tile is read once per group.
 Scores are accumulated in float32 and the softmax runs online in base 2 (exp2 of scores scaled by log2 e).
@@ -27,6 +29,7 @@ The wrappers never read device values on the host, so they can be captured in CU
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -62,19 +65,31 @@ _FLOAT16_MAX = tl.constexpr(65504.0)
 def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, key_pos, key_mask, kv_head, dims, dim_mask,
                   stride_block, stride_slot, stride_head, stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
                   k_scale_ptr, v_scale_ptr, stride_scale_block, stride_scale_slot, PAGE_SIZE: tl.constexpr,
-                  KV_FP8: tl.constexpr, V_BY_SLOTS: tl.constexpr):
+                  KV_FP8: tl.constexpr, V_BY_SLOTS: tl.constexpr, V_RUN: tl.constexpr, run_end):
     """The keys and values at `key_pos` of one KV head, read through a sequence's block table (zeros where
     key_mask is false), and an FP8 cache's scales of those keys and values (1.0 for another cache). The values are
-    stored by rows with the keys' strides, or transposed within their pages (V_BY_SLOTS, strides stride_v_*)."""
+    stored by rows with the keys' strides, or transposed within their pages (V_BY_SLOTS, strides stride_v_*).
+
+    V_RUN > 0 (values by slots, key_pos starting at a multiple of V_RUN, a divisor of the page): the values are
+    read in whole runs of V_RUN keys of one page, every run that starts before run_end, so that each thread's load
+    is a vector. Keys of a run past key_mask get their slots' values (finite: written, or the cache's zeros) and
+    zero weight in _attend_tile, as their scales load as 0."""
     block_id = tl.load(block_table_row_ptr + key_pos // PAGE_SIZE, mask=key_mask, other=0).to(tl.int64)
     slot = key_pos % PAGE_SIZE
     rows = block_id * stride_block + slot * stride_slot + kv_head * stride_head
     kv_mask = key_mask[:, None] & dim_mask[None, :]
     k = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     if V_BY_SLOTS:  # loaded [dims, keys] as stored, then transposed: the dot reads it along keys, its reduction
-        v_rows = block_id * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
-        v = tl.trans(tl.load(v_cache_ptr + v_rows[None, :] + dims[:, None] * stride_v_dim,
-                             mask=dim_mask[:, None] & key_mask[None, :], other=0.0))
+        if V_RUN > 0:
+            run_mask = key_pos // V_RUN * V_RUN < run_end
+            run_block = tl.load(block_table_row_ptr + key_pos // PAGE_SIZE, mask=run_mask, other=0).to(tl.int64)
+            v_rows = run_block * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
+            v_rows = tl.max_contiguous(tl.multiple_of(v_rows, [V_RUN]), [V_RUN])
+            v_mask = dim_mask[:, None] & run_mask[None, :]
+        else:
+            v_rows = block_id * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
+            v_mask = dim_mask[:, None] & key_mask[None, :]
+        v = tl.trans(tl.load(v_cache_ptr + v_rows[None, :] + dims[:, None] * stride_v_dim, mask=v_mask, other=0.0))
     else:  # by rows, at the keys' offsets (check_value_cache: the same strides)
         v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     if KV_FP8:
@@ -161,7 +176,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ROPE: tl.constexpr = False, KV_FP8: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
-    V_BY_SLOTS: tl.constexpr = False,
+    V_BY_SLOTS: tl.constexpr = False, V_RUN: tl.constexpr = 16,
 ):
     """One (sequence, KV head, split): attends the group's query heads over the split's range of keys.
 
@@ -219,13 +234,21 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table
-    for tile_start in range(split_start, split_end, BLOCK_N):
+    if V_BY_SLOTS:  # tiles from the start of a run of V_RUN keys: the values load a run at a time (_load_kv_tile)
+        tiles_start = split_start // V_RUN * V_RUN
+    else:
+        tiles_start = split_start
+    for tile_start in range(tiles_start, split_end, BLOCK_N):
         key_pos = tile_start + tl.arange(0, BLOCK_N)
-        key_mask = key_pos < split_end
+        if V_BY_SLOTS:
+            key_mask = (key_pos >= split_start) & (key_pos < split_end)
+        else:
+            key_mask = key_pos < split_end
         k, v, k_scale, v_scale = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, key_pos, key_mask, kv_head, dims,
                                                dim_mask, stride_block, stride_slot, stride_head, stride_v_block,
                                                stride_v_slot, stride_v_head, stride_v_dim, k_scale_ptr, v_scale_ptr,
-                                               stride_scale_block, stride_scale_slot, PAGE_SIZE, KV_FP8, V_BY_SLOTS)
+                                               stride_scale_block, stride_scale_slot, PAGE_SIZE, KV_FP8, V_BY_SLOTS,
+                                               V_RUN, split_end)
         m_i, l_i, acc = _attend_tile(q, k, v, k_scale, v_scale, key_mask[None, :], m_i, l_i, acc, qk_scale, True,
                                      DOT_PRECISION, KV_FP8)
 
@@ -434,8 +457,8 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
         k_scale, v_scale, stride_scale_block, stride_scale_slot,
         GROUP=group, BLOCK_G=max(config.block_m, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=config.block_n, PAGE_SIZE=page_size, DIRECT_OUTPUT=direct, DOT_PRECISION=_dot_precision(q.dtype),
-        ROPE=rope is not None, KV_FP8=fp8, V_BY_SLOTS=v_cache.stride() != k_cache.stride(), num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        ROPE=rope is not None, KV_FP8=fp8, V_BY_SLOTS=v_cache.stride() != k_cache.stride(),
+        V_RUN=math.gcd(page_size, config.block_n, 16), num_warps=config.num_warps, num_stages=config.num_stages,
         **launch_options(pdl),
     )
     if not direct:  # one BLOCK_S for every split count up to _MAX_SPLITS: one compiled variant
@@ -462,7 +485,8 @@ def _prefill_tile(q, k_cache_ptr, v_cache_ptr, table_row, tile_start, key_end, q
     k, v, k_scale, v_scale = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, key_pos, key_mask, kv_head, dims,
                                            dim_mask, stride_block, stride_slot, stride_head, stride_v_block,
                                            stride_v_slot, stride_v_head, stride_v_dim, k_scale_ptr, v_scale_ptr,
-                                           stride_scale_block, stride_scale_slot, PAGE_SIZE, KV_FP8, V_BY_SLOTS)
+                                           stride_scale_block, stride_scale_slot, PAGE_SIZE, KV_FP8, V_BY_SLOTS, 0,
+                                           key_end)
     visible = ((key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] > query_pos[:, None] - window)
                & key_mask[None, :])
     return _attend_tile(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, MASKED, DOT_PRECISION, KV_FP8)

@@ -114,7 +114,8 @@ def test_the_fp8_cache_decode_attention_widens_its_tiles_to_float16(rope):
     from raylm.kernels.triton_attention import _decode_split_kernel
 
     constexprs = {"GROUP": 4, "BLOCK_G": 16, "BLOCK_D": 128, "BLOCK_N": 64, "PAGE_SIZE": 16, "DIRECT_OUTPUT": True,
-                  "DOT_PRECISION": "tf32", "ROPE": rope, "KV_FP8": True, "USE_PDL": 0, "V_BY_SLOTS": False}
+                  "DOT_PRECISION": "tf32", "ROPE": rope, "KV_FP8": True, "USE_PDL": 0, "V_BY_SLOTS": False,
+                  "V_RUN": 16}
     pointers = {**ATTENTION, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
     ptx = compile_for_hopper(_decode_split_kernel, constexprs, pointers)
     assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx and "mma" in ptx
@@ -123,13 +124,14 @@ def test_the_fp8_cache_decode_attention_widens_its_tiles_to_float16(rope):
 @pytest.mark.parametrize("rope", [False, True])
 def test_fp8_values_transposed_within_their_pages_reach_the_tensor_cores_without_one_byte_shared_loads(rope):
     """The FP8 value operand's reduction runs along keys. Values transposed within their pages (slot stride 1, which
-    Triton's launcher specializes on) are contiguous that way, and no thread assembles the operand from one-byte
-    shared loads, as it does from values by rows (64 a tile with Triton 3.9)."""
+    Triton's launcher specializes on) are contiguous that way: no thread assembles the operand from one-byte shared
+    loads, as it does from values by rows (64 a tile with Triton 3.9), and, read in whole runs of 16 keys of a page,
+    they load from memory 16 bytes at a time, not a byte."""
     from raylm.kernels.triton_attention import _decode_split_kernel
 
     constexprs = {"GROUP": 4, "BLOCK_G": 16, "BLOCK_D": 128, "BLOCK_N": 64, "PAGE_SIZE": 16, "DIRECT_OUTPUT": True,
                   "DOT_PRECISION": "tf32", "ROPE": rope, "KV_FP8": True, "USE_PDL": 0, "stride_v_slot": 1,
-                  "V_BY_SLOTS": True}
+                  "V_BY_SLOTS": True, "V_RUN": 16}
     pointers = {**ATTENTION, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
     ptx = compile_for_hopper(_decode_split_kernel, constexprs, pointers)
-    assert "ld.shared.b8" not in ptx and "mma" in ptx
+    assert "ld.shared.b8" not in ptx and "ld.global.b8" not in ptx and "mma" in ptx

@@ -330,11 +330,14 @@ def test_fp8_cache_prefill_and_decode_of_one_step_match_the_reference(device, dt
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "same-dtype"])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_a_value_cache_transposed_within_its_pages_reads_and_writes_as_one_by_rows(device, dtype, fp8, num_splits):
+@pytest.mark.parametrize("sliding_window", [None, 37])
+def test_a_value_cache_transposed_within_its_pages_reads_and_writes_as_one_by_rows(device, dtype, fp8, num_splits,
+                                                                                   sliding_window):
     """The kernels take the value cache's own strides: stored [blocks, heads, dims, slots], decode, prefill over a
-    cached prefix, and the write of the step's values give what a cache by rows gives."""
+    cached prefix, and the write of the step's values give what a cache by rows gives. The decode reads such values
+    in whole runs of a page's keys from a run's start, also where a window or a split starts mid-page."""
     _run_step(device, dtype, Shape(16, 2, 4, 64), [1, 17, 40, 300], [(0, 17), (16, 40), (100, 3)],
-              num_splits=num_splits, fp8=fp8, transposed_values=True)
+              sliding_window=sliding_window, num_splits=num_splits, fp8=fp8, transposed_values=True)
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
