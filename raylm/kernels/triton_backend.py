@@ -39,12 +39,9 @@ class TritonAttentionMetadata:
         v_scale)."""
         pdl = kernels.pdl
         fp8 = {"kv_scales": kv_scales} if kv_scales else {}
-        from raylm.kernels.triton_attention import (
-            paged_decode_attention,
-            paged_prefill_attention,
-            rotary_decode_attention,
-        )
+        from raylm.kernels.triton_attention import paged_decode_attention, rotary_decode_attention
         from raylm.kernels.triton_kv_cache import rotary_write_kv_cache, write_kv_cache
+        from raylm.kernels.triton_prefill_attention import paged_prefill_attention
 
         decodes = self.num_decodes
         prefill_queries = q[decodes:]

@@ -23,10 +23,10 @@ from raylm.kernels.fp8 import quantize_fp8  # noqa: E402
 from raylm.kernels.triton_attention import (  # noqa: E402
     choose_num_splits,
     paged_decode_attention,
-    paged_prefill_attention,
     rotary_decode_attention,
 )
 from raylm.kernels.triton_kv_cache import rotary_write_kv_cache, write_kv_cache  # noqa: E402
+from raylm.kernels.triton_prefill_attention import paged_prefill_attention  # noqa: E402
 
 pytestmark = MODULE_MARKS
 
