@@ -147,6 +147,13 @@ throughput() {  # name model prompts input output max_batch seconds [extra...]
     2>&1 | tail -5
 }
 
+fp8_batch_1() {  # 8B batch 1 latency with FP8 weights and in bf16, then the FP8 step profile
+  latency latency-8b-b1-fp8 "$llama" 1 --set quant_config.quant_algo=FP8
+  latency latency-8b-b1 "$llama" 1
+  watched 100 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
+    --kernels 10 --gaps 6 --set quant_config.quant_algo=FP8 $(output_json step-profile-8b-b1-fp8) 2>&1 | tail -16
+}
+
 case "${1:-}" in
   check)
     # The PDL tests run in their own part (pdl).
@@ -215,17 +222,11 @@ case "${1:-}" in
       -p no:cacheprovider 2>&1 | tail -4
     timeout 200 python benchmarks/gemv.py --fp8 --rows 1 --impls triton_fp16 triton_fp16_dot \
       $(output_json gemv-llama-3.1-8b-fp8-one-row) 2>&1 | grep -E "^rows|wrote|Error"
-    latency latency-8b-b1-fp8 "$llama" 1 --set quant_config.quant_algo=FP8
-    latency latency-8b-b1 "$llama" 1
-    watched 100 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
-      --kernels 10 --gaps 6 --set quant_config.quant_algo=FP8 $(output_json step-profile-8b-b1-fp8) 2>&1 | tail -16
+    fp8_batch_1
     ;;
   fp8-b1)
     # 8B batch 1 latency with FP8 weights and in bf16, then the FP8 step profile (fp8-one-row without its tests).
-    latency latency-8b-b1-fp8 "$llama" 1 --set quant_config.quant_algo=FP8
-    latency latency-8b-b1 "$llama" 1
-    watched 100 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
-      --kernels 10 --gaps 6 --set quant_config.quant_algo=FP8 $(output_json step-profile-8b-b1-fp8) 2>&1 | tail -16
+    fp8_batch_1
     ;;
   fp8-throughput-profile)
     # Where a step of the FP8 throughput workload goes: 512 x (1024, 256) with FP8 weights and the FP8 KV cache.

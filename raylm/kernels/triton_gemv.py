@@ -381,11 +381,14 @@ INPUT_MODES = {"model_dtype": 0, "float16": 1, "fp8": 2}
 # A plain GEMV of one row on FP8 weights multiplies on the CUDA cores (CORE); more rows, and the SiLU-mul GEMV, take
 # the tensor-core dot (on the CUDA cores the 8B gate / up layer measured 1.6 ms a step against 1.0).
 _CORE_ROWS = 1
-# Tuned kernels by (whether the weight is FP8, the input mode, whether they multiply on the CUDA cores).
+# Tuned kernels by (whether the weight is FP8, the input mode, whether they multiply on the CUDA cores); the CUDA
+# cores only for the plain GEMV.
 _VARIANTS = ((False, 0, False), *((True, mode, False) for mode in (0, 1, 2)))
-_gemv_tuned = {variant: _tuned(_gemv_kernel, True, *variant[::2])
-               for variant in (*_VARIANTS, *((True, mode, True) for mode in (0, 1, 2)))}
-_gemv_silu_mul_tuned = {variant: _tuned(_gemv_silu_mul_kernel, False, *variant[::2]) for variant in _VARIANTS}
+_CORE_VARIANTS = tuple((True, mode, True) for mode in (0, 1, 2))
+_gemv_tuned = {(fp8, mode, core): _tuned(_gemv_kernel, True, fp8, core)
+               for fp8, mode, core in (*_VARIANTS, *_CORE_VARIANTS)}
+_gemv_silu_mul_tuned = {(fp8, mode, core): _tuned(_gemv_silu_mul_kernel, False, fp8, core)
+                        for fp8, mode, core in _VARIANTS}
 # The interpreter (CPU tests; read at import, as Triton does) has no device to time configurations on: it runs one.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _INTERPRETED_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 128}

@@ -157,18 +157,26 @@ def test_fp8_gemv_is_linear_of_the_dequantized_weight(dtype, rows, n, k, with_bi
     torch.testing.assert_close(got, expected.to(dtype), atol=tolerance * expected.abs().max().item(), rtol=tolerance)
 
 
+def _fp8_gemv_with_and_without(flag: str, rows: int, dtype, input_mode: str, with_bias: bool, config: dict,
+                               seed: int):
+    """An FP8 case of `rows` rows (x made exactly quantizable for the fp8 input mode) and its GEMV under `config`
+    without and with the tiling flag `flag`: (x, quantized, scale, bias, plain, flagged)."""
+    x, quantized, scale, bias = _fp8_case(rows, 100, 600, dtype, with_bias, seed=seed)
+    if input_mode == "fp8":
+        x = _fp8_exact_rows(rows, 600, dtype, seed=seed)
+    plain = gemv(x, quantized, bias, weight_scale=scale, input_mode=input_mode, config=config)
+    flagged = gemv(x, quantized, bias, weight_scale=scale, input_mode=input_mode, config={**config, flag: 1})
+    return x, quantized, scale, bias, plain, flagged
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("input_mode", ["model_dtype", "float16", "fp8"])
 @pytest.mark.parametrize("split_k", [1, 2])
 def test_the_weight_first_dot_sums_as_the_transposed_one_does(dtype, input_mode, split_k):
     """SWAP_AB (an FP8 tiling the tuner may pick): the dot takes the weight tile first and x transposed, and the
     sums are transposed back once after the loop: the same output, through the split-K and SiLU-mul kernels too."""
-    x, quantized, scale, bias = _fp8_case(3, 100, 600, dtype, True, seed=21 + split_k)
-    if input_mode == "fp8":
-        x = _fp8_exact_rows(3, 600, dtype, seed=21)
-    config = {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": split_k}
-    plain = gemv(x, quantized, bias, weight_scale=scale, input_mode=input_mode, config=config)
-    swapped = gemv(x, quantized, bias, weight_scale=scale, input_mode=input_mode, config={**config, "SWAP_AB": 1})
+    x, quantized, scale, _, plain, swapped = _fp8_gemv_with_and_without(
+        "SWAP_AB", 3, dtype, input_mode, True, {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": split_k}, seed=21 + split_k)
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(swapped, plain, atol=tolerance * plain.abs().max().item(), rtol=tolerance)
     if split_k == 1:
@@ -303,12 +311,9 @@ def test_one_row_on_the_cuda_cores_sums_as_the_dot_does(dtype, input_mode, split
     """CORE (what a one-row GEMV on FP8 weights runs): x's row times the widened weight element by element in
     float32, summed over K after the loop, each tile's successor loaded before the tile is used: the dot's output and
     F.linear of the dequantized weight, through split K and a K that is no multiple of the tile."""
-    x, quantized, scale, bias = _fp8_case(1, 100, 600, dtype, with_bias, seed=31 + split_k)
-    if input_mode == "fp8":
-        x = _fp8_exact_rows(1, 600, dtype, seed=31)
-    config = {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": split_k}
-    dot = gemv(x, quantized, bias, weight_scale=scale, input_mode=input_mode, config=config)
-    core = gemv(x, quantized, bias, weight_scale=scale, input_mode=input_mode, config={**config, "CORE": 1})
+    x, quantized, scale, bias, dot, core = _fp8_gemv_with_and_without(
+        "CORE", 1, dtype, input_mode, with_bias, {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": split_k},
+        seed=31 + split_k)
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(core, dot, atol=tolerance * dot.abs().max().item(), rtol=tolerance)
     if input_mode == "model_dtype":
