@@ -188,7 +188,7 @@ class TaggedMemory:
             if self.fixed is not None and tag in FIXED_TAGS:
                 self.fixed.resume(tag)
                 if tag == "kv_cache":
-                    self.runner.zero_null_block()  # the pages come back with any contents
+                    self.runner.zero_unwritten_kv()  # the pages come back with any contents
             elif tag == "model_weights":
                 self._restore(self._weights)
             elif tag == "model":

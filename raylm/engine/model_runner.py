@@ -129,6 +129,7 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         # Per layer (k_cache, v_cache), and for an FP8 cache their scales after them (kernels/attention.py).
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
+        self.values_by_slots = False  # set by allocate_kv_cache
         self.num_kv_heads = model.local_layers[0].self_attn.num_kv_heads
         self.num_local_layers = model.num_local_layers
         self.graphs = None
@@ -188,7 +189,8 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype) -> None:
         """num_blocks usable blocks plus the null block 0, which alone is zeroed: every other slot is
-        written before attention reads it, so the rest is left uninitialised (and untouched on the CPU)."""
+        written before attention reads it, so the rest is left uninitialised (and untouched on the CPU). An FP8
+        cache on the Triton backend stores its values by slots (value_cache_by_slots), zeroed whole."""
         if self.attention_backend == "flashinfer" and kv_dtype != self.dtype:
             raise ValueError(f"attention_backend='flashinfer' keeps the KV cache in the model's dtype ({self.dtype}), "
                              f"got kv_cache_config.dtype {kv_dtype}")
@@ -196,10 +198,18 @@ class ModelRunner:
         if fp8 and self.attention_backend not in ("torch", "triton"):
             raise ValueError(f"kv_cache_config.dtype='fp8' runs on the 'triton' and 'torch' attention backends, got "
                              f"attention_backend={self.attention_backend!r}")
+        self.values_by_slots = fp8 and self.attention_backend == "triton"
         shape = (num_blocks + 1, self.block_size, self.num_kv_heads, self.arch.head_dim)
         self.kv_caches = []
         for _ in range(self.num_local_layers):
-            layer = [torch.empty(shape, dtype=kv_dtype, device=self.device) for _ in range(2)]
+            keys = torch.empty(shape, dtype=kv_dtype, device=self.device)
+            if self.values_by_slots:
+                from raylm.kernels.triton_kv_cache import value_cache_by_slots
+
+                values = value_cache_by_slots(shape, kv_dtype, self.device)
+            else:
+                values = torch.empty(shape, dtype=kv_dtype, device=self.device)
+            layer = [keys, values]
             if fp8:
                 layer += [torch.empty(shape[:-1], dtype=FP8_SCALE_DTYPE, device=self.device) for _ in range(2)]
             self.kv_caches.append(tuple(layer))
@@ -210,6 +220,14 @@ class ModelRunner:
         for layer in self.kv_caches:
             for tensor in layer:
                 tensor[0].zero_()
+
+    def zero_unwritten_kv(self) -> None:
+        """Zeroes what attention may read before it is written, in a cache whose pages came back with any contents
+        (a resume at the same addresses): the null block, and all of a value cache stored by slots."""
+        self.zero_null_block()
+        if self.values_by_slots:
+            for layer in self.kv_caches:
+                layer[1].zero_()
 
     def profile_activation_memory(self, num_tokens: int) -> int:
         """Peak device memory (bytes) a prefill step of num_tokens tokens takes beyond weights and KV cache,

@@ -301,18 +301,26 @@ class TileConfig:
     num_stages: int
 
 
-def decode_config(head_dim: int, element_size: int) -> TileConfig:
-    """Decode tiles; block_m is the minimum rows of tl.dot, filled by the GQA group as far as it goes.
+def decode_config(head_dim: int, query_size: int, cache_size: int) -> TileConfig:
+    """Decode tiles for queries and a cache of those element sizes (bytes); block_m is the minimum rows of tl.dot,
+    filled by the GQA group as far as it goes.
 
-    Chosen by a sweep on an H200 (bf16, page 16): about 4.3 TB/s at batch 64 x 4096 keys (d128). Float32
-    tiles hold half the keys, so that the pipelined K/V stages fit in shared memory.
+    Chosen by sweeps on an H200 (page 16, benchmarks/attention.py): for bf16 about 4.3 TB/s at batch 64 x 4096
+    keys (d128); an FP8 cache's tiles hold twice the keys in the same bytes (2.58 TB/s at 512 x 1024 with values
+    by slots, against 1.61 at bf16's tiles). Float32 tiles hold half the keys, so that the pipelined K/V stages
+    fit in shared memory (an FP8 cache's too, under float32 queries: its tiles widen to float32 in registers).
     """
-    shrink = 2 if element_size > 2 else 1
     if head_dim <= 64:
-        return TileConfig(block_m=16, block_n=128 // shrink, num_warps=4, num_stages=3)
-    if head_dim <= 128:
-        return TileConfig(block_m=16, block_n=64 // shrink, num_warps=4, num_stages=3)
-    return TileConfig(block_m=16, block_n=32 // shrink, num_warps=4, num_stages=2)
+        block_n, stages = 128, 3
+    elif head_dim <= 128:
+        block_n, stages = 64, 3
+    else:
+        block_n, stages = 32, 2
+    if query_size > 2 or cache_size > 2:
+        block_n //= 2
+    elif cache_size == 1:
+        block_n = min(2 * block_n, 128)
+    return TileConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=stages)
 
 
 @functools.cache
@@ -423,7 +431,7 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     block_d = triton.next_power_of_2(head_dim)
-    config = config or decode_config(block_d, q.element_size())
+    config = config or decode_config(block_d, q.element_size(), k_cache.element_size())
     direct = num_splits == 1
     if direct:
         part_acc = part_max = part_sum = out  # unused by the kernel

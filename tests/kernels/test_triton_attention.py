@@ -25,7 +25,7 @@ from raylm.kernels.triton_attention import (  # noqa: E402
     paged_decode_attention,
     rotary_decode_attention,
 )
-from raylm.kernels.triton_kv_cache import rotary_write_kv_cache, write_kv_cache  # noqa: E402
+from raylm.kernels.triton_kv_cache import rotary_write_kv_cache, value_cache_by_slots, write_kv_cache  # noqa: E402
 from raylm.kernels.triton_prefill_attention import paged_prefill_attention  # noqa: E402
 
 pytestmark = MODULE_MARKS
@@ -151,8 +151,8 @@ def _run_step(device: torch.device, dtype: torch.dtype, shape: Shape, decode_len
 def transposed_within_pages(cache: torch.Tensor) -> torch.Tensor:
     """cache's contents in a cache stored transposed within its pages: [blocks, heads, dims, slots] in memory, seen
     as [blocks, slots, heads, dims] (contiguous slots)."""
-    blocks, page, heads, dims = cache.shape
-    stored = torch.empty(blocks, heads, dims, page, dtype=cache.dtype, device=cache.device).permute(0, 3, 1, 2)
+    stored = value_cache_by_slots(cache.shape, cache.dtype, cache.device)
+    assert not stored.float().any()  # zeroed: decode reads whole runs of slots, unwritten ones too
     if cache.element_size() == 1:  # float8 copies go through their bytes (no CPU copy kernel for every case)
         stored.view(torch.uint8).copy_(cache.view(torch.uint8))
     else:
