@@ -38,6 +38,8 @@
 #   bash benchmarks/h200.sh fp8-b1       # the same without the tests and the layers                 (~4 min)
 #   bash benchmarks/h200.sh fp8-throughput-profile  # the step profile of 512 x (1024, 256), FP8 weights and KV (~3 min)
 #   bash benchmarks/h200.sh fp8-attention  # FP8 decode attention alone (tiles swept), the FP8 cache's GPU tests (~4 min)
+#   bash benchmarks/h200.sh fp8-values-by-slots  # the FP8 cache's values by slots: GPU tests, the kernel alone, the
+#                                        # throughput step profile                                    (~7 min)
 #   bash benchmarks/h200.sh fp8-latency  # 8B batch 1 and 8 latency: bf16, FP8 weights (the GEMV's input in float16),
 #                                        # then the GEMV's other input modes (kernel_config.fp8_gemv_input)  (~6 min)
 #   bash benchmarks/h200.sh fp8-prefill  # 8B prefill alone, 256 x (2048, 1), bf16 then FP8 weights   (~4 min)
@@ -242,6 +244,17 @@ case "${1:-}" in
     timeout 150 python -m pytest tests/kernels/test_triton_attention.py tests/kernels/test_triton_kv_cache.py -m gpu \
       -k "fp8 or transposed" -q -p no:cacheprovider 2>&1 \
       | tail -3
+    ;;
+  fp8-values-by-slots)
+    # The FP8 cache with its values by slots in the engine: the GPU tests of the layout (kernels, the engine against
+    # the torch backend, release / resume), the kernel alone at its default tiles, then the throughput step profile.
+    timeout 200 python -m pytest tests/kernels/test_triton_attention.py tests/engine/test_fp8_kv_cache.py \
+      tests/rl_api/test_memory_gpu.py -m gpu -k "fp8 or transposed" -q -rs -p no:cacheprovider 2>&1 | tail -4
+    timeout 90 python benchmarks/attention.py $(output_json attention-decode-8b-b512-l1024-defaults) 2>&1 \
+      | grep -v Warning | tail -5
+    watched 240 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 512 \
+      --batch_size 512 --input_len 1024 --output_len 256 --kernels 8 --gaps 0 --set quant_config.quant_algo=FP8 \
+      --set kv_cache_config.dtype=fp8 $(output_json step-profile-8b-b512-fp8-kv) 2>&1 | tail -14
     ;;
   fp8-latency)
     fp8=(--set quant_config.quant_algo=FP8)
