@@ -1,7 +1,8 @@
 """The decode attention kernel (kernels/triton_attention.py) alone on the Llama-3.1-8B shape (32 query heads, 8 KV
 heads, head dim 128, 16-token pages): one step of B sequences of L cached keys each, over a bf16 cache and an FP8
 cache, the FP8 one with its values stored by rows (as the keys, the engine's layout) and transposed within their
-pages (contiguous along keys, the value operand's reduction); time per call and the rate at which it reads the
+pages (contiguous along keys, the value operand's reduction), and with those values multiplied on FP8 tensor
+cores (fp8_dot: queries and probabilities in FP8 too); time per call and the rate at which it reads the
 cache (keys, values and an FP8 cache's scales). With --sweep, each FP8 layout also under every tile configuration
 of a small grid, to choose decode_config's.
 
@@ -59,7 +60,8 @@ def main() -> None:
     v8_by_slots = torch.empty(blocks, KV_HEADS, HEAD_DIM, PAGE, dtype=v8.dtype, device="cuda").permute(0, 3, 1, 2)
     v8_by_slots.view(torch.uint8).copy_(v8.view(torch.uint8))
     caches = {"bf16": ((k_cache, v_cache), ()), "fp8": ((k8, v8), (k_scale, v_scale)),
-              "fp8-values-by-slots": ((k8, v8_by_slots), (k_scale, v_scale))}
+              "fp8-values-by-slots": ((k8, v8_by_slots), (k_scale, v_scale)),
+              "fp8-dot": ((k8, v8_by_slots), (k_scale, v_scale))}
     keys = args.batch * args.context * KV_HEADS
     result: dict = {"batch": args.batch, "context": args.context}
     scale = HEAD_DIM ** -0.5
@@ -69,7 +71,8 @@ def main() -> None:
         nbytes = 2 * keys * HEAD_DIM * k.element_size() + (2 * keys * 4 if scales else 0)
 
         def call():
-            return paged_decode_attention(q, k, v, tables, lens, scale, kv_scales=scales, config=config)
+            return paged_decode_attention(q, k, v, tables, lens, scale, kv_scales=scales, config=config,
+                                          fp8_dot=kind == "fp8-dot")
 
         call()  # compiles outside the capture
         micros = graph_call_us(lambda: [call() for _ in range(args.calls)], args.calls)
@@ -82,20 +85,25 @@ def main() -> None:
     reference = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
     fp8_out = paged_decode_attention(q, k8, v8, tables, lens, scale, kv_scales=(k_scale, v_scale))
     by_slots = paged_decode_attention(q, k8, v8_by_slots, tables, lens, scale, kv_scales=(k_scale, v_scale))
+    fp8_dot = paged_decode_attention(q, k8, v8_by_slots, tables, lens, scale, kv_scales=(k_scale, v_scale),
+                                     fp8_dot=True)
     gap = (fp8_out.float() - reference.float()).abs().max().item()
+    dot_gap = (fp8_dot.float() - reference.float()).abs().max().item()
     layouts_gap = (by_slots.float() - fp8_out.float()).abs().max().item()
     if layouts_gap > 0.01:
         sys.exit(f"the FP8 cache's values by slots gave other outputs than by rows (largest gap {layouts_gap})")
     print(f"B {args.batch} x L {args.context}: FP8 cache against bf16, largest output gap {gap:.4f}; values by "
-          f"slots against by rows {layouts_gap:.4f}", flush=True)
+          f"slots against by rows {layouts_gap:.4f}; FP8 products (fp8_dot) against bf16 {dot_gap:.4f}", flush=True)
     result["fp8_max_gap_vs_bf16"] = gap
+    result["fp8_dot_max_gap_vs_bf16"] = dot_gap
     for kind in caches:
         result[kind] = timed(kind, None)
     if args.sweep:
-        for kind in ("fp8", "fp8-values-by-slots"):
+        for kind in ("fp8", "fp8-values-by-slots", "fp8-dot"):
+            tiles = (64, 128) if kind == "fp8-dot" else (32, 64, 128)  # the FP8 MMA takes 64 keys at a time
             result[f"{kind}_sweep"] = [timed(kind, TileConfig(block_m=16, block_n=block_n, num_warps=warps,
                                                               num_stages=stages))
-                                       for block_n in (32, 64, 128) for warps in (4, 8) for stages in (2, 3)]
+                                       for block_n in tiles for warps in (4, 8) for stages in (2, 3)]
             best = min(result[f"{kind}_sweep"], key=lambda entry: entry["us"])
             print(f"fastest {kind} tiles: {best['config']} ({best['tb_per_s']:.2f} TB/s)")
     path = write_result(f"attention-decode-llama-3.1-8b-b{args.batch}-l{args.context}", args, result)

@@ -246,15 +246,19 @@ case "${1:-}" in
       | tail -3
     ;;
   fp8-values-by-slots)
-    # The FP8 cache with its values by slots in the engine: the GPU tests of the layout (kernels, the engine against
-    # the torch backend, release / resume), the kernel alone at its default tiles, then the throughput step profile.
+    # The FP8 cache with its values by slots in the engine: the GPU tests of the layout and of FP8 products (kernels,
+    # the engine against the torch backend, release / resume; the whole log in $OUT), the kernel alone under a grid
+    # of tiles, then the throughput step profile with FP8 products (kernel_config.fp8_attention=fp8).
+    log="${OUT:-/tmp}/fp8-values-by-slots-tests.log"
     timeout 200 python -m pytest tests/kernels/test_triton_attention.py tests/engine/test_fp8_kv_cache.py \
-      tests/rl_api/test_memory_gpu.py -m gpu -k "fp8 or transposed" -q -rs -p no:cacheprovider 2>&1 | tail -4
-    timeout 90 python benchmarks/attention.py $(output_json attention-decode-8b-b512-l1024-defaults) 2>&1 \
-      | grep -v Warning | tail -5
-    watched 240 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 512 \
+      tests/rl_api/test_memory_gpu.py -m gpu -k "fp8 or transposed" -q -rs -p no:cacheprovider > "$log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$log" | tail -12
+    timeout 150 python benchmarks/attention.py --sweep $(output_json attention-decode-8b-b512-l1024) 2>&1 \
+      | grep -E "^(B |fastest|bf16|fp8 |fp8-values|fp8-dot +default)"
+    watched 200 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 512 \
       --batch_size 512 --input_len 1024 --output_len 256 --kernels 8 --gaps 0 --set quant_config.quant_algo=FP8 \
-      --set kv_cache_config.dtype=fp8 $(output_json step-profile-8b-b512-fp8-kv) 2>&1 | tail -14
+      --set kv_cache_config.dtype=fp8 --set kernel_config.fp8_attention=fp8 \
+      $(output_json step-profile-8b-b512-fp8-kv-fp8-attention) 2>&1 | tail -10
     ;;
   fp8-latency)
     fp8=(--set quant_config.quant_algo=FP8)

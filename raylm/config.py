@@ -105,6 +105,12 @@ class KernelConfig(StrictModel):
                                       "H200: docs/benchmarks.md); 'before' computes them in a kernel before the GEMV, "
                                       "whose epilogue adds them before rounding (gate / up keep their fused SiLU-mul "
                                       "GEMV).")
+    fp8_attention: Literal["float16", "fp8"] = Field(
+        default="float16", description="Decode attention over an FP8 KV cache on the Triton backend: 'float16' widens "
+                                       "the cached keys and values to float16 for the tensor cores; 'fp8' multiplies "
+                                       "them as stored on FP8 tensor cores, the queries and the softmax's "
+                                       "probabilities quantized to FP8 too (their rounding changes results more "
+                                       "than float16's: docs/benchmarks.md).")
     pdl: Literal["auto", "off", "start", "after_wait", "exit", "tail"] = Field(
         default="auto", description="Programmatic dependent launch of the Triton decode kernels (compute capability "
                                     "9.0+): when a kernel lets the next one start. auto: 'tail' for models whose "

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from raylm.kernels.pdl import launch_options, pdl_wait
+from raylm.kernels.triton_fp8 import fp8_scale, to_fp8
 from raylm.kernels.triton_kv_cache import (
     cache_scales,
     check_cache,
@@ -57,6 +58,8 @@ _MAX_SPLITS = 64
 # Number of multiprocessors assumed when the tensors are not on a CUDA device (an H200 has 132).
 _DEFAULT_SM_COUNT = 132
 _FLOAT16_MAX = tl.constexpr(65504.0)
+# FP8 probabilities span [0, _WEIGHT_SPAN] (e4m3 reaches 448): their small values keep more bits than in [0, 1].
+_WEIGHT_SPAN = tl.constexpr(256.0)
 
 
 # ------------------------------------------------------------------------------------------ shared parts
@@ -146,6 +149,27 @@ def _attend_tile(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, MA
     return m_new, l_i, acc
 
 
+@triton.jit
+def _attend_tile_fp8(q, k, v, k_scale, v_scale, key_mask, m_i, l_i, acc_t, qk_scale):
+    """_attend_tile on FP8 queries, keys and values, transposed so that the tensor cores multiply FP8 as it is
+    stored: keys [N, D] and the values' transpose [D, N] (stored by slots) are the products' first operands,
+    whose rows the H100's warpgroup MMA takes 64 at a time, the GQA group's queries [G, D] and probabilities [G, N]
+    the second (G padded to 16, not to 64). Scores are [N, G], the accumulator acc_t [D, G]; qk_scale [1, G] holds
+    each query row's scale."""
+    scores = tl.dot(k, tl.trans(q)) * qk_scale * k_scale[:, None]
+    scores = tl.where(key_mask[:, None], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(scores - m_ref[None, :])
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    top = tl.max(v_scale, axis=0)
+    top = tl.where(top > 0.0, top, 1.0) / _WEIGHT_SPAN
+    weights = (p * (v_scale / top)[:, None]).to(v.dtype)
+    acc_t = tl.dot(tl.trans(v), weights, acc=acc_t * (alpha / top)[None, :]) * top
+    return m_new, l_i, acc_t
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # float32 inputs would otherwise be multiplied in TF32 on the GPU (10-bit mantissa).
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -177,7 +201,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ROPE: tl.constexpr = False, KV_FP8: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
-    V_BY_SLOTS: tl.constexpr = False, V_RUN: tl.constexpr = 16,
+    V_BY_SLOTS: tl.constexpr = False, V_RUN: tl.constexpr = 16, FP8_DOT: tl.constexpr = False,
 ):
     """One (sequence, KV head, split): attends the group's query heads over the split's range of keys.
 
@@ -229,11 +253,17 @@ def _decode_split_kernel(
         tl.debug_barrier()
     else:
         q = tl.load(q_ptr + q_offsets + dims[None, :], mask=q_mask, other=0.0)
-    q = _fp8_cache_queries(q, KV_FP8)
-
+    if FP8_DOT:  # the queries in FP8 too, each head's row by its own scale, which joins qk_scale
+        q_scale = fp8_scale(tl.max(tl.abs(q.to(tl.float32)), axis=1))
+        q = to_fp8(q.to(tl.float32), q_scale[:, None])
+        scores_scale = qk_scale * q_scale[None, :]
+        acc = tl.zeros([BLOCK_D, BLOCK_G], tl.float32)  # transposed (_attend_tile_fp8)
+    else:
+        q = _fp8_cache_queries(q, KV_FP8)
+        scores_scale = qk_scale
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table
     if V_BY_SLOTS:  # tiles from the start of a run of V_RUN keys: the values load a run at a time (_load_kv_tile)
         tiles_start = split_start // V_RUN * V_RUN
@@ -250,8 +280,13 @@ def _decode_split_kernel(
                                                stride_v_slot, stride_v_head, stride_v_dim, k_scale_ptr, v_scale_ptr,
                                                stride_scale_block, stride_scale_slot, PAGE_SIZE, KV_FP8, V_BY_SLOTS,
                                                V_RUN, split_end)
-        m_i, l_i, acc = _attend_tile(q, k, v, k_scale, v_scale, key_mask[None, :], m_i, l_i, acc, qk_scale, True,
-                                     DOT_PRECISION, KV_FP8)
+        if FP8_DOT:
+            m_i, l_i, acc = _attend_tile_fp8(q, k, v, k_scale, v_scale, key_mask, m_i, l_i, acc, scores_scale)
+        else:
+            m_i, l_i, acc = _attend_tile(q, k, v, k_scale, v_scale, key_mask[None, :], m_i, l_i, acc, scores_scale,
+                                         True, DOT_PRECISION, KV_FP8)
+    if FP8_DOT:
+        acc = tl.trans(acc)
 
     if DIRECT_OUTPUT:
         # A sequence with no keys (context_len 0, e.g. CUDA-graph padding) gets zeros, not NaN.
@@ -354,6 +389,7 @@ def paged_decode_attention(
     pdl: int = 0,
     kv_scales: tuple[torch.Tensor, ...] = (),
     config: TileConfig | None = None,
+    fp8_dot: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; returns [B, H_q, D] in q's dtype.
 
@@ -363,10 +399,12 @@ def paged_decode_attention(
     hides keys at positions < context_len - sliding_window. A sequence with context_len 0 gets zeros.
     num_splits partitions each context for split-K (chosen from the shapes when None; 1 disables it). `pdl`: the
     launches' trigger mode (kernels/pdl.py). kv_scales: an FP8 cache's (k_scale, v_scale). `config` fixes the
-    tiles instead of decode_config's (for benchmarks; block_m is raised to the GQA group's power of two).
+    tiles instead of decode_config's (for benchmarks; block_m is raised to the GQA group's power of two). fp8_dot
+    (an FP8 cache with its values by slots): the products run on FP8 tensor cores, the queries and probabilities
+    quantized to FP8 too (_attend_tile_fp8).
     """
     return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, None, pdl,
-                   kv_scales, config)
+                   kv_scales, config, fp8_dot)
 
 
 def rotary_decode_attention(
@@ -385,6 +423,7 @@ def rotary_decode_attention(
     num_splits: int | None = None,
     pdl: int = 0,
     kv_scales: tuple[torch.Tensor, ...] = (),
+    fp8_dot: bool = False,
 ) -> torch.Tensor:
     """rotary_write_kv_cache then paged_decode_attention in one kernel launch (two with split-K): q, k [B, H, D]
     are the step's unrotated queries and keys, v its values, cos / sin one row per sequence; the rotated keys
@@ -400,11 +439,11 @@ def rotary_decode_attention(
         raise ValueError(f"k has {num_kv_heads} heads, the cache {k_cache.shape[2]}")
     rope = (k, v, cos_rows, sin_rows, slot_mapping)
     return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope, pdl,
-                   kv_scales)
+                   kv_scales, None, fp8_dot)
 
 
 def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope, pdl,
-            kv_scales, config=None):
+            kv_scales, config=None, fp8_dot=False):
     """The decode attention launch of paged_decode_attention, and of rotary_decode_attention with rope =
     (k, v, cos_rows, sin_rows, slot_mapping)."""
     batch, num_q_heads, head_dim = q.shape
@@ -431,7 +470,13 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     block_d = triton.next_power_of_2(head_dim)
-    config = config or decode_config(block_d, q.element_size(), k_cache.element_size())
+    # FP8 products take the queries in FP8: the tiles stay FP8 whatever the queries' dtype.
+    config = config or decode_config(block_d, 2 if fp8_dot else q.element_size(), k_cache.element_size())
+    values_by_slots = v_cache.stride() != k_cache.stride()
+    if fp8_dot and not (fp8 and values_by_slots and config.block_n % 64 == 0):
+        raise ValueError(f"fp8_dot needs an FP8 cache with its values by slots and tiles of a multiple of 64 keys "
+                         f"(the FP8 MMA's rows); got kv_scales {'set' if fp8 else 'unset'}, values "
+                         f"{'by slots' if values_by_slots else 'by rows'}, block_n {config.block_n}")
     direct = num_splits == 1
     if direct:
         part_acc = part_max = part_sum = out  # unused by the kernel
@@ -452,8 +497,8 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
         k_scale, v_scale, stride_scale_block, stride_scale_slot,
         GROUP=group, BLOCK_G=max(config.block_m, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=config.block_n, PAGE_SIZE=page_size, DIRECT_OUTPUT=direct, DOT_PRECISION=_dot_precision(q.dtype),
-        ROPE=rope is not None, KV_FP8=fp8, V_BY_SLOTS=v_cache.stride() != k_cache.stride(),
-        V_RUN=math.gcd(page_size, config.block_n, 16), num_warps=config.num_warps, num_stages=config.num_stages,
+        ROPE=rope is not None, KV_FP8=fp8, V_BY_SLOTS=values_by_slots, V_RUN=math.gcd(page_size, config.block_n, 16),
+        FP8_DOT=fp8_dot, num_warps=config.num_warps, num_stages=config.num_stages,
         **launch_options(pdl),
     )
     if not direct:  # one BLOCK_S for every split count up to _MAX_SPLITS: one compiled variant

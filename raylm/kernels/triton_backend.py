@@ -39,6 +39,8 @@ class TritonAttentionMetadata:
         v_scale)."""
         pdl = kernels.pdl
         fp8 = {"kv_scales": kv_scales} if kv_scales else {}
+        # FP8 products (kernel_config.fp8_attention) need the values by slots, as the engine stores an FP8 cache's.
+        decode_fp8 = {**fp8, "fp8_dot": True} if kv_scales and kernels.fp8_attention_dot else fp8
         from raylm.kernels.triton_attention import paged_decode_attention, rotary_decode_attention
         from raylm.kernels.triton_kv_cache import rotary_write_kv_cache, write_kv_cache
         from raylm.kernels.triton_prefill_attention import paged_prefill_attention
@@ -57,14 +59,17 @@ class TritonAttentionMetadata:
                 queries = rotary_write_kv_cache(q[head], k[head], v[head], rope[0][head], rope[1][head], k_cache,
                                                 v_cache, self.slot_mapping[head], pdl, **fp8)
                 decoded = paged_decode_attention(queries, k_cache, v_cache, self.decode_block_tables,
-                                                 self.decode_context_lens, scale, self.sliding_window, pdl=pdl, **fp8)
+                                                 self.decode_context_lens, scale, self.sliding_window, pdl=pdl,
+                                                 **decode_fp8)
             elif rope is None:
                 decoded = paged_decode_attention(q[head], k_cache, v_cache, self.decode_block_tables,
-                                                 self.decode_context_lens, scale, self.sliding_window, pdl=pdl, **fp8)
+                                                 self.decode_context_lens, scale, self.sliding_window, pdl=pdl,
+                                                 **decode_fp8)
             else:
                 decoded = rotary_decode_attention(q[head], k[head], v[head], rope[0][head], rope[1][head], k_cache,
                                                   v_cache, self.slot_mapping[head], self.decode_block_tables,
-                                                  self.decode_context_lens, scale, self.sliding_window, pdl=pdl, **fp8)
+                                                  self.decode_context_lens, scale, self.sliding_window, pdl=pdl,
+                                                  **decode_fp8)
             if self.prefill_block_tables is None:
                 return decoded
         prefilled = paged_prefill_attention(prefill_queries, k_cache, v_cache, self.prefill_block_tables,

@@ -4,6 +4,8 @@ online softmax are described there)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -39,15 +41,17 @@ def _prefill_tile(q, k_cache_ptr, v_cache_ptr, table_row, tile_start, key_end, q
                   dim_mask, m_i, l_i, acc, qk_scale, stride_block, stride_slot, stride_head, stride_v_block,
                   stride_v_slot, stride_v_head, stride_v_dim, k_scale_ptr, v_scale_ptr, stride_scale_block,
                   stride_scale_slot, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, V_BY_SLOTS: tl.constexpr):
-    """Attends a prefill tile's rows to the keys tile_start.. (causally and within the window if MASKED)."""
+                  DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, V_BY_SLOTS: tl.constexpr,
+                  V_RUN: tl.constexpr):
+    """Attends a prefill tile's rows to the keys tile_start.. (causally and within the window if MASKED); values
+    by slots in whole runs of V_RUN keys (tile_start a multiple of V_RUN)."""
     key_pos = tile_start + tl.arange(0, BLOCK_N)
     key_mask = key_pos < key_end
     k, v, k_scale, v_scale = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, key_pos, key_mask, kv_head, dims,
                                            dim_mask, stride_block, stride_slot, stride_head, stride_v_block,
                                            stride_v_slot, stride_v_head, stride_v_dim, k_scale_ptr, v_scale_ptr,
-                                           stride_scale_block, stride_scale_slot, PAGE_SIZE, KV_FP8, V_BY_SLOTS, 0,
-                                           key_end)
+                                           stride_scale_block, stride_scale_slot, PAGE_SIZE, KV_FP8, V_BY_SLOTS,
+                                           V_RUN, key_end)
     visible = ((key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] > query_pos[:, None] - window)
                & key_mask[None, :])
     return _attend_tile(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, MASKED, DOT_PRECISION, KV_FP8)
@@ -63,6 +67,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQ_CHUNK: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False, V_BY_SLOTS: tl.constexpr = False,
+    V_RUN: tl.constexpr = 16,
 ):
     """One tile of BLOCK_M // GROUP_PAD query tokens of one sequence, all query heads of one KV head.
 
@@ -107,6 +112,8 @@ def _prefill_kernel(
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table
     key_end = tl.minimum(seq_start + first_query + BLOCK_Q, context_len)
     key_begin = tl.maximum(seq_start + first_query - window + 1, 0)
+    if V_BY_SLOTS:  # tiles from a run's start (the window's mask hides the keys before key_begin)
+        key_begin = key_begin // V_RUN * V_RUN
     # Without a window, whole tiles of keys before the tile's first query are visible to every row: they
     # skip the mask. The rest (the diagonal, and every tile when a window may cut rows) is masked.
     unmasked_end = key_begin
@@ -118,14 +125,14 @@ def _prefill_kernel(
                                       stride_slot, stride_head, stride_v_block, stride_v_slot, stride_v_head,
                                       stride_v_dim, k_scale_ptr, v_scale_ptr, stride_scale_block,
                                       stride_scale_slot, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION, KV_FP8,
-                                      V_BY_SLOTS)
+                                      V_BY_SLOTS, V_RUN)
     for tile_start in range(unmasked_end, key_end, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(q, k_cache_ptr, v_cache_ptr, table_row, tile_start, key_end, query_pos,
                                       window, kv_head, dims, dim_mask, m_i, l_i, acc, qk_scale, stride_block,
                                       stride_slot, stride_head, stride_v_block, stride_v_slot, stride_v_head,
                                       stride_v_dim, k_scale_ptr, v_scale_ptr, stride_scale_block,
                                       stride_scale_slot, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION, KV_FP8,
-                                      V_BY_SLOTS)
+                                      V_BY_SLOTS, V_RUN)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + token_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
@@ -185,6 +192,6 @@ def paged_prefill_attention(
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1], SEQ_CHUNK=128, HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=fp8, V_BY_SLOTS=v_cache.stride() != k_cache.stride(),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        V_RUN=math.gcd(k_cache.shape[1], config.block_n, 16), num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

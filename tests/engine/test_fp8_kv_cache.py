@@ -190,6 +190,22 @@ def test_the_triton_kernels_on_an_fp8_cache_give_the_torch_reference_s_tokens(ti
             assert max(abs(mine[token] - other[token]) for token in mine) < 1e-3
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fp8_products_in_decode_attention_stay_near_the_torch_reference(tiny_model_dirs):
+    """kernel_config.fp8_attention='fp8': decode's products on FP8 tensor cores, the queries and probabilities in
+    FP8 too, in bfloat16 with the decode graphs on; the greedy tokens of the torch backend on the same cache, the
+    logprobs within FP8's rounding of the queries and probabilities."""
+    path = tiny_model_dirs["llama"]
+    options = dict(kv_cache_config=FP8_KV, device="cuda", dtype="bfloat16", executor="local")
+    fp8_dot = _generate(path, GREEDY, attention_backend="triton", kernel_config={"fp8_attention": "fp8"}, **options)
+    reference = _generate(path, GREEDY, attention_backend="torch", **options)
+    for ours, theirs in zip(fp8_dot, reference):
+        assert ours[0][0] == theirs[0][0]
+        for mine, other in zip(ours[0][1], theirs[0][1]):
+            assert max(abs(mine[token] - other[token]) for token in mine) < 0.1
+
+
 @pytest.mark.slow
 def test_fp8_cache_at_tensor_parallel_size_2_equals_one_rank(ray_cluster, tiny_model_dirs):
     """Two ranks over gloo, each holding its KV heads' rows and scales: a row is one head's, so each rank quantizes

@@ -33,11 +33,13 @@ def compile_for_hopper(kernel, constexprs: dict, pointers: dict | None = None, n
                        num_stages: int = 3, asm: str = "ptx") -> str:
     """The kernel's PTX (or another of Triton's stages, `asm`) for sm_90, its pointer arguments typed by POINTERS
     (and `pointers`), the rest int32, marked as the launcher would mark a model's arguments; `constexprs` the
-    kernel does not take are left out."""
+    kernel does not take are left out, and those it takes but are not given take their defaults (left out, they
+    would compile as runtime arguments, their branches as runtime branches)."""
     from triton.compiler import ASTSource
 
     types = {**POINTERS, **(pointers or {})}
-    constexprs = {name: value for name, value in constexprs.items() if name in kernel.arg_names}
+    defaults = {param.name: param.default for param in kernel.params if param.is_constexpr and param.has_default}
+    constexprs = {name: value for name, value in {**defaults, **constexprs}.items() if name in kernel.arg_names}
     signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in kernel.arg_names}
     attrs = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(kernel.arg_names)
              if name not in constexprs and (signature[name].startswith("*") or name in MULTIPLES_OF_16)}
@@ -135,3 +137,17 @@ def test_fp8_values_transposed_within_their_pages_reach_the_tensor_cores_without
     pointers = {**ATTENTION, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
     ptx = compile_for_hopper(_decode_split_kernel, constexprs, pointers)
     assert "ld.shared.b8" not in ptx and "ld.global.b8" not in ptx and "mma" in ptx
+
+
+def test_fp8_dot_multiplies_fp8_on_the_warpgroup_mma():
+    """fp8_dot: keys and the values' transpose are the products' first operands, 64 rows at a time, so the FP8
+    tiles reach Hopper's warpgroup MMA as they are stored, with no widening to 16 bits."""
+    from raylm.kernels.triton_attention import _decode_split_kernel
+
+    constexprs = {"GROUP": 4, "BLOCK_G": 16, "BLOCK_D": 128, "BLOCK_N": 128, "PAGE_SIZE": 16, "DIRECT_OUTPUT": False,
+                  "DOT_PRECISION": "tf32", "ROPE": True, "KV_FP8": True, "USE_PDL": 0, "stride_v_slot": 1,
+                  "V_BY_SLOTS": True, "V_RUN": 16, "FP8_DOT": True}
+    pointers = {**ATTENTION, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+    ptx = compile_for_hopper(_decode_split_kernel, constexprs, pointers)
+    assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in ptx and "mma.sync" not in ptx
+    assert "cvt.rn.f16x2.e4m3x2" not in ptx  # no tile widened
