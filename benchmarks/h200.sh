@@ -46,6 +46,7 @@
 #   bash benchmarks/h200.sh fp8-prefill-512  # the same for 256 x (512, 1), three runs each        (~3 min)
 #   bash benchmarks/h200.sh fp8-throughput  # 8B 1000 x (1024, 1024) in bf16, then with FP8 weights   (~9 min)
 #   bash benchmarks/h200.sh fp8-throughput-kv  # the same with FP8 weights and KV cache, max batch 512    (~5 min)
+#   bash benchmarks/h200.sh fp8-throughput-kv-profile  # fp8-throughput-kv, its step profile, FP8 products' test (~9 min)
 #   bash benchmarks/h200.sh lora         # multi-LoRA: 8B batch 8, 8 random rank-16 adapters against no LoRA, the expand
 #                                        # as its own kernel after the GEMV, before it (lora_expand=before), then
 #                                        # in the GEMV's epilogue; the time a new adapter takes to load (~5 min)
@@ -291,6 +292,17 @@ case "${1:-}" in
     # The same with FP8 weights and the FP8 KV cache, at max batch 512 (the cache holds twice the tokens).
     throughput throughput-8b-fp8-kv "$llama" 1000 1024 1024 512 400 --set quant_config.quant_algo=FP8 \
       --set kv_cache_config.dtype=fp8
+    ;;
+  fp8-throughput-kv-profile)
+    # fp8-throughput-kv (FP8 products off, the default), then its step profile (fp8-values-by-slots has the one with
+    # FP8 products on), then the engine's GPU test of FP8 products.
+    throughput throughput-8b-fp8-kv "$llama" 1000 1024 1024 512 330 --set quant_config.quant_algo=FP8 \
+      --set kv_cache_config.dtype=fp8
+    watched 130 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 512 \
+      --batch_size 512 --input_len 1024 --output_len 256 --kernels 8 --gaps 0 --set quant_config.quant_algo=FP8 \
+      --set kv_cache_config.dtype=fp8 $(output_json step-profile-8b-b512-fp8-kv) 2>&1 | tail -10
+    timeout 60 python -m pytest tests/engine/test_fp8_kv_cache.py -m gpu -k products -q -p no:cacheprovider 2>&1 \
+      | tail -3
     ;;
   lora-tests)
     # The LoRA kernels (with PDL too) and the decode graphs with adapters (captured once, each row's slot read in

@@ -110,7 +110,8 @@ class KernelConfig(StrictModel):
                                        "the cached keys and values to float16 for the tensor cores; 'fp8' multiplies "
                                        "them as stored on FP8 tensor cores, the queries and the softmax's "
                                        "probabilities quantized to FP8 too (their rounding changes results more "
-                                       "than float16's: docs/benchmarks.md).")
+                                       "than float16's: docs/benchmarks.md; heads of fewer than 32 dimensions "
+                                       "stay on float16).")
     pdl: Literal["auto", "off", "start", "after_wait", "exit", "tail"] = Field(
         default="auto", description="Programmatic dependent launch of the Triton decode kernels (compute capability "
                                     "9.0+): when a kernel lets the next one start. auto: 'tail' for models whose "

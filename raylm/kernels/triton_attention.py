@@ -14,13 +14,14 @@ probabilities before they multiply the values (both scales belong to a key, a co
 tile's largest first so that the float16 weights keep their precision whatever the scales' magnitude, that largest
 scale multiplying the tile's product. Float32 queries (the CPU's models) widen the tiles to float32 instead.
 The value cache has strides of its own (by rows as the keys, or transposed within its pages: triton_kv_cache.py).
-On the H200 this decode reads an FP8 cache with values by rows at ~1.6 TB/s against ~3.9 for bf16
-(docs/benchmarks.md). Compiled for sm_90 by Triton 3.9 it keeps the FP8 values in shared memory and assembles their
-operand (whose reduction runs along keys, not contiguous by rows) from 64 one-byte loads a thread per tile. With
-values transposed within their pages it has none: the decode reads them in whole runs of 16 keys of a page (tiles
-start at a run's start; keys outside the split are masked in the scores), 16 bytes a load through cp.async as the
-keys' are, with 148-152 registers against 168-186 (not yet timed). A run can read slots past a sequence's end,
-weighted 0: a value cache stored that way must hold finite values there (zeroed when allocated).
+Compiled for sm_90 by Triton 3.9, values by rows stay in shared memory and their operand (whose reduction runs along
+keys) is assembled from 64 one-byte loads a thread per tile; values transposed within their pages (the engine's
+layout for an FP8 cache) are read in whole runs of 16 keys of a page (tiles start at a run's start; keys outside
+the split are masked in the scores), 16 bytes a load through cp.async as the keys' are. On the H200, at 512 x 1024
+keys: 2.56 TB/s against 2.06 by rows and 3.94 for bf16 (docs/benchmarks.md). A run can read slots past a
+sequence's end, weighted 0: a value cache stored that way must hold finite values there (zeroed when allocated).
+With fp8_dot, the FP8 tiles are multiplied as stored by Hopper's warpgroup MMA (_attend_tile_fp8), the queries and
+probabilities quantized to FP8.
 
 Query heads that share a KV head are processed by one program, so each K/V tile is read once per group.
 Scores are accumulated in float32 and the softmax runs online in base 2 (exp2 of scores scaled by log2 e).
@@ -473,10 +474,11 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
     # FP8 products take the queries in FP8: the tiles stay FP8 whatever the queries' dtype.
     config = config or decode_config(block_d, 2 if fp8_dot else q.element_size(), k_cache.element_size())
     values_by_slots = v_cache.stride() != k_cache.stride()
-    if fp8_dot and not (fp8 and values_by_slots and config.block_n % 64 == 0):
-        raise ValueError(f"fp8_dot needs an FP8 cache with its values by slots and tiles of a multiple of 64 keys "
-                         f"(the FP8 MMA's rows); got kv_scales {'set' if fp8 else 'unset'}, values "
-                         f"{'by slots' if values_by_slots else 'by rows'}, block_n {config.block_n}")
+    if fp8_dot and not (fp8 and values_by_slots and config.block_n % 64 == 0 and head_dim >= 32):
+        raise ValueError(f"fp8_dot needs an FP8 cache with its values by slots, tiles of a multiple of 64 keys (the "
+                         f"FP8 MMA's rows) and heads of at least 32 dimensions (its reduction); got kv_scales "
+                         f"{'set' if fp8 else 'unset'}, values {'by slots' if values_by_slots else 'by rows'}, "
+                         f"block_n {config.block_n}, head_dim {head_dim}")
     direct = num_splits == 1
     if direct:
         part_acc = part_max = part_sum = out  # unused by the kernel

@@ -39,8 +39,10 @@ class TritonAttentionMetadata:
         v_scale)."""
         pdl = kernels.pdl
         fp8 = {"kv_scales": kv_scales} if kv_scales else {}
-        # FP8 products (kernel_config.fp8_attention) need the values by slots, as the engine stores an FP8 cache's.
-        decode_fp8 = {**fp8, "fp8_dot": True} if kv_scales and kernels.fp8_attention_dot else fp8
+        # FP8 products (kernel_config.fp8_attention) need the values by slots, as the engine stores an FP8 cache's,
+        # and heads of 32 dimensions or more (the FP8 MMA's reduction); smaller heads widen their tiles.
+        fp8_dot = kv_scales and kernels.fp8_attention_dot and q.shape[-1] >= 32
+        decode_fp8 = {**fp8, "fp8_dot": True} if fp8_dot else fp8
         from raylm.kernels.triton_attention import paged_decode_attention, rotary_decode_attention
         from raylm.kernels.triton_kv_cache import rotary_write_kv_cache, write_kv_cache
         from raylm.kernels.triton_prefill_attention import paged_prefill_attention
