@@ -1,8 +1,9 @@
 """The decode attention kernel (kernels/triton_attention.py) alone on the Llama-3.1-8B shape (32 query heads, 8 KV
 heads, head dim 128, 16-token pages): one step of B sequences of L cached keys each, over a bf16 cache and an FP8
 cache, the FP8 one with its values stored by rows (as the keys, the engine's layout) and transposed within their
-pages (contiguous along keys, the value operand's reduction), and with those values multiplied on FP8 tensor
-cores (fp8_dot: queries and probabilities in FP8 too); time per call and the rate at which it reads the
+pages (contiguous along keys, the value operand's reduction), those with the keys and values as the products' first
+operands (keys_first), and multiplied on FP8 tensor cores (fp8_dot: queries and probabilities in FP8 too); time
+per call and the rate at which it reads the
 cache (keys, values and an FP8 cache's scales). With --sweep, each FP8 layout also under every tile configuration
 of a small grid, to choose decode_config's.
 
@@ -15,6 +16,7 @@ Each timing replays a CUDA graph of calls; the cache (GBs) is far larger than th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -49,7 +51,7 @@ def main() -> None:
     if args.context % PAGE:
         parser.error(f"--context must be a multiple of {PAGE}")
     from raylm.kernels.fp8 import quantize_fp8
-    from raylm.kernels.triton_attention import TileConfig, paged_decode_attention
+    from raylm.kernels.triton_attention import TileConfig, decode_config, paged_decode_attention
 
     q, tables, lens = _cases(args.batch, args.context, seed=0)
     blocks = args.batch * args.context // PAGE
@@ -61,6 +63,7 @@ def main() -> None:
     v8_by_slots.view(torch.uint8).copy_(v8.view(torch.uint8))
     caches = {"bf16": ((k_cache, v_cache), ()), "fp8": ((k8, v8), (k_scale, v_scale)),
               "fp8-values-by-slots": ((k8, v8_by_slots), (k_scale, v_scale)),
+              "fp8-keys-first": ((k8, v8_by_slots), (k_scale, v_scale)),
               "fp8-dot": ((k8, v8_by_slots), (k_scale, v_scale))}
     keys = args.batch * args.context * KV_HEADS
     result: dict = {"batch": args.batch, "context": args.context}
@@ -68,6 +71,8 @@ def main() -> None:
 
     def timed(kind: str, config: TileConfig | None) -> dict:
         (k, v), scales = caches[kind]
+        if kind == "fp8-keys-first":
+            config = dataclasses.replace(config or decode_config(HEAD_DIM, 2, 1), keys_first=True)
         nbytes = 2 * keys * HEAD_DIM * k.element_size() + (2 * keys * 4 if scales else 0)
 
         def call():

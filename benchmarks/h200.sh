@@ -40,6 +40,7 @@
 #   bash benchmarks/h200.sh fp8-attention  # FP8 decode attention alone (tiles swept), the FP8 cache's GPU tests (~4 min)
 #   bash benchmarks/h200.sh fp8-values-by-slots  # the FP8 cache's values by slots: GPU tests, the kernel alone, the
 #                                        # throughput step profile                                    (~7 min)
+#   bash benchmarks/h200.sh fp8-attention-kinds  # the FP8 decode kernel's operand orders and FP8 products (~3 min)
 #   bash benchmarks/h200.sh fp8-latency  # 8B batch 1 and 8 latency: bf16, FP8 weights (the GEMV's input in float16),
 #                                        # then the GEMV's other input modes (kernel_config.fp8_gemv_input)  (~6 min)
 #   bash benchmarks/h200.sh fp8-prefill  # 8B prefill alone, 256 x (2048, 1), bf16 then FP8 weights   (~4 min)
@@ -260,6 +261,14 @@ case "${1:-}" in
       --batch_size 512 --input_len 1024 --output_len 256 --kernels 8 --gaps 0 --set quant_config.quant_algo=FP8 \
       --set kv_cache_config.dtype=fp8 --set kernel_config.fp8_attention=fp8 \
       $(output_json step-profile-8b-b512-fp8-kv-fp8-attention) 2>&1 | tail -10
+    ;;
+  fp8-attention-kinds)
+    # The decode kernel alone at its default tiles: bf16, FP8 by rows, by slots, keys first, FP8 products; then the
+    # kernels' GPU tests of the last two.
+    timeout 120 python benchmarks/attention.py $(output_json attention-decode-8b-b512-l1024-kinds) 2>&1 \
+      | grep -E "^(B |bf16|fp8)"
+    timeout 100 python -m pytest tests/kernels/test_triton_attention.py -m gpu -k "keys_first or fp8_dot" -q \
+      -p no:cacheprovider 2>&1 | tail -2
     ;;
   fp8-latency)
     fp8=(--set quant_config.quant_algo=FP8)

@@ -151,13 +151,18 @@ def _attend_tile(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, MA
 
 
 @triton.jit
-def _attend_tile_fp8(q, k, v, k_scale, v_scale, key_mask, m_i, l_i, acc_t, qk_scale):
-    """_attend_tile on FP8 queries, keys and values, transposed so that the tensor cores multiply FP8 as it is
-    stored: keys [N, D] and the values' transpose [D, N] (stored by slots) are the products' first operands,
-    whose rows the H100's warpgroup MMA takes 64 at a time, the GQA group's queries [G, D] and probabilities [G, N]
-    the second (G padded to 16, not to 64). Scores are [N, G], the accumulator acc_t [D, G]; qk_scale [1, G] holds
-    each query row's scale."""
-    scores = tl.dot(k, tl.trans(q)) * qk_scale * k_scale[:, None]
+def _attend_tile_keys_first(q, k, v, k_scale, v_scale, key_mask, m_i, l_i, acc_t, qk_scale,
+                            DOT_PRECISION: tl.constexpr, FP8_DOT: tl.constexpr):
+    """_attend_tile on an FP8 cache with its values by slots, transposed: keys [N, D] and the values' transpose
+    [D, N] are the products' first operands, whose rows the tensor cores take 16 (64 for the warpgroup MMA) at a
+    time, the GQA group's queries [G, D] and probabilities [G, N] the second, whose G needs padding to 8 only, not
+    16. Scores are [N, G], the accumulator acc_t [D, G]; qk_scale [1, G] or a scalar. With FP8_DOT the FP8 tiles
+    are multiplied as stored (the queries in FP8, the probabilities rounded to FP8 over [0, _WEIGHT_SPAN]);
+    otherwise widened to q's dtype, as _attend_tile does."""
+    if not FP8_DOT:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    scores = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale * k_scale[:, None]
     scores = tl.where(key_mask[:, None], scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, axis=0))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -165,9 +170,11 @@ def _attend_tile_fp8(q, k, v, k_scale, v_scale, key_mask, m_i, l_i, acc_t, qk_sc
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, axis=0)
     top = tl.max(v_scale, axis=0)
-    top = tl.where(top > 0.0, top, 1.0) / _WEIGHT_SPAN
+    top = tl.where(top > 0.0, top, 1.0)
+    if FP8_DOT:
+        top = top / _WEIGHT_SPAN
     weights = (p * (v_scale / top)[:, None]).to(v.dtype)
-    acc_t = tl.dot(tl.trans(v), weights, acc=acc_t * (alpha / top)[None, :]) * top
+    acc_t = tl.dot(tl.trans(v), weights, acc=acc_t * (alpha / top)[None, :], input_precision=DOT_PRECISION) * top
     return m_new, l_i, acc_t
 
 
@@ -203,6 +210,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ROPE: tl.constexpr = False, KV_FP8: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
     V_BY_SLOTS: tl.constexpr = False, V_RUN: tl.constexpr = 16, FP8_DOT: tl.constexpr = False,
+    KEYS_FIRST: tl.constexpr = False,
 ):
     """One (sequence, KV head, split): attends the group's query heads over the split's range of keys.
 
@@ -258,10 +266,12 @@ def _decode_split_kernel(
         q_scale = fp8_scale(tl.max(tl.abs(q.to(tl.float32)), axis=1))
         q = to_fp8(q.to(tl.float32), q_scale[:, None])
         scores_scale = qk_scale * q_scale[None, :]
-        acc = tl.zeros([BLOCK_D, BLOCK_G], tl.float32)  # transposed (_attend_tile_fp8)
     else:
         q = _fp8_cache_queries(q, KV_FP8)
         scores_scale = qk_scale
+    if KEYS_FIRST:
+        acc = tl.zeros([BLOCK_D, BLOCK_G], tl.float32)  # transposed (_attend_tile_keys_first)
+    else:
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -281,12 +291,13 @@ def _decode_split_kernel(
                                                stride_v_slot, stride_v_head, stride_v_dim, k_scale_ptr, v_scale_ptr,
                                                stride_scale_block, stride_scale_slot, PAGE_SIZE, KV_FP8, V_BY_SLOTS,
                                                V_RUN, split_end)
-        if FP8_DOT:
-            m_i, l_i, acc = _attend_tile_fp8(q, k, v, k_scale, v_scale, key_mask, m_i, l_i, acc, scores_scale)
+        if KEYS_FIRST:
+            m_i, l_i, acc = _attend_tile_keys_first(q, k, v, k_scale, v_scale, key_mask, m_i, l_i, acc,
+                                                    scores_scale, DOT_PRECISION, FP8_DOT)
         else:
             m_i, l_i, acc = _attend_tile(q, k, v, k_scale, v_scale, key_mask[None, :], m_i, l_i, acc, scores_scale,
                                          True, DOT_PRECISION, KV_FP8)
-    if FP8_DOT:
+    if KEYS_FIRST:
         acc = tl.trans(acc)
 
     if DIRECT_OUTPUT:
@@ -329,12 +340,15 @@ def _decode_reduce_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Tile sizes and launch options of an attention kernel (block_m: query rows; block_n: keys)."""
+    """Tile sizes and launch options of an attention kernel (block_m: query rows; block_n: keys). keys_first
+    (decode over an FP8 cache with its values by slots): the keys and values are the products' first operands
+    (_attend_tile_keys_first), the query rows padded to 8, not block_m."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    keys_first: bool = False
 
 
 def decode_config(head_dim: int, query_size: int, cache_size: int) -> TileConfig:
@@ -479,6 +493,7 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
                          f"FP8 MMA's rows) and heads of at least 32 dimensions (its reduction); got kv_scales "
                          f"{'set' if fp8 else 'unset'}, values {'by slots' if values_by_slots else 'by rows'}, "
                          f"block_n {config.block_n}, head_dim {head_dim}")
+    keys_first = fp8_dot or (config.keys_first and fp8 and values_by_slots)
     direct = num_splits == 1
     if direct:
         part_acc = part_max = part_sum = out  # unused by the kernel
@@ -497,10 +512,10 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), *value_strides(v_cache),
         k, v, cos, sin, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         k_scale, v_scale, stride_scale_block, stride_scale_slot,
-        GROUP=group, BLOCK_G=max(config.block_m, triton.next_power_of_2(group)), BLOCK_D=block_d,
+        GROUP=group, BLOCK_G=max(8 if keys_first else config.block_m, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=config.block_n, PAGE_SIZE=page_size, DIRECT_OUTPUT=direct, DOT_PRECISION=_dot_precision(q.dtype),
         ROPE=rope is not None, KV_FP8=fp8, V_BY_SLOTS=values_by_slots, V_RUN=math.gcd(page_size, config.block_n, 16),
-        FP8_DOT=fp8_dot, num_warps=config.num_warps, num_stages=config.num_stages,
+        FP8_DOT=fp8_dot, KEYS_FIRST=keys_first, num_warps=config.num_warps, num_stages=config.num_stages,
         **launch_options(pdl),
     )
     if not direct:  # one BLOCK_S for every split count up to _MAX_SPLITS: one compiled variant

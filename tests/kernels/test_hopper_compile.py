@@ -144,10 +144,10 @@ def test_fp8_dot_multiplies_fp8_on_the_warpgroup_mma():
     tiles reach Hopper's warpgroup MMA as they are stored, with no widening to 16 bits."""
     from raylm.kernels.triton_attention import _decode_split_kernel
 
-    constexprs = {"GROUP": 4, "BLOCK_G": 16, "BLOCK_D": 128, "BLOCK_N": 128, "PAGE_SIZE": 16, "DIRECT_OUTPUT": False,
+    constexprs = {"GROUP": 4, "BLOCK_G": 8, "BLOCK_D": 128, "BLOCK_N": 128, "PAGE_SIZE": 16, "DIRECT_OUTPUT": False,
                   "DOT_PRECISION": "tf32", "ROPE": True, "KV_FP8": True, "USE_PDL": 0, "stride_v_slot": 1,
-                  "V_BY_SLOTS": True, "V_RUN": 16, "FP8_DOT": True}
+                  "V_BY_SLOTS": True, "V_RUN": 16, "FP8_DOT": True, "KEYS_FIRST": True}
     pointers = {**ATTENTION, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
     ptx = compile_for_hopper(_decode_split_kernel, constexprs, pointers)
-    assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in ptx and "mma.sync" not in ptx
+    assert "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3" in ptx and "mma.sync" not in ptx
     assert "cvt.rn.f16x2.e4m3x2" not in ptx  # no tile widened

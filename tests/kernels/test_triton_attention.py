@@ -421,10 +421,28 @@ def test_fp8_dot_is_refused_without_an_fp8_cache_by_slots_or_with_tiles_the_fp8_
     by_slots = transposed_within_pages(cache)
     q = torch.randn(1, 2, 64, device=device)
     table, lens = torch.ones(1, 1, dtype=torch.int32, device=device), torch.ones(1, dtype=torch.int32, device=device)
-    with pytest.raises(ValueError, match="fp8_dot needs an FP8 cache with its values by slots .* values by rows"):
+    with pytest.raises(ValueError, match="fp8_dot needs an FP8 cache with its values by slots.*values by rows"):
         paged_decode_attention(q, cache, cache, table, lens, 0.125, kv_scales=(scale, scale), fp8_dot=True)
     with pytest.raises(ValueError, match="fp8_dot needs .*kv_scales unset"):
         paged_decode_attention(q, cache.float(), cache.float(), table, lens, 0.125, fp8_dot=True)
     with pytest.raises(ValueError, match="fp8_dot needs .*block_n 32"):
         paged_decode_attention(q, cache, by_slots, table, lens, 0.125, kv_scales=(scale, scale), fp8_dot=True,
                                config=TileConfig(block_m=16, block_n=32, num_warps=4, num_stages=2))
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_keys_first_products_give_what_queries_first_give(device, dtype, num_splits):
+    """TileConfig.keys_first on an FP8 cache with values by slots: the keys and values go first into the products,
+    the group's queries padded to 8 rows; the outputs are the default order's up to the sums' order."""
+    torch.manual_seed(5)
+    cache, scale = quantize_fp8(torch.randn(40, 16, 2, 64, device=device))
+    values, value_scale = quantize_fp8(torch.randn(40, 16, 2, 64, device=device))
+    by_slots = transposed_within_pages(values)
+    q = torch.randn(3, 8, 64, device=device).to(dtype)
+    table = torch.randperm(39, device=device)[:36].add(1).view(3, 12).to(torch.int32)
+    lens = torch.tensor([1, 77, 190], dtype=torch.int32, device=device)
+    configs = [TileConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, keys_first=first) for first in (0, 1)]
+    outputs = [paged_decode_attention(q, cache, by_slots, table, lens, 0.125, num_splits=num_splits,
+                                      kv_scales=(scale, value_scale), config=config) for config in configs]
+    torch.testing.assert_close(outputs[1].float(), outputs[0].float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
