@@ -41,6 +41,7 @@
 #   bash benchmarks/h200.sh fp8-values-by-slots  # the FP8 cache's values by slots: GPU tests, the kernel alone, the
 #                                        # throughput step profile                                    (~7 min)
 #   bash benchmarks/h200.sh fp8-attention-kinds  # the FP8 decode kernel's operand orders and FP8 products (~3 min)
+#   bash benchmarks/h200.sh fp8-throughput-kv-products  # fp8-throughput-kv with FP8 products, the kernel's kinds (~6 min)
 #   bash benchmarks/h200.sh fp8-latency  # 8B batch 1 and 8 latency: bf16, FP8 weights (the GEMV's input in float16),
 #                                        # then the GEMV's other input modes (kernel_config.fp8_gemv_input)  (~6 min)
 #   bash benchmarks/h200.sh fp8-prefill  # 8B prefill alone, 256 x (2048, 1), bf16 then FP8 weights   (~4 min)
@@ -269,6 +270,14 @@ case "${1:-}" in
       | grep -E "^(B |bf16|fp8)"
     timeout 100 python -m pytest tests/kernels/test_triton_attention.py -m gpu -k "keys_first or fp8_dot" -q \
       -p no:cacheprovider 2>&1 | tail -2
+    ;;
+  fp8-throughput-kv-products)
+    # fp8-throughput-kv with FP8 products in decode attention (kernel_config.fp8_attention=fp8), then
+    # fp8-attention-kinds' kernel timings.
+    throughput throughput-8b-fp8-kv-fp8-attention "$llama" 1000 1024 1024 512 230 --set quant_config.quant_algo=FP8 \
+      --set kv_cache_config.dtype=fp8 --set kernel_config.fp8_attention=fp8
+    timeout 90 python benchmarks/attention.py $(output_json attention-decode-8b-b512-l1024-kinds) 2>&1 \
+      | grep -E "^(B |bf16|fp8)"
     ;;
   fp8-latency)
     fp8=(--set quant_config.quant_algo=FP8)
