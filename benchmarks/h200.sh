@@ -86,6 +86,22 @@ if [ -n "${OUT:-}" ]; then
   exec > >(tee -a "$OUT/h200-${1:-usage}.log") 2>&1
 fi
 
+# Triton's cache (compiled kernels and, with TRITON_CACHE_AUTOTUNING=1, tuning results) carried from an earlier
+# machine: a fresh machine otherwise spends minutes of an FP8 engine's start compiling and timing GEMV tilings
+# (190 s in the fourteenth session). With SAVE_TRITON_CACHE=1 the cache goes back under $OUT at the end, in parts
+# of 15 MB (triton-cache.tar.xz.part-aa, ...); copy them into .gpu-triton/ here and carry that folder.
+triton_cache_dir="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
+if compgen -G ".gpu-triton/triton-cache.tar.xz.part-*" > /dev/null; then
+  mkdir -p "$triton_cache_dir" && cat .gpu-triton/triton-cache.tar.xz.part-* | tar xJf - -C "$triton_cache_dir" \
+    && echo "Triton cache restored from .gpu-triton ($(du -sh "$triton_cache_dir" | cut -f1))"
+fi
+save_triton_cache() {
+  if [ "${SAVE_TRITON_CACHE:-0}" = 1 ] && [ -n "${OUT:-}" ] && [ -d "$triton_cache_dir" ]; then
+    tar cf - -C "$triton_cache_dir" . | xz -T0 -3 | split -b 15M - "$OUT/triton-cache.tar.xz.part-"
+  fi
+}
+trap save_triton_cache EXIT
+
 output_json() {  # name
   [ -n "${OUT:-}" ] && echo "--output_json $OUT/results/$1.json"
 }
