@@ -1,11 +1,15 @@
 """The decode attention kernel (kernels/triton_attention.py) alone on the Llama-3.1-8B shape (32 query heads, 8 KV
 heads, head dim 128, 16-token pages): one step of B sequences of L cached keys each, over a bf16 cache and an FP8
-cache, the FP8 one with its values stored by rows (as the keys, the engine's layout) and transposed within their
-pages (contiguous along keys, the value operand's reduction), those with the keys and values as the products' first
-operands (keys_first), and multiplied on FP8 tensor cores (fp8_dot: queries and probabilities in FP8 too); time
-per call and the rate at which it reads the
-cache (keys, values and an FP8 cache's scales). With --sweep, each FP8 layout also under every tile configuration
-of a small grid, to choose decode_config's.
+cache in these layouts and kernels:
+
+    fp8                  values by rows, as the keys
+    fp8-values-by-slots  values transposed within their pages (the engine's layout for an FP8 cache)
+    fp8-scales-by-slots  the same with the keys' and values' scales transposed within their pages too
+    fp8-keys-first       values by slots, the keys and values first in the products (TileConfig.keys_first)
+    fp8-dot              values by slots, products on FP8 tensor cores (fp8_dot: queries and probabilities in FP8)
+
+Each is timed per call, with the rate at which it reads the cache (keys, values and an FP8 cache's scales). With
+--sweep, the FP8 kinds are also timed under every tile configuration of a small grid, to choose decode_config's.
 
     python benchmarks/attention.py                        # B 512, L 1024 (the FP8 throughput workload's steps)
     python benchmarks/attention.py --batch 64 --context 4096 --sweep
@@ -50,6 +54,7 @@ def main() -> None:
         sys.exit("benchmarks/attention.py times CUDA kernels: it needs a GPU")
     if args.context % PAGE:
         parser.error(f"--context must be a multiple of {PAGE}")
+    from raylm.kernels import triton_kv_cache
     from raylm.kernels.fp8 import quantize_fp8
     from raylm.kernels.triton_attention import TileConfig, decode_config, paged_decode_attention
 
@@ -61,8 +66,11 @@ def main() -> None:
     (k8, k_scale), (v8, v_scale) = quantize_fp8(k_cache), quantize_fp8(v_cache)
     v8_by_slots = torch.empty(blocks, KV_HEADS, HEAD_DIM, PAGE, dtype=v8.dtype, device="cuda").permute(0, 3, 1, 2)
     v8_by_slots.view(torch.uint8).copy_(v8.view(torch.uint8))
+    scales_by_slots = tuple(triton_kv_cache.scales_by_slots(scale.shape, scale.device).copy_(scale)
+                            for scale in (k_scale, v_scale))
     caches = {"bf16": ((k_cache, v_cache), ()), "fp8": ((k8, v8), (k_scale, v_scale)),
               "fp8-values-by-slots": ((k8, v8_by_slots), (k_scale, v_scale)),
+              "fp8-scales-by-slots": ((k8, v8_by_slots), scales_by_slots),
               "fp8-keys-first": ((k8, v8_by_slots), (k_scale, v_scale)),
               "fp8-dot": ((k8, v8_by_slots), (k_scale, v_scale))}
     keys = args.batch * args.context * KV_HEADS
@@ -104,7 +112,7 @@ def main() -> None:
     for kind in caches:
         result[kind] = timed(kind, None)
     if args.sweep:
-        for kind in ("fp8", "fp8-values-by-slots", "fp8-dot"):
+        for kind in ("fp8", "fp8-values-by-slots", "fp8-scales-by-slots", "fp8-dot"):
             tiles = (64, 128) if kind == "fp8-dot" else (32, 64, 128)  # the FP8 MMA takes 64 keys at a time
             result[f"{kind}_sweep"] = [timed(kind, TileConfig(block_m=16, block_n=block_n, num_warps=warps,
                                                               num_stages=stages))

@@ -69,8 +69,9 @@ _WEIGHT_SPAN = tl.constexpr(256.0)
 @triton.jit
 def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, key_pos, key_mask, kv_head, dims, dim_mask,
                   stride_block, stride_slot, stride_head, stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
-                  k_scale_ptr, v_scale_ptr, stride_scale_block, stride_scale_slot, PAGE_SIZE: tl.constexpr,
-                  KV_FP8: tl.constexpr, V_BY_SLOTS: tl.constexpr, V_RUN: tl.constexpr, run_end):
+                  k_scale_ptr, v_scale_ptr, stride_scale_block, stride_scale_slot, stride_scale_head,
+                  PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, V_BY_SLOTS: tl.constexpr, V_RUN: tl.constexpr,
+                  run_end):
     """The keys and values at `key_pos` of one KV head, read through a sequence's block table (zeros where
     key_mask is false), and an FP8 cache's scales of those keys and values (1.0 for another cache). The values are
     stored by rows with the keys' strides, or transposed within their pages (V_BY_SLOTS, strides stride_v_*).
@@ -98,7 +99,8 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, key_pos, key_ma
     else:  # by rows, at the keys' offsets (check_value_cache: the same strides)
         v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     if KV_FP8:
-        scale_rows = block_id * stride_scale_block + (key_pos % PAGE_SIZE) * stride_scale_slot + kv_head
+        scale_rows = (block_id * stride_scale_block + (key_pos % PAGE_SIZE) * stride_scale_slot
+                      + kv_head * stride_scale_head)
         k_scale = tl.load(k_scale_ptr + scale_rows, mask=key_mask, other=0.0)
         v_scale = tl.load(v_scale_ptr + scale_rows, mask=key_mask, other=0.0)
     else:
@@ -205,7 +207,7 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_ob, stride_oh, stride_block, stride_slot, stride_head, stride_table,
     stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
     k_ptr, v_ptr, cos_ptr, sin_ptr, slot_mapping_ptr, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
-    stride_sin, k_scale_ptr, v_scale_ptr, stride_scale_block, stride_scale_slot,
+    stride_sin, k_scale_ptr, v_scale_ptr, stride_scale_block, stride_scale_slot, stride_scale_head,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ROPE: tl.constexpr = False, KV_FP8: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
@@ -249,8 +251,8 @@ def _decode_split_kernel(
                          + kv_head * stride_head + tl.zeros([1, 1], tl.int64))
             value_row = ((slot // PAGE_SIZE) * stride_v_block + (slot % PAGE_SIZE) * stride_v_slot
                          + kv_head * stride_v_head + tl.zeros([1, 1], tl.int64))
-            scale_row = ((slot // PAGE_SIZE) * stride_scale_block + (slot % PAGE_SIZE) * stride_scale_slot + kv_head
-                         + tl.zeros([1, 1], tl.int64))
+            scale_row = ((slot // PAGE_SIZE) * stride_scale_block + (slot % PAGE_SIZE) * stride_scale_slot
+                         + kv_head * stride_scale_head + tl.zeros([1, 1], tl.int64))
             key = rotated_rows(k_ptr, seq.to(tl.int64) * stride_kt + kv_head * stride_kh, dims, kv_mask, cos, sin,
                                half)
             store_rows(k_cache_ptr, k_scale_ptr, key.to(k_ptr.dtype.element_ty), cache_row, scale_row, dims,
@@ -289,8 +291,8 @@ def _decode_split_kernel(
         k, v, k_scale, v_scale = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, key_pos, key_mask, kv_head, dims,
                                                dim_mask, stride_block, stride_slot, stride_head, stride_v_block,
                                                stride_v_slot, stride_v_head, stride_v_dim, k_scale_ptr, v_scale_ptr,
-                                               stride_scale_block, stride_scale_slot, PAGE_SIZE, KV_FP8, V_BY_SLOTS,
-                                               V_RUN, split_end)
+                                               stride_scale_block, stride_scale_slot, stride_scale_head, PAGE_SIZE,
+                                               KV_FP8, V_BY_SLOTS, V_RUN, split_end)
         if KEYS_FIRST:
             m_i, l_i, acc = _attend_tile_keys_first(q, k, v, k_scale, v_scale, key_mask, m_i, l_i, acc,
                                                     scores_scale, DOT_PRECISION, FP8_DOT)
@@ -472,7 +474,7 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
                          f"{list(block_tables.shape)} and {list(context_lens.shape)}")
     if q.stride(2) != 1 or block_tables.stride(1) != 1:
         raise ValueError("q and block_tables must be contiguous in their last dimension")
-    k_scale, v_scale, stride_scale_block, stride_scale_slot, fp8 = cache_scales(k_cache, kv_scales)
+    k_scale, v_scale, stride_scale_block, stride_scale_slot, stride_scale_head, fp8 = cache_scales(k_cache, kv_scales)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
@@ -511,7 +513,7 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), *value_strides(v_cache),
         k, v, cos, sin, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
-        k_scale, v_scale, stride_scale_block, stride_scale_slot,
+        k_scale, v_scale, stride_scale_block, stride_scale_slot, stride_scale_head,
         GROUP=group, BLOCK_G=max(8 if keys_first else config.block_m, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=config.block_n, PAGE_SIZE=page_size, DIRECT_OUTPUT=direct, DOT_PRECISION=_dot_precision(q.dtype),
         ROPE=rope is not None, KV_FP8=fp8, V_BY_SLOTS=values_by_slots, V_RUN=math.gcd(page_size, config.block_n, 16),

@@ -55,6 +55,14 @@ def value_cache_by_slots(shape: tuple[int, int, int, int], dtype: torch.dtype, d
     return torch.zeros((blocks, heads, dims, page), dtype=dtype, device=device).permute(0, 3, 1, 2)
 
 
+def scales_by_slots(shape: tuple[int, int, int], device: torch.device) -> torch.Tensor:
+    """An FP8 cache's scales of `shape` ([blocks, page, heads]) stored transposed within their pages (in memory
+    [blocks, heads, page]): a tile's keys of one head then read their scales 16 at a time (64 bytes) where by rows
+    each 4-byte scale takes a 32-byte sector of its own."""
+    blocks, page, heads = shape
+    return torch.empty((blocks, heads, page), dtype=FP8_SCALE_DTYPE, device=device).permute(0, 2, 1)
+
+
 def value_strides(v_cache: torch.Tensor) -> tuple[int, int, int, int]:
     """The kernels' value-cache strides: of a block, a slot, a head and a dimension."""
     return v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3)
@@ -81,7 +89,8 @@ def store_rows(cache_ptr, scale_ptr, rows, cache_offsets, scale_offsets, dims, m
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
                      num_kv_heads, head_dim, stride_kt, stride_kh, stride_vt, stride_vh, stride_block, stride_slot,
                      stride_head, stride_v_block, stride_v_slot, stride_v_head, stride_v_dim, stride_scale_block,
-                     stride_scale_slot, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                     stride_scale_slot, stride_scale_head, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr,
                      KV_FP8: tl.constexpr = False, USE_PDL: tl.constexpr = 0):
     pdl_wait(USE_PDL)
     token = tl.program_id(0)
@@ -94,7 +103,8 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
     mask = row_mask & (dims[None, :] < head_dim)
     cache_rows = (slot // PAGE_SIZE) * stride_block + (slot % PAGE_SIZE) * stride_slot + heads * stride_head
     value_rows = (slot // PAGE_SIZE) * stride_v_block + (slot % PAGE_SIZE) * stride_v_slot + heads * stride_v_head
-    scale_rows = (slot // PAGE_SIZE) * stride_scale_block + (slot % PAGE_SIZE) * stride_scale_slot + heads
+    scale_rows = ((slot // PAGE_SIZE) * stride_scale_block + (slot % PAGE_SIZE) * stride_scale_slot
+                  + heads * stride_scale_head)
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims[None, :], mask=mask, other=0.0)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims[None, :], mask=mask, other=0.0)
     store_rows(k_cache_ptr, k_scale_ptr, k, cache_rows, scale_rows, dims, mask, row_mask, 1, KV_FP8)
@@ -102,24 +112,25 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
 
 
 def cache_scales(k_cache: torch.Tensor, kv_scales: tuple[torch.Tensor, ...]) -> tuple:
-    """The kernels' scale arguments for a cache: (k_scale, v_scale, stride of a block, stride of a slot, whether it
-    is FP8). An FP8 cache needs its (k_scale, v_scale), float32 [num_blocks, block_size, H_kv] with contiguous
-    heads; another cache takes none (its k_cache stands in for them, unused)."""
+    """The kernels' scale arguments for a cache: (k_scale, v_scale, stride of a block, of a slot, of a head, whether
+    it is FP8). An FP8 cache needs its (k_scale, v_scale), float32 [num_blocks, block_size, H_kv], both with the same
+    strides (contiguous heads, or transposed within pages: scales_by_slots); another cache takes none (its k_cache
+    stands in for them, unused)."""
     fp8 = k_cache.dtype == FP8_DTYPE
     if not fp8:
         if kv_scales:
             raise ValueError(f"kv_scales go with an FP8 cache, got a {k_cache.dtype} one")
-        return k_cache, k_cache, 0, 0, False
+        return k_cache, k_cache, 0, 0, 0, False
     if len(kv_scales) != 2:
         raise ValueError("an FP8 cache needs its (k_scale, v_scale)")
     k_scale, v_scale = kv_scales
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if scale.shape != k_cache.shape[:3] or scale.dtype != FP8_SCALE_DTYPE or scale.stride(2) != 1:
-            raise ValueError(f"{name} must be float32 {list(k_cache.shape[:3])} with contiguous heads, got "
-                             f"{scale.dtype} {list(scale.shape)}")
+        if scale.shape != k_cache.shape[:3] or scale.dtype != FP8_SCALE_DTYPE:
+            raise ValueError(f"{name} must be float32 {list(k_cache.shape[:3])}, got {scale.dtype} "
+                             f"{list(scale.shape)}")
     if v_scale.stride() != k_scale.stride():
         raise ValueError("v_scale must have k_scale's strides")
-    return k_scale, v_scale, k_scale.stride(0), k_scale.stride(1), True
+    return k_scale, v_scale, *k_scale.stride(), True
 
 
 def check_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -145,7 +156,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     check_cache_write(k, v, k_cache, v_cache, slot_mapping)
-    k_scale, v_scale, stride_scale_block, stride_scale_slot, fp8 = cache_scales(k_cache, kv_scales)
+    k_scale, v_scale, stride_scale_block, stride_scale_slot, stride_scale_head, fp8 = cache_scales(k_cache, kv_scales)
     if num_tokens == 0:
         return
     if k.stride(2) != 1 or v.stride(2) != 1:
@@ -153,7 +164,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     _write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, num_kv_heads, head_dim,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        *value_strides(v_cache), stride_scale_block, stride_scale_slot,
+        *value_strides(v_cache), stride_scale_block, stride_scale_slot, stride_scale_head,
         PAGE_SIZE=k_cache.shape[1], BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim), KV_FP8=fp8, num_warps=4, **launch_options(pdl),
     )
@@ -165,7 +176,8 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_sin,
                             stride_q_out_t, stride_q_out_h, stride_block, stride_slot, stride_head,
                             stride_v_block, stride_v_slot, stride_v_head, stride_v_dim, stride_scale_block,
-                            stride_scale_slot, PAGE_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                            stride_scale_slot, stride_scale_head, PAGE_SIZE: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                            BLOCK_HK: tl.constexpr,
                             BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr = False, USE_PDL: tl.constexpr = 0):
     """One token: rotates its query heads into q_out, and its key heads (rotated) and value heads into its
     cache slot (none for a negative slot). Keys are rounded to k's dtype before the cache's, as rotating then
@@ -187,7 +199,8 @@ def _rotary_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_
     mask = mask & (slot >= 0)
     cache_rows = (slot // PAGE_SIZE) * stride_block + (slot % PAGE_SIZE) * stride_slot + kv_heads * stride_head
     value_rows = (slot // PAGE_SIZE) * stride_v_block + (slot % PAGE_SIZE) * stride_v_slot + kv_heads * stride_v_head
-    scale_rows = (slot // PAGE_SIZE) * stride_scale_block + (slot % PAGE_SIZE) * stride_scale_slot + kv_heads
+    scale_rows = ((slot // PAGE_SIZE) * stride_scale_block + (slot % PAGE_SIZE) * stride_scale_slot
+                  + kv_heads * stride_scale_head)
     store_rows(k_cache_ptr, k_scale_ptr, key.to(k_ptr.dtype.element_ty), cache_rows, scale_rows, dims, mask,
                row_mask, 1, KV_FP8)
     v = tl.load(v_ptr + token * stride_vt + kv_heads * stride_vh + dims[None, :], mask=mask, other=0.0)
@@ -204,7 +217,7 @@ def rotary_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
     num_kv_heads = k.shape[1]
     cos_rows, sin_rows = rope_rows(q, k, cos, sin)
     check_cache_write(k, v, k_cache, v_cache, slot_mapping)
-    k_scale, v_scale, stride_scale_block, stride_scale_slot, fp8 = cache_scales(k_cache, kv_scales)
+    k_scale, v_scale, stride_scale_block, stride_scale_slot, stride_scale_head, fp8 = cache_scales(k_cache, kv_scales)
     q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_tokens:
@@ -213,7 +226,8 @@ def rotary_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
             num_kv_heads, head_dim, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cos_rows.stride(0), sin_rows.stride(0), q_out.stride(0), q_out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *value_strides(v_cache), stride_scale_block,
-            stride_scale_slot, PAGE_SIZE=k_cache.shape[1], BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+            stride_scale_slot, stride_scale_head, PAGE_SIZE=k_cache.shape[1],
+            BLOCK_HQ=triton.next_power_of_2(num_q_heads),
             BLOCK_HK=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim), KV_FP8=fp8,
             num_warps=4, **launch_options(pdl),
         )

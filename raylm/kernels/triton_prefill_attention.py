@@ -40,7 +40,8 @@ def prefill_config(head_dim: int, element_size: int) -> TileConfig:
 def _prefill_tile(q, k_cache_ptr, v_cache_ptr, table_row, tile_start, key_end, query_pos, window, kv_head, dims,
                   dim_mask, m_i, l_i, acc, qk_scale, stride_block, stride_slot, stride_head, stride_v_block,
                   stride_v_slot, stride_v_head, stride_v_dim, k_scale_ptr, v_scale_ptr, stride_scale_block,
-                  stride_scale_slot, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                  stride_scale_slot, stride_scale_head, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASKED: tl.constexpr,
                   DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, V_BY_SLOTS: tl.constexpr,
                   V_RUN: tl.constexpr):
     """Attends a prefill tile's rows to the keys tile_start.. (causally and within the window if MASKED); values
@@ -50,8 +51,8 @@ def _prefill_tile(q, k_cache_ptr, v_cache_ptr, table_row, tile_start, key_end, q
     k, v, k_scale, v_scale = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, key_pos, key_mask, kv_head, dims,
                                            dim_mask, stride_block, stride_slot, stride_head, stride_v_block,
                                            stride_v_slot, stride_v_head, stride_v_dim, k_scale_ptr, v_scale_ptr,
-                                           stride_scale_block, stride_scale_slot, PAGE_SIZE, KV_FP8, V_BY_SLOTS,
-                                           V_RUN, key_end)
+                                           stride_scale_block, stride_scale_slot, stride_scale_head, PAGE_SIZE,
+                                           KV_FP8, V_BY_SLOTS, V_RUN, key_end)
     visible = ((key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] > query_pos[:, None] - window)
                & key_mask[None, :])
     return _attend_tile(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, MASKED, DOT_PRECISION, KV_FP8)
@@ -63,7 +64,7 @@ def _prefill_kernel(
     context_lens_ptr, qk_scale, window, num_seqs, head_dim,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_block, stride_slot, stride_head, stride_table,
     stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
-    k_scale_ptr, v_scale_ptr, stride_scale_block, stride_scale_slot,
+    k_scale_ptr, v_scale_ptr, stride_scale_block, stride_scale_slot, stride_scale_head,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, SEQ_CHUNK: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False, V_BY_SLOTS: tl.constexpr = False,
@@ -124,14 +125,16 @@ def _prefill_kernel(
                                       window, kv_head, dims, dim_mask, m_i, l_i, acc, qk_scale, stride_block,
                                       stride_slot, stride_head, stride_v_block, stride_v_slot, stride_v_head,
                                       stride_v_dim, k_scale_ptr, v_scale_ptr, stride_scale_block,
-                                      stride_scale_slot, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION, KV_FP8,
+                                      stride_scale_slot, stride_scale_head, PAGE_SIZE, BLOCK_N, False, DOT_PRECISION,
+                                      KV_FP8,
                                       V_BY_SLOTS, V_RUN)
     for tile_start in range(unmasked_end, key_end, BLOCK_N):
         m_i, l_i, acc = _prefill_tile(q, k_cache_ptr, v_cache_ptr, table_row, tile_start, key_end, query_pos,
                                       window, kv_head, dims, dim_mask, m_i, l_i, acc, qk_scale, stride_block,
                                       stride_slot, stride_head, stride_v_block, stride_v_slot, stride_v_head,
                                       stride_v_dim, k_scale_ptr, v_scale_ptr, stride_scale_block,
-                                      stride_scale_slot, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION, KV_FP8,
+                                      stride_scale_slot, stride_scale_head, PAGE_SIZE, BLOCK_N, True, DOT_PRECISION,
+                                      KV_FP8,
                                       V_BY_SLOTS, V_RUN)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -173,7 +176,7 @@ def paged_prefill_attention(
                          f"{list(query_start_loc.shape)}, {list(context_lens.shape)}, {list(block_tables.shape)}")
     if q.stride(2) != 1 or block_tables.stride(1) != 1:
         raise ValueError("q and block_tables must be contiguous in their last dimension")
-    k_scale, v_scale, stride_scale_block, stride_scale_slot, fp8 = cache_scales(k_cache, kv_scales)
+    k_scale, v_scale, stride_scale_block, stride_scale_slot, stride_scale_head, fp8 = cache_scales(k_cache, kv_scales)
     out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -188,7 +191,7 @@ def paged_prefill_attention(
         scale * _LOG2_E, _window(sliding_window), num_seqs, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), *value_strides(v_cache),
-        k_scale, v_scale, stride_scale_block, stride_scale_slot,
+        k_scale, v_scale, stride_scale_block, stride_scale_slot, stride_scale_head,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
         PAGE_SIZE=k_cache.shape[1], SEQ_CHUNK=128, HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION=_dot_precision(q.dtype), KV_FP8=fp8, V_BY_SLOTS=v_cache.stride() != k_cache.stride(),

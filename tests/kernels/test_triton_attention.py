@@ -26,7 +26,12 @@ from raylm.kernels.triton_attention import (  # noqa: E402
     paged_decode_attention,
     rotary_decode_attention,
 )
-from raylm.kernels.triton_kv_cache import rotary_write_kv_cache, value_cache_by_slots, write_kv_cache  # noqa: E402
+from raylm.kernels.triton_kv_cache import (  # noqa: E402
+    rotary_write_kv_cache,
+    scales_by_slots,
+    value_cache_by_slots,
+    write_kv_cache,
+)
 from raylm.kernels.triton_prefill_attention import paged_prefill_attention  # noqa: E402
 
 pytestmark = MODULE_MARKS
@@ -132,8 +137,10 @@ def _run_step(device: torch.device, dtype: torch.dtype, shape: Shape, decode_len
     slot_tensor = torch.tensor(slots, dtype=torch.int64, device=device)
     if fp8:  # the quantizing write has tests of its own (test_triton_kv_cache.py): these test reading the cache
         reference_write_kv_cache(k, v, k_cache, v_cache, slot_tensor, scales["kv_scales"])
-        if transposed_values:
+        if transposed_values:  # the scales too (scales_by_slots)
             v_cache = transposed_within_pages(v_cache)
+            scales = {"kv_scales": tuple(scales_transposed_within_pages(scale) for scale in scales["kv_scales"])}
+            caches = (*caches[:2], *scales["kv_scales"])
     else:
         if transposed_values:
             v_cache = transposed_within_pages(v_cache)
@@ -167,6 +174,14 @@ def transposed_within_pages(cache: torch.Tensor) -> torch.Tensor:
     else:
         stored.copy_(cache)
     assert stored.stride(1) == 1 and torch.equal(stored.float(), cache.float())
+    return stored
+
+
+def scales_transposed_within_pages(scale: torch.Tensor) -> torch.Tensor:
+    """An FP8 cache's scales [blocks, slots, heads] in a tensor stored transposed within its pages."""
+    stored = scales_by_slots(scale.shape, scale.device)
+    stored.copy_(scale)
+    assert stored.stride(1) == 1
     return stored
 
 
@@ -344,8 +359,9 @@ def test_fp8_cache_prefill_and_decode_of_one_step_match_the_reference(device, dt
 def test_a_value_cache_transposed_within_its_pages_reads_and_writes_as_one_by_rows(device, dtype, fp8, num_splits,
                                                                                    sliding_window):
     """The kernels take the value cache's own strides: stored [blocks, heads, dims, slots], decode, prefill over a
-    cached prefix, and the write of the step's values give what a cache by rows gives. The decode reads such values
-    in whole runs of a page's keys from a run's start, also where a window or a split starts mid-page."""
+    cached prefix, and the write of the step's values give what a cache by rows gives (an FP8 one's scales stored
+    transposed within their pages too). The decode reads such values in whole runs of a page's keys from a run's
+    start, also where a window or a split starts mid-page."""
     _run_step(device, dtype, Shape(16, 2, 4, 64), [1, 17, 40, 300], [(0, 17), (16, 40), (100, 3)],
               sliding_window=sliding_window, num_splits=num_splits, fp8=fp8, transposed_values=True)
 

@@ -10,7 +10,7 @@ from tests.kernels import GPU_ONLY, MODULE_MARKS, kernel_device
 
 DEVICE = kernel_device()
 
-from raylm.kernels.triton_kv_cache import rotary_write_kv_cache, write_kv_cache  # noqa: E402
+from raylm.kernels.triton_kv_cache import rotary_write_kv_cache, scales_by_slots, write_kv_cache  # noqa: E402
 
 pytestmark = MODULE_MARKS
 
@@ -107,7 +107,7 @@ def test_fp8_writes_quantize_each_row_as_the_reference_does(device, dtype, rotar
 def test_writes_into_a_value_cache_transposed_within_its_pages_store_what_writes_by_rows_store(device, dtype,
                                                                                                rotary, fp8):
     """A value cache stored [blocks, heads, dims, slots] takes the same values (an FP8 one the same bytes and
-    scales) as one stored by rows; keys stay by rows."""
+    scales, its scales stored [blocks, heads, slots]) as one stored by rows; keys stay by rows."""
     from raylm.kernels.fp8 import quantize_fp8
     from raylm.kernels.rotary import RotaryEmbedding, rope_inv_freq
 
@@ -125,6 +125,10 @@ def test_writes_into_a_value_cache_transposed_within_its_pages_store_what_writes
     stored = torch.empty(4, kv_heads, head_dim, page, dtype=by_rows[1].dtype, device=device).permute(0, 3, 1, 2)
     stored.view(torch.uint8 if fp8 else dtype).copy_(by_rows[1].view(torch.uint8 if fp8 else dtype))
     transposed[1] = stored
+    if fp8:  # the scales transposed within their pages too
+        transposed[2:] = [scales_by_slots(scale.shape, device) for scale in by_rows[2:]]
+        for mine, theirs in zip(transposed[2:], by_rows[2:]):
+            mine.copy_(theirs)
     scales = [{"kv_scales": (caches[2], caches[3])} if fp8 else {} for caches in (by_rows, transposed)]
     for caches, fp8_scales in zip((by_rows, transposed), scales):
         if rotary:
@@ -137,4 +141,4 @@ def test_writes_into_a_value_cache_transposed_within_its_pages_store_what_writes
     for mine, theirs in zip(transposed, by_rows):
         if mine.element_size() == 1:
             mine, theirs = mine.contiguous().view(torch.uint8), theirs.view(torch.uint8)
-        assert torch.equal(mine, theirs)
+        assert torch.equal(mine.contiguous(), theirs)
