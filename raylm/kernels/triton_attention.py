@@ -79,17 +79,21 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, key_pos, key_ma
     V_RUN > 0 (values by slots, key_pos starting at a multiple of V_RUN, a divisor of the page): the values are
     read in whole runs of V_RUN keys of one page, every run that starts before run_end, so that each thread's load
     is a vector. Keys of a run past key_mask get their slots' values (finite: written, or the cache's zeros) and
-    zero weight in _attend_tile, as their scales load as 0."""
-    block_id = tl.load(block_table_row_ptr + key_pos // PAGE_SIZE, mask=key_mask, other=0).to(tl.int64)
+    zero weight in _attend_tile, as their scales load as 0. The block table is read once for keys and values (for
+    every key of those runs: the keys' own loads stay masked by key_mask)."""
+    if V_BY_SLOTS and V_RUN > 0:
+        run_mask = key_pos // V_RUN * V_RUN < run_end
+        table_mask = run_mask
+    else:
+        table_mask = key_mask
+    block_id = tl.load(block_table_row_ptr + key_pos // PAGE_SIZE, mask=table_mask, other=0).to(tl.int64)
     slot = key_pos % PAGE_SIZE
     rows = block_id * stride_block + slot * stride_slot + kv_head * stride_head
     kv_mask = key_mask[:, None] & dim_mask[None, :]
     k = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     if V_BY_SLOTS:  # loaded [dims, keys] as stored, then transposed: the dot reads it along keys, its reduction
         if V_RUN > 0:
-            run_mask = key_pos // V_RUN * V_RUN < run_end
-            run_block = tl.load(block_table_row_ptr + key_pos // PAGE_SIZE, mask=run_mask, other=0).to(tl.int64)
-            v_rows = run_block * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
+            v_rows = block_id * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
             v_rows = tl.max_contiguous(tl.multiple_of(v_rows, [V_RUN]), [V_RUN])
             v_mask = dim_mask[:, None] & run_mask[None, :]
         else:
