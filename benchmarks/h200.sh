@@ -235,6 +235,9 @@ case "${1:-}" in
       timeout 200 python benchmarks/accuracy.py --dtype bfloat16 --set "$setting" \
         $(output_json "accuracy-smollm2-bf16-${setting##*=}") 2>&1 | tail -4
     done
+    # The FP8 cache with FP8 products in decode attention (queries and probabilities in FP8 too).
+    timeout 200 python benchmarks/accuracy.py --dtype bfloat16 --set kv_cache_config.dtype=fp8 \
+      --set kernel_config.fp8_attention=fp8 $(output_json accuracy-smollm2-bf16-fp8-attention) 2>&1 | tail -4
     ;;
   fp8-one-row)
     # One row on FP8 weights on the CUDA cores: its GPU tests, the 8B layers at 1 row against the tensor-core GEMV,
