@@ -20,8 +20,8 @@ layout for an FP8 cache) are read in whole runs of 16 keys of a page (tiles star
 the split are masked in the scores), 16 bytes a load through cp.async as the keys' are. On the H200, at 512 x 1024
 keys: 2.56 TB/s against 2.06 by rows and 3.94 for bf16 (docs/benchmarks.md). A run can read slots past a
 sequence's end, weighted 0: a value cache stored that way must hold finite values there (zeroed when allocated).
-With fp8_dot, the FP8 tiles are multiplied as stored by Hopper's warpgroup MMA (_attend_tile_fp8), the queries and
-probabilities quantized to FP8.
+With fp8_dot, the FP8 tiles are multiplied as stored by Hopper's warpgroup MMA (_attend_tile_keys_first), the
+queries and probabilities quantized to FP8.
 
 Query heads that share a KV head are processed by one program, so each K/V tile is read once per group.
 Scores are accumulated in float32 and the softmax runs online in base 2 (exp2 of scores scaled by log2 e).
@@ -422,7 +422,7 @@ def paged_decode_attention(
     launches' trigger mode (kernels/pdl.py). kv_scales: an FP8 cache's (k_scale, v_scale). `config` fixes the
     tiles instead of decode_config's (for benchmarks; block_m is raised to the GQA group's power of two). fp8_dot
     (an FP8 cache with its values by slots): the products run on FP8 tensor cores, the queries and probabilities
-    quantized to FP8 too (_attend_tile_fp8).
+    quantized to FP8 too (_attend_tile_keys_first).
     """
     return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, None, pdl,
                    kv_scales, config, fp8_dot)
@@ -499,7 +499,9 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
                          f"FP8 MMA's rows) and heads of at least 32 dimensions (its reduction); got kv_scales "
                          f"{'set' if fp8 else 'unset'}, values {'by slots' if values_by_slots else 'by rows'}, "
                          f"block_n {config.block_n}, head_dim {head_dim}")
-    keys_first = fp8_dot or (config.keys_first and fp8 and values_by_slots)
+    if config.keys_first and not (fp8 and values_by_slots):
+        raise ValueError("keys_first tiles need an FP8 cache with its values by slots")
+    keys_first = fp8_dot or config.keys_first
     direct = num_splits == 1
     if direct:
         part_acc = part_max = part_sum = out  # unused by the kernel
