@@ -5,12 +5,13 @@ Two paths compute the same thing. The reference dequantizes both operands and mu
 CPU and is what the CUDA path is tested against. The CUDA path multiplies the FP8 operands directly with
 torch._scaled_mm (compute capability 8.9+), which takes the weight column-major: the [out, in] row-major weight,
 transposed as a view, is just that, so weights keep the layout of every other linear layer; its input is quantized
-by one Triton kernel (kernels/triton_fp8.py), to the same bytes.
+by one Triton kernel (kernels/triton_fp8.py), to the same bytes, or by the RMSNorm before it (Fp8Rows).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -44,11 +45,24 @@ def dequantize_fp8(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return quantized.float() * scale.unsqueeze(-1)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+@dataclass(frozen=True)
+class Fp8Rows:
+    """Activations already quantized per token for an FP8 matmul, in place of their `dtype` rows: values [T, K]
+    float8_e4m3fn and scale [T] float32, the bytes quantize_fp8 gives (kernels/triton_ops.py's RMSNorm writes them
+    where the linear after it would quantize its input: one pass over the rows instead of two)."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ dequantized(weight).T + bias in x's dtype, with x quantized to FP8 per token: torch._scaled_mm on GPUs
     that multiply FP8 (scaled_mm_applies), else fp8_linear_reference. weight: [out, in] float8_e4m3fn; weight_scale:
-    [out] float32."""
+    [out] float32. x may come quantized (Fp8Rows, [T, in])."""
+    if isinstance(x, Fp8Rows):
+        return _scaled_mm_rows(x.values, x.scale, weight, weight_scale, bias, x.dtype)
     if scaled_mm_applies(x, weight):
         return _scaled_mm_linear(x, weight, weight_scale, bias)
     return fp8_linear_reference(x, weight, weight_scale, bias)
@@ -81,11 +95,18 @@ def _scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     from raylm.kernels.triton_fp8 import quantize_rows_fp8
 
     quantized, scale = quantize_rows_fp8(rows if rows.stride(-1) == 1 else rows.contiguous())
+    out = _scaled_mm_rows(quantized, scale, weight, weight_scale, bias, x.dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _scaled_mm_rows(quantized: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """[T, out] in dtype from FP8 rows [T, in] and their scales [T]."""
     # Row-wise scaling: one scale per activation row ([M, 1]) and per weight column of the transposed view ([1, N]);
     # cuBLAS writes bfloat16 under it.
     out = torch._scaled_mm(quantized, weight.t(), scale_a=scale.unsqueeze(1), scale_b=weight_scale.unsqueeze(0),
                            out_dtype=torch.bfloat16)
-    out = out.to(x.dtype)
+    out = out.to(dtype)
     if bias is not None:
         out = out + bias
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    return out

@@ -6,16 +6,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from raylm.kernels.fp8 import Fp8Rows, fp8_linear
 from raylm.kernels.policy import KernelPolicy
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, policy: KernelPolicy,
+def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor | None, policy: KernelPolicy,
            weight_scale: torch.Tensor | None = None, lora=None) -> torch.Tensor:
     """x @ weight.T + bias, through the Triton GEMV (kernels/triton_gemv.py) where policy.gemv_applies; an FP8
     weight comes with its per-row weight_scale and goes through the GEMV the same way (weights widened, x kept as
     it is), else through kernels/fp8.py (x quantized to FP8 too). lora: the rows' shrunk LoRA inputs
     (kernels/triton_lora.py's LoraRows), whose products join the output: in the GEMV's epilogue where the policy
     says so (lora_in_gemv; computed first where lora_products_first), else by the expand kernel after the matmul."""
+    if isinstance(x, Fp8Rows):  # quantized by the RMSNorm before: only the FP8 matmul takes them
+        return fp8_linear(x, weight, weight_scale, bias)
     if policy.gemv_applies(x, weight):
         from raylm.kernels.triton_gemv import gemv
 
@@ -25,8 +28,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pol
         if lora is None or in_epilogue:
             return out
     elif weight_scale is not None:
-        from raylm.kernels.fp8 import fp8_linear
-
         out = fp8_linear(x, weight, weight_scale, bias)
     else:
         out = F.linear(x, weight, bias)

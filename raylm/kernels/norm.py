@@ -24,11 +24,20 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
+        # The linear layer this norm's output goes to, where it may take FP8 rows (models/parallel.py's
+        # takes_fp8_rows): the Triton norm then writes them, and the layer does not quantize its input itself.
+        # Kept out of the module tree (a plain attribute of a tuple), so that parameters are not listed twice.
+        self._fp8_consumer: tuple[nn.Module, ...] = ()
+
+    def feeds(self, linear: nn.Module) -> None:
+        """Names the linear layer that takes this norm's output (see _fp8_consumer)."""
+        self._fp8_consumer = (linear,)
 
     def forward(self, x, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual). x may be a row-parallel
         layer's Unreduced partial sum (models/parallel.py): the sum over ranks is then taken first, in one kernel
-        with the add and the norm where the context's fused_norm takes it."""
+        with the add and the norm where the context's fused_norm takes it. Where the linear it feeds takes FP8 rows
+        for x, the output is those rows (kernels/fp8.py's Fp8Rows)."""
         pdl = self.kernels.pdl
         if hasattr(x, "partial"):  # Unreduced
             fused = x.ctx.fused_norm
@@ -38,6 +47,9 @@ class RMSNorm(nn.Module):
         if self.kernels.on_triton(x):
             from raylm.kernels import triton_ops
 
+            if self._fp8_consumer and self.weight.dtype == x.dtype and self._fp8_consumer[0].takes_fp8_rows(x):
+                rows, new_residual = triton_ops.rms_norm_fp8(x, residual, self.weight, self.eps, pdl)
+                return rows if residual is None else (rows, new_residual)
             if residual is None:
                 return triton_ops.rms_norm(x, self.weight, self.eps, pdl)
             return triton_ops.fused_add_rms_norm(x, residual, self.weight, self.eps, pdl)

@@ -11,7 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from raylm.kernels.fp8 import FP8_DTYPE, FP8_SCALE_DTYPE, Fp8Rows
 from raylm.kernels.pdl import launch_options, pdl_wait
+from raylm.kernels.triton_fp8 import fp8_scale, to_fp8
 
 # ------------------------------------------------------------------------------------------ RMSNorm
 
@@ -19,8 +21,9 @@ from raylm.kernels.pdl import launch_options, pdl_wait
 @triton.jit(do_not_specialize=["rows"])
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, rows, hidden_size, eps,
                      stride_x, stride_residual, stride_out, stride_residual_out, HAS_RESIDUAL: tl.constexpr,
-                     BLOCK: tl.constexpr, USE_PDL: tl.constexpr = 0):
-    """One program a row."""
+                     BLOCK: tl.constexpr, USE_PDL: tl.constexpr = 0, scale_ptr=None, QUANTIZE: tl.constexpr = False):
+    """One program a row. With QUANTIZE, the row (rounded to x's dtype) is stored quantized to FP8 in out_ptr, its
+    scale at scale_ptr, as triton_fp8's quantize_rows_fp8 would store it."""
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -35,7 +38,13 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     normed = (hidden * tl.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
     out = weight.to(tl.float32) * normed.to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANTIZE:
+        out = out.to(x_ptr.dtype.element_ty).to(tl.float32)
+        scale = fp8_scale(tl.max(tl.abs(out), axis=0))
+        tl.store(out_ptr + row * stride_out + cols, to_fp8(out, scale), mask=mask)
+        tl.store(scale_ptr + row, scale)
+    else:
+        tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -45,13 +54,21 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                     pdl: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     pdl: int, quantize: bool = False) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor | None]:
     hidden_size = x.shape[-1]
     if weight.shape != (hidden_size,):
         raise ValueError(f"weight must be [{hidden_size}], got {list(weight.shape)}")
     x_rows = _rows(x)
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    out_rows = out.view(-1, hidden_size)
+    if quantize:
+        if weight.dtype != x.dtype:
+            raise ValueError(f"FP8 rows take a weight in x's dtype ({x.dtype}), got {weight.dtype}")
+        out_rows = torch.empty(x_rows.shape, dtype=FP8_DTYPE, device=x.device)
+        scale = torch.empty(x_rows.shape[0], dtype=FP8_SCALE_DTYPE, device=x.device)
+        out = Fp8Rows(out_rows, scale, x.dtype)
+    else:
+        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+        out_rows = out.view(-1, hidden_size)
+        scale = None
     if residual is None:
         residual_rows = residual_out_rows = x_rows  # unused by the kernel
         residual_out = None
@@ -66,7 +83,7 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
             x_rows, residual_rows, weight.contiguous(), out_rows, residual_out_rows, rows, hidden_size, eps,
             x_rows.stride(0), residual_rows.stride(0), out_rows.stride(0), residual_out_rows.stride(0),
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
-            **launch_options(pdl),
+            scale_ptr=scale, QUANTIZE=quantize, **launch_options(pdl),
         )
     return out, residual_out
 
@@ -88,6 +105,17 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                          f"{list(residual.shape)}, {residual.dtype}")
     out, new_residual = _launch_rms_norm(x, residual, weight, eps, pdl)
     return out, new_residual
+
+
+def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 pdl: int = 0) -> tuple[Fp8Rows, torch.Tensor | None]:
+    """rms_norm (with residual, fused_add_rms_norm) whose rows come out quantized to FP8 per token, for an FP8
+    matmul: the bytes and scales quantize_fp8 gives for the rounded rows, without writing them in x's dtype first.
+    Returns (Fp8Rows [rows, hidden], the new residual or None); weight in x's dtype."""
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual must match x ({list(x.shape)}, {x.dtype}), got "
+                         f"{list(residual.shape)}, {residual.dtype}")
+    return _launch_rms_norm(x, residual, weight, eps, pdl, quantize=True)
 
 
 # ------------------------------------------------------------------------------------------ rotary

@@ -93,7 +93,8 @@ class MLP(nn.Module):
         # (kernel_config.lora_expand; otherwise the expand kernel, or torch's grouped products, join gate_up's
         # output first and the SiLU-mul runs on its own)
         adds = gate_up.lora is not None and gate_up.lora.adds()
-        if self.silu and self.kernels.gemv_applies(x, gate_up.weight) and (not adds or self.kernels.lora_in_gemv):
+        gemv = isinstance(x, torch.Tensor) and self.kernels.gemv_applies(x, gate_up.weight)  # not FP8 rows
+        if self.silu and gemv and (not adds or self.kernels.lora_in_gemv):
             lora = gate_up.lora.shrink(x) if adds else None
             if lora is not None or not adds:
                 from raylm.kernels.triton_gemv import gemv_silu_mul
@@ -113,6 +114,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MoEBlock(arch, ctx) if arch.is_moe_layer(index) else MLP(arch, ctx)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        # Where the qkv and gate / up projections quantize their input to FP8, the norms before them write it.
+        self.input_layernorm.feeds(self.self_attn.qkv_proj)
+        if isinstance(self.mlp, MLP):
+            self.post_attention_layernorm.feeds(self.mlp.gate_up_proj)
 
     def forward(self, rope, hidden, residual, kv_cache, meta, defer_reduce: bool = False):
         """With defer_reduce, the o and down projections return Unreduced partial sums, which the RMSNorm after

@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from raylm.kernels.fp8 import FP8_DTYPE
+from raylm.kernels import fp8 as fp8_kernels
+from raylm.kernels.fp8 import FP8_DTYPE, Fp8Rows
 from raylm.kernels.linear import linear
 from raylm.kernels.policy import KernelPolicy
 
@@ -143,10 +144,16 @@ class ColumnParallelLinear(nn.Module):
         start = self.ctx.tp_rank * param.shape[0]
         param.data.copy_(loaded.narrow(0, start, param.shape[0]))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         if self.lora is not None:
             return self.lora.linear(x, self.weight, self.bias, self.weight_scale)
         return linear(x, self.weight, self.bias, self.kernels, self.weight_scale)
+
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        """Whether this layer would quantize x to FP8 rows for its matmul (FP8 weights through torch._scaled_mm:
+        not the decode GEMV, no LoRA adapters), so that the norm before it may hand them over (kernels/norm.py)."""
+        return (self.weight_scale is not None and self.lora is None and self.kernels.on_triton(x)
+                and not self.kernels.gemv_applies(x, self.weight) and fp8_kernels.scaled_mm_applies(x, self.weight))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

@@ -151,3 +151,14 @@ def test_fp8_dot_multiplies_fp8_on_the_warpgroup_mma():
     ptx = compile_for_hopper(_decode_split_kernel, constexprs, pointers)
     assert "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3" in ptx and "mma.sync" not in ptx
     assert "cvt.rn.f16x2.e4m3x2" not in ptx  # no tile widened
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_norm_writing_fp8_rows_compiles_for_hopper(residual):
+    """rms_norm_fp8: the row's amax, scale and FP8 bytes stored in the norm's own program."""
+    from raylm.kernels.triton_ops import _rms_norm_kernel
+
+    ptx = compile_for_hopper(_rms_norm_kernel, {"HAS_RESIDUAL": residual, "BLOCK": 4096, "QUANTIZE": True},
+                             {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*fp8e4nv",
+                              "residual_out_ptr": "*bf16", "scale_ptr": "*fp32", "eps": "fp32"}, num_warps=16)
+    assert ".target sm_90" in ptx and "e4m3" in ptx
