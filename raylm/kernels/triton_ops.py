@@ -1,4 +1,5 @@
-"""Fused elementwise kernels in Triton: RMSNorm (with a residual add), rotary embedding, SiLU-and-mul.
+"""Fused elementwise kernels in Triton: RMSNorm (with a residual add), rotary embedding, SiLU-and-mul; the norm and
+SiLU-and-mul also with their rows quantized to FP8 for an FP8 matmul after them (kernels/fp8.py's Fp8Rows).
 
 Each matches its torch reference (norm.py, rotary.py, activation.py) step for step: arithmetic runs in
 float32 and results are rounded to the tensor dtype where the reference rounds them, so float32 inputs agree
@@ -227,6 +228,50 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, size, stride_in, stride_out, BLOC
     activated = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
     out = activated.to(tl.float32) * up.to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# silu_and_mul_fp8 holds a whole row in one program: up to this many features.
+SILU_FP8_MAX_SIZE = 32768
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(gate_up_ptr, out_ptr, scale_ptr, size, stride_in, stride_out, BLOCK: tl.constexpr,
+                             USE_PDL: tl.constexpr = 0):
+    """One program a row: silu(gate) * up rounded as _silu_and_mul_kernel rounds it, then quantized to FP8 by the
+    row's amax, as triton_fp8's quantize_rows_fp8 would."""
+    pdl_wait(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < size
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_in + size + cols, mask=mask, other=0.0)
+    dtype = gate_up_ptr.dtype.element_ty
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+    out = (activated.to(tl.float32) * up.to(tl.float32)).to(dtype).to(tl.float32)
+    scale = fp8_scale(tl.max(tl.abs(out), axis=0))
+    tl.store(out_ptr + row * stride_out + cols, to_fp8(out, scale), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+def silu_and_mul_fp8(gate_up: torch.Tensor, pdl: int = 0) -> Fp8Rows:
+    """silu_and_mul whose rows come out quantized to FP8 per token, for an FP8 matmul (Fp8Rows [rows, I]): the
+    bytes and scales quantize_fp8 gives for silu_and_mul's rows, without writing those first. I is at most
+    SILU_FP8_MAX_SIZE."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up's last dimension must be even (gate then up), got {gate_up.shape[-1]}")
+    size = gate_up.shape[-1] // 2
+    if size > SILU_FP8_MAX_SIZE:
+        raise ValueError(f"silu_and_mul_fp8 takes at most {SILU_FP8_MAX_SIZE} features a row, got {size}")
+    rows = _rows(gate_up)
+    out = torch.empty(rows.shape[0], size, dtype=FP8_DTYPE, device=gate_up.device)
+    scale = torch.empty(rows.shape[0], dtype=FP8_SCALE_DTYPE, device=gate_up.device)
+    if rows.shape[0] and size:
+        block = triton.next_power_of_2(size)
+        _silu_and_mul_fp8_kernel[(rows.shape[0],)](
+            rows, out, scale, size, rows.stride(0), out.stride(0), BLOCK=block,
+            num_warps=min(max(block // 512, 4), 16), **launch_options(pdl),
+        )
+    return Fp8Rows(out, scale, gate_up.dtype)
 
 
 def silu_and_mul(gate_up: torch.Tensor, pdl: int = 0) -> torch.Tensor:

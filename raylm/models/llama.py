@@ -104,7 +104,14 @@ class MLP(nn.Module):
                                           pdl=self.kernels.pdl,
                                           lora=self.kernels.gemv_lora(lora) if lora is not None else None)
                 return self.down_proj(activated, defer_reduce)
-        return self.down_proj(self.act(gate_up(x), self.kernels), defer_reduce)
+        gate_up_out = gate_up(x)
+        if self.silu and self.kernels.on_triton(gate_up_out):  # the down projection's input quantized where it can be
+            from raylm.kernels import triton_ops
+
+            size = gate_up_out.shape[-1] // 2
+            if size <= triton_ops.SILU_FP8_MAX_SIZE and self.down_proj.takes_fp8_rows(gate_up_out[..., :size]):
+                return self.down_proj(triton_ops.silu_and_mul_fp8(gate_up_out, self.kernels.pdl), defer_reduce)
+        return self.down_proj(self.act(gate_up_out, self.kernels), defer_reduce)
 
 
 class DecoderLayer(nn.Module):

@@ -150,10 +150,9 @@ class ColumnParallelLinear(nn.Module):
         return linear(x, self.weight, self.bias, self.kernels, self.weight_scale)
 
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
-        """Whether this layer would quantize x to FP8 rows for its matmul (FP8 weights through torch._scaled_mm:
-        not the decode GEMV, no LoRA adapters), so that the norm before it may hand them over (kernels/norm.py)."""
-        return (self.weight_scale is not None and self.lora is None and self.kernels.on_triton(x)
-                and not self.kernels.gemv_applies(x, self.weight) and fp8_kernels.scaled_mm_applies(x, self.weight))
+        """Whether this layer takes x as FP8 rows quantized before it (_takes_fp8_rows): the norm before it may
+        hand them over (kernels/norm.py)."""
+        return _takes_fp8_rows(self, x)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -220,6 +219,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
+def _takes_fp8_rows(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `layer` would quantize x to FP8 rows for its matmul (FP8 weights through torch._scaled_mm: not the
+    decode GEMV, no LoRA adapters), so that the kernel producing x may write them instead (kernels/fp8.py's
+    Fp8Rows)."""
+    return (layer.weight_scale is not None and layer.lora is None and layer.kernels.on_triton(x)
+            and not layer.kernels.gemv_applies(x, layer.weight) and fp8_kernels.scaled_mm_applies(x, layer.weight))
+
+
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by input columns; partial sums are all-reduced across ranks."""
 
@@ -240,7 +247,12 @@ class RowParallelLinear(nn.Module):
         start = self.ctx.tp_rank * param.shape[1]
         param.data.copy_(loaded.narrow(1, start, param.shape[1]))
 
-    def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor | Unreduced:
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        """Whether this layer takes x as FP8 rows quantized before it (_takes_fp8_rows): the SiLU-and-mul before it
+        may hand them over (models/llama.py's MLP)."""
+        return _takes_fp8_rows(self, x)
+
+    def forward(self, x: torch.Tensor | Fp8Rows, defer_reduce: bool = False) -> torch.Tensor | Unreduced:
         """With defer_reduce (and no bias), the partial sum as Unreduced: the next RMSNorm all-reduces it."""
         if self.lora is not None:
             out = self.lora.linear(x, self.weight, None, self.weight_scale)

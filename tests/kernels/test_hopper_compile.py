@@ -162,3 +162,11 @@ def test_the_norm_writing_fp8_rows_compiles_for_hopper(residual):
                              {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*fp8e4nv",
                               "residual_out_ptr": "*bf16", "scale_ptr": "*fp32", "eps": "fp32"}, num_warps=16)
     assert ".target sm_90" in ptx and "e4m3" in ptx
+
+
+def test_silu_and_mul_writing_fp8_rows_compiles_for_hopper():
+    from raylm.kernels.triton_ops import _silu_and_mul_fp8_kernel
+
+    ptx = compile_for_hopper(_silu_and_mul_fp8_kernel, {"BLOCK": 16384},
+                             {"gate_up_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}, num_warps=16)
+    assert ".target sm_90" in ptx and "e4m3" in ptx

@@ -20,6 +20,7 @@ from raylm.kernels.triton_ops import (  # noqa: E402
     rms_norm_fp8,
     rotary_embedding,
     silu_and_mul,
+    silu_and_mul_fp8,
 )
 
 pytestmark = MODULE_MARKS
@@ -147,6 +148,26 @@ def test_silu_and_mul_matches_reference(device, dtype, shape):
     torch.manual_seed(5)
     gate_up = torch.randn(shape, dtype=dtype, device=device) * 4
     _assert_close(silu_and_mul(gate_up), gated_activation("silu")(gate_up))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (5, 2000), (2, 3, 14336 * 2)], ids=str)
+def test_fp8_rows_of_silu_and_mul_are_its_quantized_rows(device, dtype, shape):
+    """silu_and_mul_fp8: silu_and_mul's rows quantized per token as quantize_fp8 quantizes them (bytes compared on
+    the GPU; interpreted, the scales and most bytes: see test_fp8_rows_of_the_norm_are_the_quantized_norm)."""
+    torch.manual_seed(7)
+    gate_up = torch.randn(shape, dtype=dtype, device=device) * 4
+    values, scale = quantize_fp8(silu_and_mul(gate_up).reshape(-1, shape[-1] // 2))
+    rows = silu_and_mul_fp8(gate_up)
+    assert rows.dtype == dtype and rows.values.shape == values.shape
+    torch.testing.assert_close(rows.scale, scale, rtol=1e-6, atol=0)
+    same = rows.values.view(torch.uint8) == values.view(torch.uint8)
+    assert same.all() if device.type == "cuda" else same.float().mean() > 0.9
+
+
+def test_silu_and_mul_fp8_refuses_rows_longer_than_one_program_holds(device):
+    with pytest.raises(ValueError, match="at most 32768 features a row, got 32769"):
+        silu_and_mul_fp8(torch.zeros(1, 2 * 32769, device=device))
 
 
 @pytest.mark.gpu

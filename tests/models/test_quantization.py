@@ -396,22 +396,27 @@ def test_fp8_on_gpu_through_scaled_mm_matches_the_reference_path(tiny_model_dirs
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_the_norms_fp8_rows_give_what_the_layers_own_quantization_gives(monkeypatch):
-    """Where the qkv and gate / up projections multiply in FP8 (torch._scaled_mm: prefill rows), the RMSNorms
-    before them write their rows in FP8 (triton_ops.rms_norm_fp8): the same bytes as the layers' own quantization,
-    so the same logprobs, bit for bit. SmolLM2-135M's shape with random weights (its sizes fit _scaled_mm)."""
+def test_fp8_rows_from_the_norms_and_silu_mul_give_what_the_layers_own_quantization_gives(monkeypatch):
+    """Where the qkv, gate / up and down projections multiply in FP8 (torch._scaled_mm: prefill rows), the RMSNorms
+    and the SiLU-and-mul before them write their rows in FP8 (triton_ops.rms_norm_fp8, silu_and_mul_fp8): the same
+    bytes as the layers' own quantization, so the same logprobs, bit for bit. SmolLM2-135M's shape with random
+    weights (its sizes fit _scaled_mm)."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs compute capability 8.9+ (FP8 matmuls)")
     from raylm.kernels import triton_ops
 
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "configs" / "smollm2-135m"
     calls = []
-    rms_norm_fp8 = triton_ops.rms_norm_fp8
-    monkeypatch.setattr(triton_ops, "rms_norm_fp8", lambda *args, **kw: calls.append(1) or rms_norm_fp8(*args, **kw))
+    for name in ("rms_norm_fp8", "silu_and_mul_fp8"):
+        kernel = getattr(triton_ops, name)
+        monkeypatch.setattr(triton_ops, name, lambda *args, _name=name, _kernel=kernel, **kw:
+                            calls.append(_name) or _kernel(*args, **kw))
     options = dict(quant_config=FP8, device="cuda", executor="local", dtype="bfloat16", load_format="dummy")
     fused = _generate(path, **options)
-    assert len(calls) >= 2 * 30  # both norms of every layer, at least in the prefill step
+    # Both norms and the SiLU-and-mul of every layer (30), at least in the prefill step.
+    assert calls.count("rms_norm_fp8") >= 2 * 30 and calls.count("silu_and_mul_fp8") >= 30
     monkeypatch.setattr(ColumnParallelLinear, "takes_fp8_rows", lambda self, x: False)
+    monkeypatch.setattr(RowParallelLinear, "takes_fp8_rows", lambda self, x: False)
     assert _generate(path, **options) == fused
 
 
