@@ -105,11 +105,11 @@ trap save_triton_cache EXIT
 output_json() {  # name
   [ -n "${OUT:-}" ] && echo "--output_json $OUT/results/$1.json"
 }
-# The decode GEMV's tuning results kept on disk (Triton's autotuning cache): each engine run after the first on this
-# machine skips re-timing its ~24 tile configurations per layer shape (seconds of start-up each) and picks the same
-# configuration, so alternating runs compare the switch, not two tunings. Used once a two-process check of the
-# cache (write, then read) has passed on this machine; checked before the first engine run (latency, throughput),
-# the outcome kept for the machine's later commands.
+# The decode GEMV's tuning results kept on disk (Triton's autotuning cache, which the GEMV asks for itself since the
+# fourteenth session): each engine run after the first on this machine skips re-timing its tile configurations per
+# layer shape (seconds of start-up each) and picks the same configuration, so alternating runs compare the switch,
+# not two tunings. A two-process check of the cache (write, then read) runs before the first engine run (latency,
+# throughput) and says so where it fails; its outcome is kept for the machine's later commands.
 use_gemv_tuning_cache() {
   local marker=/tmp/raylm-gemv-tuning-cache
   if [ ! -f "$marker" ]; then
