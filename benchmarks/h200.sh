@@ -42,6 +42,7 @@
 #                                        # throughput step profile                                    (~7 min)
 #   bash benchmarks/h200.sh fp8-attention-kinds  # the FP8 decode kernel's operand orders and FP8 products (~3 min)
 #   bash benchmarks/h200.sh fp8-throughput-kv-products  # fp8-throughput-kv with FP8 products, the kernel's kinds (~6 min)
+#   bash benchmarks/h200.sh fp8-tests    # the FP8 paths' GPU tests (norm / SiLU-mul FP8 rows, cache layouts)  (~5 min)
 #   bash benchmarks/h200.sh fp8-latency  # 8B batch 1 and 8 latency: bf16, FP8 weights (the GEMV's input in float16),
 #                                        # then the GEMV's other input modes (kernel_config.fp8_gemv_input)  (~6 min)
 #   bash benchmarks/h200.sh fp8-prefill  # 8B prefill alone, 256 x (2048, 1), bf16 then FP8 weights   (~4 min)
@@ -297,6 +298,17 @@ case "${1:-}" in
       --set kv_cache_config.dtype=fp8 --set kernel_config.fp8_attention=fp8
     timeout 90 python benchmarks/attention.py $(output_json attention-decode-8b-b512-l1024-kinds) 2>&1 \
       | grep -E "^(B |bf16|fp8)"
+    ;;
+  fp8-tests)
+    # The FP8 paths' GPU tests: FP8 rows from the norm and SiLU-and-mul (kernels, and the model bit for bit against
+    # the layers' own quantization), the cache's values and scales by slots, keys first and FP8 products, the engine
+    # with them, release / resume of an FP8 cache; the whole log in $OUT.
+    log="${OUT:-/tmp}/fp8-tests.log"
+    timeout 400 python -m pytest tests/kernels/test_triton_ops.py tests/kernels/test_triton_attention.py \
+      tests/kernels/test_triton_kv_cache.py tests/models/test_quantization.py tests/engine/test_fp8_kv_cache.py \
+      tests/rl_api/test_memory_gpu.py -m gpu -k "fp8 or transposed or keys_first or rms or silu" -q -rs \
+      -p no:cacheprovider > "$log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$log" | tail -12
     ;;
   fp8-latency)
     fp8=(--set quant_config.quant_algo=FP8)
