@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import graph_call_us, write_result  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
+KINDS = ("bf16", "fp8", "fp8-values-by-slots", "fp8-scales-by-slots", "fp8-keys-first", "fp8-dot")
 
 
 def _cases(batch: int, context: int, seed: int):
@@ -48,6 +49,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024, help="cached keys per sequence (a multiple of 16)")
     parser.add_argument("--calls", type=int, default=4, help="calls per CUDA graph")
     parser.add_argument("--sweep", action="store_true", help="also time each FP8 layout under a grid of tiles")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="the kinds to time")
     parser.add_argument("--output_json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -98,21 +100,26 @@ def main() -> None:
     reference = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
     fp8_out = paged_decode_attention(q, k8, v8, tables, lens, scale, kv_scales=(k_scale, v_scale))
     by_slots = paged_decode_attention(q, k8, v8_by_slots, tables, lens, scale, kv_scales=(k_scale, v_scale))
+    scales_by_slots_out = paged_decode_attention(q, k8, v8_by_slots, tables, lens, scale, kv_scales=scales_by_slots)
     fp8_dot = paged_decode_attention(q, k8, v8_by_slots, tables, lens, scale, kv_scales=(k_scale, v_scale),
                                      fp8_dot=True)
     gap = (fp8_out.float() - reference.float()).abs().max().item()
     dot_gap = (fp8_dot.float() - reference.float()).abs().max().item()
-    layouts_gap = (by_slots.float() - fp8_out.float()).abs().max().item()
+    layouts_gap = max((out.float() - fp8_out.float()).abs().max().item() for out in (by_slots, scales_by_slots_out))
     if layouts_gap > 0.01:
-        sys.exit(f"the FP8 cache's values by slots gave other outputs than by rows (largest gap {layouts_gap})")
+        sys.exit(f"the FP8 cache's values (or scales) by slots gave other outputs than by rows (largest gap "
+                 f"{layouts_gap})")
     print(f"B {args.batch} x L {args.context}: FP8 cache against bf16, largest output gap {gap:.4f}; values by "
           f"slots against by rows {layouts_gap:.4f}; FP8 products (fp8_dot) against bf16 {dot_gap:.4f}", flush=True)
     result["fp8_max_gap_vs_bf16"] = gap
     result["fp8_dot_max_gap_vs_bf16"] = dot_gap
-    for kind in caches:
+    assert tuple(caches) == KINDS
+    kinds = args.kinds
+    for kind in kinds:
         result[kind] = timed(kind, None)
     if args.sweep:
-        for kind in ("fp8", "fp8-values-by-slots", "fp8-scales-by-slots", "fp8-dot"):
+        for kind in [kind for kind in ("fp8", "fp8-values-by-slots", "fp8-scales-by-slots", "fp8-dot")
+                     if kind in kinds]:
             tiles = (64, 128) if kind == "fp8-dot" else (32, 64, 128)  # the FP8 MMA takes 64 keys at a time
             result[f"{kind}_sweep"] = [timed(kind, TileConfig(block_m=16, block_n=block_n, num_warps=warps,
                                                               num_stages=stages))
