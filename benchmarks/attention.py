@@ -66,7 +66,7 @@ def main() -> None:
     k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     (k8, k_scale), (v8, v_scale) = quantize_fp8(k_cache), quantize_fp8(v_cache)
-    v8_by_slots = torch.empty(blocks, KV_HEADS, HEAD_DIM, PAGE, dtype=v8.dtype, device="cuda").permute(0, 3, 1, 2)
+    v8_by_slots = triton_kv_cache.value_cache_by_slots(shape, v8.dtype, v8.device)
     v8_by_slots.view(torch.uint8).copy_(v8.view(torch.uint8))
     scales_by_slots = tuple(triton_kv_cache.scales_by_slots(scale.shape, scale.device).copy_(scale)
                             for scale in (k_scale, v_scale))

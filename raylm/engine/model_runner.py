@@ -129,7 +129,6 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         # Per layer (k_cache, v_cache), and for an FP8 cache their scales after them (kernels/attention.py).
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
-        self.values_by_slots = False  # set by allocate_kv_cache
         self.num_kv_heads = model.local_layers[0].self_attn.num_kv_heads
         self.num_local_layers = model.num_local_layers
         self.graphs = None
@@ -199,14 +198,14 @@ class ModelRunner:
         if fp8 and self.attention_backend not in ("torch", "triton"):
             raise ValueError(f"kv_cache_config.dtype='fp8' runs on the 'triton' and 'torch' attention backends, got "
                              f"attention_backend={self.attention_backend!r}")
-        self.values_by_slots = fp8 and self.attention_backend == "triton"
+        values_by_slots = fp8 and self.attention_backend == "triton"
+        if values_by_slots:
+            from raylm.kernels.triton_kv_cache import value_cache_by_slots
         shape = (num_blocks + 1, self.block_size, self.num_kv_heads, self.arch.head_dim)
         self.kv_caches = []
         for _ in range(self.num_local_layers):
             keys = torch.empty(shape, dtype=kv_dtype, device=self.device)
-            if self.values_by_slots:
-                from raylm.kernels.triton_kv_cache import value_cache_by_slots
-
+            if values_by_slots:
                 values = value_cache_by_slots(shape, kv_dtype, self.device)
             else:
                 values = torch.empty(shape, dtype=kv_dtype, device=self.device)
@@ -226,8 +225,8 @@ class ModelRunner:
         """Zeroes what attention may read before it is written, in a cache whose pages came back with any contents
         (a resume at the same addresses): the null block, and all of a value cache stored by slots."""
         self.zero_null_block()
-        if self.values_by_slots:
-            for layer in self.kv_caches:
+        for layer in self.kv_caches:
+            if layer[1].stride() != layer[0].stride():  # values by slots
                 layer[1].zero_()
 
     def profile_activation_memory(self, num_tokens: int) -> int:

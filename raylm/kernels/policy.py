@@ -77,10 +77,10 @@ class KernelPolicy:
 
         return lora_products(lora, self.pdl)
 
-    def gemv_applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether x @ weight.T goes to the Triton GEMV: a few rows of half-precision input on CUDA, the weight in
-        x's dtype or in FP8."""
-        return (self.decode_gemv and x.is_cuda and x.dtype in _HALF
+    def gemv_applies(self, x, weight: torch.Tensor) -> bool:
+        """Whether x @ weight.T goes to the Triton GEMV: a few rows of half-precision input on CUDA (a tensor, not
+        FP8 rows quantized before: kernels/fp8.py's Fp8Rows), the weight in x's dtype or in FP8."""
+        return (self.decode_gemv and isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in _HALF
                 and (weight.dtype == x.dtype or weight.dtype == torch.float8_e4m3fn)
                 and x.numel() <= GEMV_MAX_ROWS * x.shape[-1])
 

@@ -89,6 +89,12 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     return out, residual_out
 
 
+def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual must match x ({list(x.shape)}, {x.dtype}), got "
+                         f"{list(residual.shape)}, {residual.dtype}")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: int = 0) -> torch.Tensor:
     """RMSNorm over the last dimension, as norm.rms_norm: the variance and the normalisation in float32,
     the result cast to x's dtype and then scaled by weight (output dtype: x's and weight's promoted). `pdl`: the
@@ -101,9 +107,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
                        pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual) in one pass; the sum is rounded to x's dtype before it
     is normalised, as RMSNorm.forward does. Neither input is modified. `pdl` as rms_norm takes it."""
-    if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(f"residual must match x ({list(x.shape)}, {x.dtype}), got "
-                         f"{list(residual.shape)}, {residual.dtype}")
+    _check_residual(x, residual)
     out, new_residual = _launch_rms_norm(x, residual, weight, eps, pdl)
     return out, new_residual
 
@@ -113,9 +117,8 @@ def rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     """rms_norm (with residual, fused_add_rms_norm) whose rows come out quantized to FP8 per token, for an FP8
     matmul: the bytes and scales quantize_fp8 gives for the rounded rows, without writing them in x's dtype first.
     Returns (Fp8Rows [rows, hidden], the new residual or None); weight in x's dtype."""
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"residual must match x ({list(x.shape)}, {x.dtype}), got "
-                         f"{list(residual.shape)}, {residual.dtype}")
+    if residual is not None:
+        _check_residual(x, residual)
     return _launch_rms_norm(x, residual, weight, eps, pdl, quantize=True)
 
 
@@ -216,17 +219,24 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 
 
 @triton.jit
+def _silu_mul_row(gate_up_ptr, row, cols, mask, size, stride_in):
+    """silu(gate) * up at `cols` of a row, in float32, rounded to gate_up's dtype where the reference rounds: the
+    activation before the product, as F.silu(gate) * up rounds it, and the product."""
+    dtype = gate_up_ptr.dtype.element_ty
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_in + size + cols, mask=mask, other=0.0)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+    return (activated.to(tl.float32) * up.to(tl.float32)).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(gate_up_ptr, out_ptr, size, stride_in, stride_out, BLOCK: tl.constexpr,
                          USE_PDL: tl.constexpr = 0):
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
-    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + row * stride_in + size + cols, mask=mask, other=0.0)
-    # Rounded to the input dtype before the product, as F.silu(gate) * up rounds it.
-    activated = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
-    out = activated.to(tl.float32) * up.to(tl.float32)
+    out = _silu_mul_row(gate_up_ptr, row, cols, mask, size, stride_in)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -243,11 +253,7 @@ def _silu_and_mul_fp8_kernel(gate_up_ptr, out_ptr, scale_ptr, size, stride_in, s
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < size
-    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + row * stride_in + size + cols, mask=mask, other=0.0)
-    dtype = gate_up_ptr.dtype.element_ty
-    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype)
-    out = (activated.to(tl.float32) * up.to(tl.float32)).to(dtype).to(tl.float32)
+    out = _silu_mul_row(gate_up_ptr, row, cols, mask, size, stride_in)
     scale = fp8_scale(tl.max(tl.abs(out), axis=0))
     tl.store(out_ptr + row * stride_out + cols, to_fp8(out, scale), mask=mask)
     tl.store(scale_ptr + row, scale)

@@ -93,8 +93,7 @@ class MLP(nn.Module):
         # (kernel_config.lora_expand; otherwise the expand kernel, or torch's grouped products, join gate_up's
         # output first and the SiLU-mul runs on its own)
         adds = gate_up.lora is not None and gate_up.lora.adds()
-        gemv = isinstance(x, torch.Tensor) and self.kernels.gemv_applies(x, gate_up.weight)  # not FP8 rows
-        if self.silu and gemv and (not adds or self.kernels.lora_in_gemv):
+        if self.silu and self.kernels.gemv_applies(x, gate_up.weight) and (not adds or self.kernels.lora_in_gemv):
             lora = gate_up.lora.shrink(x) if adds else None
             if lora is not None or not adds:
                 from raylm.kernels.triton_gemv import gemv_silu_mul

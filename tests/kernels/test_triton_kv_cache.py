@@ -10,7 +10,12 @@ from tests.kernels import GPU_ONLY, MODULE_MARKS, kernel_device
 
 DEVICE = kernel_device()
 
-from raylm.kernels.triton_kv_cache import rotary_write_kv_cache, scales_by_slots, write_kv_cache  # noqa: E402
+from raylm.kernels.triton_kv_cache import (  # noqa: E402
+    rotary_write_kv_cache,
+    scales_by_slots,
+    value_cache_by_slots,
+    write_kv_cache,
+)
 
 pytestmark = MODULE_MARKS
 
@@ -122,7 +127,7 @@ def test_writes_into_a_value_cache_transposed_within_its_pages_store_what_writes
     else:
         by_rows = [torch.randn(4, page, kv_heads, head_dim, device=device).to(dtype) for _ in range(2)]
     transposed = [tensor.clone() for tensor in by_rows]
-    stored = torch.empty(4, kv_heads, head_dim, page, dtype=by_rows[1].dtype, device=device).permute(0, 3, 1, 2)
+    stored = value_cache_by_slots(by_rows[1].shape, by_rows[1].dtype, device)
     stored.view(torch.uint8 if fp8 else dtype).copy_(by_rows[1].view(torch.uint8 if fp8 else dtype))
     transposed[1] = stored
     if fp8:  # the scales transposed within their pages too
