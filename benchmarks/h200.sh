@@ -299,6 +299,14 @@ case "${1:-}" in
     timeout 90 python benchmarks/attention.py $(output_json attention-decode-8b-b512-l1024-kinds) 2>&1 \
       | grep -E "^(B |bf16|fp8)"
     ;;
+  fp8-throughput-kv-both)
+    # fp8-throughput-kv with FP8 products off (the default), then on (kernel_config.fp8_attention=fp8): the second
+    # engine starts on the first one's GEMV tuning, kept on disk.
+    throughput throughput-8b-fp8-kv "$llama" 1000 1024 1024 512 300 --set quant_config.quant_algo=FP8 \
+      --set kv_cache_config.dtype=fp8
+    throughput throughput-8b-fp8-kv-fp8-attention "$llama" 1000 1024 1024 512 200 --set quant_config.quant_algo=FP8 \
+      --set kv_cache_config.dtype=fp8 --set kernel_config.fp8_attention=fp8
+    ;;
   fp8-tests)
     # The FP8 paths' GPU tests: FP8 rows from the norm and SiLU-and-mul (kernels, and the model bit for bit against
     # the layers' own quantization), the cache's values and scales by slots, keys first and FP8 products, the engine

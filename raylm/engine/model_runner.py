@@ -190,7 +190,8 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, kv_dtype: torch.dtype) -> None:
         """num_blocks usable blocks plus the null block 0, which alone is zeroed: every other slot is
         written before attention reads it, so the rest is left uninitialised (and untouched on the CPU). An FP8
-        cache on the Triton backend stores its values by slots (value_cache_by_slots), zeroed whole."""
+        cache on the Triton backend stores its values by slots (value_cache_by_slots), zeroed whole, and its scales
+        by slots too (scales_by_slots: a tile's scales of one head in whole sectors)."""
         if self.attention_backend == "flashinfer" and kv_dtype != self.dtype:
             raise ValueError(f"attention_backend='flashinfer' keeps the KV cache in the model's dtype ({self.dtype}), "
                              f"got kv_cache_config.dtype {kv_dtype}")
@@ -200,7 +201,7 @@ class ModelRunner:
                              f"attention_backend={self.attention_backend!r}")
         values_by_slots = fp8 and self.attention_backend == "triton"
         if values_by_slots:
-            from raylm.kernels.triton_kv_cache import value_cache_by_slots
+            from raylm.kernels.triton_kv_cache import scales_by_slots, value_cache_by_slots
         shape = (num_blocks + 1, self.block_size, self.num_kv_heads, self.arch.head_dim)
         self.kv_caches = []
         for _ in range(self.num_local_layers):
@@ -210,7 +211,9 @@ class ModelRunner:
             else:
                 values = torch.empty(shape, dtype=kv_dtype, device=self.device)
             layer = [keys, values]
-            if fp8:
+            if values_by_slots:
+                layer += [scales_by_slots(shape[:-1], self.device) for _ in range(2)]
+            elif fp8:
                 layer += [torch.empty(shape[:-1], dtype=FP8_SCALE_DTYPE, device=self.device) for _ in range(2)]
             self.kv_caches.append(tuple(layer))
         self.zero_null_block()

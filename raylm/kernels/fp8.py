@@ -32,8 +32,9 @@ def quantize_fp8(tensor: torch.Tensor, per_tensor: bool = False) -> tuple[torch.
     values = tensor.float()
     amax = values.abs().amax(dim=(-2, -1) if per_tensor else -1, keepdim=True)
     # A tensor divisor: CUDA divides by a Python number through its reciprocal, an ulp off the rounded quotient
-    # that the Triton kernels (and the CPU) compute.
-    scale = (amax / amax.new_tensor(FP8_MAX)).clamp(min=FP8_MIN_SCALE)
+    # that the Triton kernels (and the CPU) compute. Filled on the device, not copied there, so that CUDA graphs
+    # capture it.
+    scale = (amax / amax.new_full((1,), FP8_MAX)).clamp(min=FP8_MIN_SCALE)
     if per_tensor:
         scale = scale.expand(*values.shape[:-1], 1)
     quantized = (values / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
