@@ -90,14 +90,22 @@ fi
 # Triton's cache (compiled kernels and, with TRITON_CACHE_AUTOTUNING=1, tuning results) carried from an earlier
 # machine: a fresh machine otherwise spends minutes of an FP8 engine's start compiling and timing GEMV tilings
 # (190 s in the fourteenth session). With SAVE_TRITON_CACHE=1 the cache goes back under $OUT at the end, in parts
-# of 15 MB (triton-cache.tar.xz.part-aa, ...); copy them into .gpu-triton/ here and carry that folder.
+# of 15 MB (triton-cache.tar.xz.part-aa, ...), and its tuning results alone (triton-tuning.tar.xz, a few KB: each
+# tuned kernel then compiles only its chosen tiling); copy either into .gpu-triton/ here and carry that folder.
 triton_cache_dir="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
-if compgen -G ".gpu-triton/triton-cache.tar.xz.part-*" > /dev/null; then
-  mkdir -p "$triton_cache_dir" && cat .gpu-triton/triton-cache.tar.xz.part-* | tar xJf - -C "$triton_cache_dir" \
+restore_triton_cache() {  # archive...
+  mkdir -p "$triton_cache_dir" && cat "$@" | tar xJf - -C "$triton_cache_dir" \
     && echo "Triton cache restored from .gpu-triton ($(du -sh "$triton_cache_dir" | cut -f1))"
+}
+if compgen -G ".gpu-triton/triton-cache.tar.xz.part-*" > /dev/null; then
+  restore_triton_cache .gpu-triton/triton-cache.tar.xz.part-*
+fi
+if [ -f .gpu-triton/triton-tuning.tar.xz ]; then
+  restore_triton_cache .gpu-triton/triton-tuning.tar.xz
 fi
 save_triton_cache() {
   if [ "${SAVE_TRITON_CACHE:-0}" = 1 ] && [ -n "${OUT:-}" ] && [ -d "$triton_cache_dir" ]; then
+    (cd "$triton_cache_dir" && find . -name "*.autotune.json" | tar cf - -T - | xz -T0 -6 > "$OUT/triton-tuning.tar.xz")
     tar cf - -C "$triton_cache_dir" . | xz -T0 -3 | split -b 15M - "$OUT/triton-cache.tar.xz.part-"
   fi
 }
@@ -298,6 +306,19 @@ case "${1:-}" in
       --set kv_cache_config.dtype=fp8 --set kernel_config.fp8_attention=fp8
     timeout 90 python benchmarks/attention.py $(output_json attention-decode-8b-b512-l1024-kinds) 2>&1 \
       | grep -E "^(B |bf16|fp8)"
+    ;;
+  tune-gemv)
+    # The decode GEMV's tiles for the 8B shapes, bf16 then FP8 weights, each tuned on a cold Triton cache and merged
+    # into raylm/kernels/gemv_tiles.json (it comes back under $OUT: commit it); then FP8 batch 1 with the shipped
+    # tiles, again on a cold cache: its startup_s against the tuning runs' engine_start_s.
+    for quant in bf16 fp8; do
+      settings=()
+      [ "$quant" = fp8 ] && settings=(--set quant_config.quant_algo=FP8)
+      TRITON_CACHE_DIR=$(mktemp -d) timeout 280 python benchmarks/tune_gemv.py --model "$llama" "${dummy[@]}" \
+        --max_batch_size 8 "${settings[@]}" $(output_json "tune-gemv-8b-$quant") 2>&1 | grep -v Warning | tail -24
+    done
+    cp raylm/kernels/gemv_tiles.json "${OUT:-/tmp}/gemv_tiles.json"
+    TRITON_CACHE_DIR=$(mktemp -d) latency latency-8b-b1-fp8-shipped-tiles "$llama" 1 --set quant_config.quant_algo=FP8
     ;;
   fp8-throughput-kv-both)
     # fp8-throughput-kv with FP8 products off (the default), then on (kernel_config.fp8_attention=fp8): the second

@@ -112,6 +112,11 @@ class KernelConfig(StrictModel):
                                        "probabilities quantized to FP8 too (their rounding changes results more "
                                        "than float16's: docs/benchmarks.md; heads of fewer than 32 dimensions "
                                        "stay on float16).")
+    gemv_tiles: Literal["shipped", "tune"] = Field(
+        default="shipped", description="The decode GEMV's tiles per layer shape: 'shipped' launches those raylm ships "
+                                       "for the GPU model (raylm/kernels/gemv_tiles.json, tuned with "
+                                       "benchmarks/tune_gemv.py) where it has the shape, and times the candidates for "
+                                       "the others at start-up; 'tune' times the candidates for every shape.")
     pdl: Literal["auto", "off", "start", "after_wait", "exit", "tail"] = Field(
         default="auto", description="Programmatic dependent launch of the Triton decode kernels (compute capability "
                                     "9.0+): when a kernel lets the next one start. auto: 'tail' for models whose "

@@ -45,12 +45,14 @@ and gate_up stay separate kernels: folded into the GEMV's input loads they measu
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from raylm.kernels import gemv_tiles
 from raylm.kernels.fp8 import FP8_DTYPE
 from raylm.kernels.pdl import launch_options, pdl_trigger_at_tail, pdl_wait
 from raylm.kernels.policy import GEMV_MAX_ROWS
@@ -380,6 +382,9 @@ def _tuned(kernel, split: bool, fp8: bool, core: bool):
 # How a GEMV on FP8 weights takes its input (X_MODE): "model_dtype" widens the weight to the input's dtype, "float16"
 # multiplies both in float16, "fp8" quantizes the input to FP8.
 INPUT_MODES = {"model_dtype": 0, "float16": 1, "fp8": 2}
+# Where a GEMV's tiles come from when no config is given: timed at a layer shape's first call, or shipped for the GPU
+# model (kernels/gemv_tiles.py).
+TILE_SOURCES = ("tune", "shipped")
 # A plain GEMV of one row on FP8 weights multiplies on the CUDA cores (CORE); more rows, and the SiLU-mul GEMV, take
 # the tensor-core dot (on the CUDA cores the 8B gate / up layer measured 1.6 ms a step against 1.0).
 _CORE_ROWS = 1
@@ -400,6 +405,12 @@ _INTERPRETED_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 128}
 _workspaces: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+def _tile_source(tiles: str) -> str:
+    if tiles not in TILE_SOURCES:
+        raise ValueError(f"tiles must be one of {TILE_SOURCES}, got {tiles!r}")
+    return tiles
+
+
 def _split_workspace(device: torch.device, N: int) -> tuple[torch.Tensor, torch.Tensor]:
     workspace = _workspaces.get((device, N))
     if workspace is None:
@@ -407,6 +418,35 @@ def _split_workspace(device: torch.device, N: int) -> tuple[torch.Tensor, torch.
         arrivals = torch.zeros(triton.cdiv(N, _MIN_BLOCK_N), dtype=torch.int32, device=device)
         workspace = _workspaces[(device, N)] = (partial, arrivals)
     return workspace
+
+
+def _tiling(config: triton.Config) -> dict:
+    """A tuning configuration as gemv's `config` takes it (and gemv_tiles.json stores it)."""
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+@functools.cache
+def _variant_name(kernel, weight_dtype: torch.dtype, x_dtype: torch.dtype, input_mode: int, core: bool) -> str:
+    """The name of what a tuning is for, beside (N, K): the kernel, the weight's and input's dtypes, the input mode
+    of an FP8 weight and whether it multiplies on the CUDA cores ("gemv float8_e4m3fn/float16 core x=bfloat16")."""
+    name = "gemv_silu_mul" if kernel is _gemv_silu_mul_kernel else "gemv"
+    weight_type = str(weight_dtype).removeprefix("torch.")
+    if weight_dtype == FP8_DTYPE:
+        weight_type += "/" + next(mode for mode, value in INPUT_MODES.items() if value == input_mode)
+    return f"{name} {weight_type} {'core' if core else 'dot'} x={str(x_dtype).removeprefix('torch.')}"
+
+
+@functools.cache
+def _shipped_tiling(kernel, weight_dtype: torch.dtype, x_dtype: torch.dtype, input_mode: int, core: bool,
+                    device: torch.device, N: int, K: int) -> dict | None:
+    """The tiling gemv_tiles.json ships for this variant, shape and GPU model, if the variant's tuning still offers
+    it (split K only where the tuning would consider it). Looked up once per layer shape."""
+    tiling = gemv_tiles.shipped(device, _variant_name(kernel, weight_dtype, x_dtype, input_mode, core), N, K)
+    if tiling is None or (tiling.get("SPLIT_K", 1) > 1 and N > _MAX_SPLIT_N):
+        return None
+    tuned = _gemv_silu_mul_tuned if kernel is _gemv_silu_mul_kernel else _gemv_tuned
+    offered = tuned[(weight_dtype == FP8_DTYPE, input_mode, core)].configs
+    return tiling if any(_tiling(config) == tiling for config in offered) else None
 
 
 def _input_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, name: str,
@@ -450,9 +490,11 @@ def _quantized(rows: torch.Tensor, input_mode: str) -> tuple[torch.Tensor, torch
 def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             weight_scale: torch.Tensor | None, out: torch.Tensor, N: int, config: dict | None, pdl: int,
             workspace: tuple[torch.Tensor, torch.Tensor] | None = None, input_mode: int = 0,
-            lora: LoraRows | LoraProducts | None = None, x_scale: torch.Tensor | None = None) -> None:
+            lora: LoraRows | LoraProducts | None = None, x_scale: torch.Tensor | None = None,
+            tiles: str = "tune") -> None:
     """Runs a GEMV kernel over N output features of out [M, N]: tuned per (N, K) (`tuned`, by the variant: FP8
-    weight, INPUT_MODES value), or with `config` (the interpreter's one configuration when none is given there);
+    weight, INPUT_MODES value; with tiles "shipped", the tiling gemv_tiles.json has for the GPU model, where it has
+    one, without tuning), or with `config` (the interpreter's one configuration when none is given there);
     with PDL's trigger mode `pdl`. A kernel that may split K takes its (partials, arrivals) `workspace` after out;
     `lora`, the layer's shrunk rows or its products computed before, adds the LoRA products in the epilogue;
     `x_scale`, FP8 rows' scales."""
@@ -477,6 +519,9 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
     args = (rows, x_scale if x_scale is not None else weight, weight, bias if bias is not None else weight,
             weight_scale if weight_scale is not None else weight,
             out, *(workspace or ()), M, N, K, rows.stride(0), weight.stride(0), out.stride(0), *lora_args)
+    if config is None and tiles == "shipped" and not lora_flags:
+        core = kernel is _gemv_kernel and weight_scale is not None and M <= _CORE_ROWS
+        config = _shipped_tiling(kernel, weight.dtype, rows.dtype, input_mode, core, rows.device, N, K)
     if _INTERPRETED and config is None:
         config = _INTERPRETED_CONFIG
     # One row of a plain GEMV on FP8 weights multiplies on the CUDA cores, unless a given configuration says otherwise.
@@ -496,14 +541,16 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
         grid = (triton.cdiv(N, config["BLOCK_N"]), split_k)
         kernel[grid](*args, **flags, **config, **options)
         return
-    tuned[(weight_scale is not None, input_mode, core)][
-        lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta.get("SPLIT_K", 1))](
-        *args, **flags, **options)
+    autotuner = tuned[(weight_scale is not None, input_mode, core)]
+    autotuner[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta.get("SPLIT_K", 1))](*args, **flags, **options)
+    if not lora_flags:
+        gemv_tiles.note(rows.device, _variant_name(kernel, weight.dtype, rows.dtype, input_mode, core), N, K,
+                        _tiling(autotuner.best_config))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          weight_scale: torch.Tensor | None = None, input_mode: str = "model_dtype", config: dict | None = None,
-         pdl: int = 0, lora: LoraRows | LoraProducts | None = None) -> torch.Tensor:
+         pdl: int = 0, lora: LoraRows | LoraProducts | None = None, tiles: str = "tune") -> torch.Tensor:
     """F.linear(x, weight, bias) for x of at most GEMV_MAX_ROWS rows (any leading shape) and a half-precision
     weight [N, K] with contiguous rows, or an FP8 one with its float32 weight_scale [N] (F.linear of x and the
     dequantized weight; input_mode, an INPUT_MODES key, says how: with "fp8", F.linear of x quantized per row to
@@ -511,7 +558,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     "SPLIT_K"]}, and Triton's num_warps / num_stages) instead of tuning them: for tests and benchmarks. `pdl`: the
     launch's trigger mode (kernels/pdl.py). `lora`: the layer's shrunk rows (kernels/triton_lora.py's lora_shrink),
     or their products computed before (lora_products), which the epilogue adds before rounding (one pass over the
-    output fewer than lora_expand after the GEMV)."""
+    output fewer than lora_expand after the GEMV). `tiles`: "tune" times the candidate tilings at a layer shape's
+    first call; "shipped" takes gemv_tiles.json's tiling for the GPU model where it has one (TILE_SOURCES)."""
+    tiles = _tile_source(tiles)
     rows = _input_rows(x, weight, weight_scale, "gemv", input_mode)
     N = weight.shape[0]
     out = torch.empty((rows.shape[0], N), dtype=x.dtype, device=x.device)
@@ -519,18 +568,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     workspace = _split_workspace(rows.device, N) if N <= _MAX_SPLIT_N else (out, out)
     rows, x_scale = _quantized(rows, input_mode)
     _launch(_gemv_kernel, _gemv_tuned, rows, weight, bias, weight_scale, out, N, config, pdl, workspace,
-            INPUT_MODES[input_mode], lora, x_scale)
+            INPUT_MODES[input_mode], lora, x_scale, tiles)
     return out.reshape(*x.shape[:-1], N)
 
 
 def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   weight_scale: torch.Tensor | None = None, input_mode: str = "model_dtype",
                   config: dict | None = None, pdl: int = 0,
-                  lora: LoraRows | LoraProducts | None = None) -> torch.Tensor:
+                  lora: LoraRows | LoraProducts | None = None, tiles: str = "tune") -> torch.Tensor:
     """silu_and_mul(F.linear(x, weight, bias)) in one kernel, for x as gemv takes it and a merged gate / up
     weight [2I, K] (gate rows, then up rows; bias and an FP8 weight's weight_scale likewise): returns [..., I],
-    rounded as the two steps round. `input_mode`, `config`, `pdl` and `lora` (with gate and up slices) as gemv
+    rounded as the two steps round. `input_mode`, `config`, `pdl`, `tiles` and `lora` (with gate and up slices) as gemv
     takes them, without SPLIT_K (the gate / up layer is wide enough not to need it)."""
+    tiles = _tile_source(tiles)
     rows = _input_rows(x, weight, weight_scale, "gemv_silu_mul", input_mode)
     if weight.shape[0] % 2:
         raise ValueError(f"gemv_silu_mul needs gate and up rows of one size, got {weight.shape[0]} rows")
@@ -540,5 +590,5 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"gemv_silu_mul takes LoRA rows of gate and up slices, got {lora.slice_sizes}")
     rows, x_scale = _quantized(rows, input_mode)
     _launch(_gemv_silu_mul_kernel, _gemv_silu_mul_tuned, rows, weight, bias, weight_scale, out, N, config, pdl,
-            input_mode=INPUT_MODES[input_mode], lora=lora, x_scale=x_scale)
+            input_mode=INPUT_MODES[input_mode], lora=lora, x_scale=x_scale, tiles=tiles)
     return out.reshape(*x.shape[:-1], N)
