@@ -291,6 +291,25 @@ case "${1:-}" in
       --set kv_cache_config.dtype=fp8 --set kernel_config.fp8_attention=fp8 \
       $(output_json step-profile-8b-b512-fp8-kv-fp8-attention) 2>&1 | tail -10
     ;;
+  fp8-attention-ncu)
+    # Nsight Compute on the decode attention kernel alone, 512 x 1024 keys: attention.py's first five launches of
+    # it are its eager reference calls, one per kind at the default tiles (bf16, FP8 by rows, values by slots,
+    # scales by slots too, FP8 products). Memory throughput, occupancy and warp stalls per kind; the report and
+    # its details page as text come back under $OUT.
+    report="${OUT:-/tmp}/ncu-attention"
+    timeout 420 ncu --target-processes all -k regex:_decode_split_kernel -c 5 --set full --export "$report" \
+      --force-overwrite python benchmarks/attention.py --kinds bf16 --calls 1 > "$report.log" 2>&1
+    tail -3 "$report.log"
+    ncu --import "$report.ncu-rep" --page details > "$report-details.txt" 2>&1
+    grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per Thread" \
+      "$report-details.txt" | head -60
+    ;;
+  fp8-prefill-attention)
+    # The prefill attention kernel alone, 8 x 1024 new tokens: bf16 and the FP8 cache (values and scales by slots),
+    # each at its default tiles and under the sweep's.
+    timeout 200 python benchmarks/prefill_attention.py --sweep $(output_json attention-prefill-8b-s8-l1024) 2>&1 \
+      | grep -v Warning | tail -18
+    ;;
   fp8-attention-kinds)
     # The decode kernel alone at its default tiles: bf16, FP8 by rows, by slots, keys first, FP8 products; then the
     # kernels' GPU tests of the last two.

@@ -153,6 +153,7 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     kv_scales: tuple[torch.Tensor, ...] = (),
+    config: TileConfig | None = None,
 ) -> torch.Tensor:
     """Causal attention of S chunks of new query tokens over their paged contexts; returns [T, H_q, D].
 
@@ -160,7 +161,8 @@ def paged_prefill_attention(
     seq_starts: [S] int32 position of each chunk's first token (keys already cached before it);
     context_lens: [S] int32 = seq_starts + query lengths. Every key, the chunk's own included, is read from
     the cache through block_tables [S, max_blocks] int32. The query at position p sees keys 0..p, and with a
-    sliding window only those > p - sliding_window. kv_scales: an FP8 cache's (k_scale, v_scale).
+    sliding window only those > p - sliding_window. kv_scales: an FP8 cache's (k_scale, v_scale). config: tiles
+    instead of prefill_config's (for benchmarks; block_m is raised to the GQA group's power of two).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -183,7 +185,7 @@ def paged_prefill_attention(
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     block_d = triton.next_power_of_2(head_dim)
-    config = prefill_config(block_d, q.element_size())
+    config = config or prefill_config(block_d, q.element_size())
     block_m = max(config.block_m, group_pad)
     grid = (num_tokens // (block_m // group_pad) + num_seqs, num_kv_heads)
     _prefill_kernel[grid](

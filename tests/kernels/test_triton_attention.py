@@ -68,14 +68,15 @@ def _cdiv(a: int, b: int) -> int:
 def _run_step(device: torch.device, dtype: torch.dtype, shape: Shape, decode_lens: list[int],
               prefill_chunks: list[tuple[int, int]], sliding_window: int | None = None,
               num_splits: int | None = None, planner=None, fp8: bool = False, transposed_values: bool = False,
-              fp8_dot: bool = False) -> None:
+              fp8_dot: bool = False, prefill_tiles: TileConfig | None = None) -> None:
     """Runs one step of decodes (context lengths) then prefill chunks ((start, query_len)) through the
     kernels and through the reference, and asserts that outputs and caches agree. With a planner (the
     FlashInfer backend's build_metadata), the step runs through the metadata it plans instead of the Triton
     attention kernels. With fp8, the caches are FP8 with their scales, and the reference reads them as its own.
     With transposed_values, the kernels' value cache is stored transposed within its pages, the reference's by
     rows. With fp8_dot (decodes only), the decode multiplies in FP8: the reference takes each query row quantized
-    to FP8 as the kernel quantizes it, and the outputs may differ by the probabilities' FP8 rounding."""
+    to FP8 as the kernel quantizes it, and the outputs may differ by the probabilities' FP8 rounding. prefill_tiles:
+    the prefill kernel's tiles instead of its default."""
     page_size, num_kv_heads, head_dim = shape.page_size, shape.num_kv_heads, shape.head_dim
     num_q_heads = num_kv_heads * shape.group
     context_lens = decode_lens + [start + length for start, length in prefill_chunks]
@@ -160,7 +161,8 @@ def _run_step(device: torch.device, dtype: torch.dtype, shape: Shape, decode_len
         seq_starts = torch.tensor([start for start, _ in prefill_chunks], dtype=torch.int32)
         out[num_decodes:] = paged_prefill_attention(
             q[num_decodes:], k_cache, v_cache, table[num_decodes:], query_start_loc.to(device),
-            seq_starts.to(device), (seq_starts + query_lens).to(device), scale, sliding_window, **scales)
+            seq_starts.to(device), (seq_starts + query_lens).to(device), scale, sliding_window, **scales,
+            config=prefill_tiles)
 
     if fp8_dot:
         assert all(torch.equal(cache.float(), ref.float()) for cache, ref in zip(caches, ref_caches))
@@ -356,6 +358,15 @@ def test_fp8_cache_decode_matches_the_reference_reading_the_same_cache(device, d
 @pytest.mark.parametrize("shape", [Shape(16, 2, 4, 64), Shape(16, 1, 7, 80)], ids=str)
 def test_fp8_cache_prefill_and_decode_of_one_step_match_the_reference(device, dtype, shape):
     _run_step(device, dtype, shape, [5, 33], [(0, 17), (16, 40), (100, 3)], fp8=True)
+
+
+@pytest.mark.parametrize("tiles", [TileConfig(128, 32, 8, 2), TileConfig(64, 64, 8, 2), TileConfig(128, 64, 8, 3)],
+                         ids=lambda tiles: f"m{tiles.block_m}-n{tiles.block_n}")
+def test_fp8_cache_prefill_under_other_tiles_matches_the_reference(device, tiles):
+    """The FP8 cache as the engine stores it (values and scales by slots), under the tiles a prefill sweep times
+    (benchmarks/prefill_attention.py) against the default."""
+    _run_step(device, torch.float32, Shape(16, 2, 4, 64), [], [(0, 17), (16, 40), (100, 3)], fp8=True,
+              transposed_values=True, prefill_tiles=tiles)
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
