@@ -124,6 +124,11 @@ def _fp8_cache_queries(q, KV_FP8: tl.constexpr):
 
 
 @triton.jit
+def _max_pair(a, b, c, d):
+    return tl.maximum(a, c), tl.maximum(b, d)
+
+
+@triton.jit
 def _attend_tile(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
     """One online-softmax step over a tile of keys: returns the updated (row max, row sum, accumulator). An FP8
@@ -141,16 +146,19 @@ def _attend_tile(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, MA
         scores = scores * k_scale[None, :]
     if MASKED:
         scores = tl.where(visible, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    if KV_FP8:  # the scores' and the value scales' maxima in one reduction (one exchange between warps, not two)
+        tile_max, top = tl.reduce((scores, tl.broadcast_to(v_scale[None, :], scores.shape)), 1, _max_pair)
+    else:
+        tile_max = tl.max(scores, axis=1)
+    m_new = tl.maximum(m_i, tile_max)
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(scores - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if KV_FP8:
-        top = tl.max(v_scale, axis=0)
         top = tl.where(top > 0.0, top, 1.0)
-        weights = (p * (v_scale / top)[None, :]).to(v.dtype)
-        acc = tl.dot(weights, v, acc=acc * (alpha / top)[:, None], input_precision=DOT_PRECISION) * top
+        weights = (p * v_scale[None, :] * (1.0 / top)[:, None]).to(v.dtype)
+        acc = tl.dot(weights, v, acc=acc * (alpha / top)[:, None], input_precision=DOT_PRECISION) * top[:, None]
     else:
         acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
@@ -170,17 +178,19 @@ def _attend_tile_keys_first(q, k, v, k_scale, v_scale, key_mask, m_i, l_i, acc_t
         v = v.to(q.dtype)
     scores = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale * k_scale[:, None]
     scores = tl.where(key_mask[:, None], scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+    # the scores' and the value scales' maxima in one reduction (one exchange between warps, not two)
+    tile_max, top = tl.reduce((scores, tl.broadcast_to(v_scale[:, None], scores.shape)), 0, _max_pair)
+    m_new = tl.maximum(m_i, tile_max)
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(scores - m_ref[None, :])
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, axis=0)
-    top = tl.max(v_scale, axis=0)
     top = tl.where(top > 0.0, top, 1.0)
     if FP8_DOT:
         top = top / _WEIGHT_SPAN
-    weights = (p * (v_scale / top)[:, None]).to(v.dtype)
-    acc_t = tl.dot(tl.trans(v), weights, acc=acc_t * (alpha / top)[None, :], input_precision=DOT_PRECISION) * top
+    weights = (p * v_scale[:, None] * (1.0 / top)[None, :]).to(v.dtype)
+    acc_t = tl.dot(tl.trans(v), weights, acc=acc_t * (alpha / top)[None, :], input_precision=DOT_PRECISION)
+    acc_t = acc_t * top[None, :]
     return m_new, l_i, acc_t
 
 

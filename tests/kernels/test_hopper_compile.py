@@ -153,6 +153,23 @@ def test_fp8_dot_multiplies_fp8_on_the_warpgroup_mma():
     assert "cvt.rn.f16x2.e4m3x2" not in ptx  # no tile widened
 
 
+@pytest.mark.parametrize("keys_first", [False, True])
+def test_an_fp8_tile_reduces_its_scores_and_value_scales_together(keys_first):
+    """A tile's keys are spread over the warps, so each reduction over them is an exchange through shared memory
+    with barriers: the scores' and the value scales' maxima share one, the probabilities' sum takes the other
+    (sm_90, values by slots, 128 keys: 11 barriers a tile widening, 13 with FP8 products; 14 with three)."""
+    from raylm.kernels.triton_attention import _decode_split_kernel
+
+    constexprs = {"GROUP": 4, "BLOCK_G": 8 if keys_first else 16, "BLOCK_D": 128, "BLOCK_N": 128, "PAGE_SIZE": 16,
+                  "DIRECT_OUTPUT": True, "DOT_PRECISION": "tf32", "ROPE": True, "KV_FP8": True, "USE_PDL": 0,
+                  "stride_v_slot": 1, "V_BY_SLOTS": True, "V_RUN": 16, "FP8_DOT": keys_first,
+                  "KEYS_FIRST": keys_first}
+    pointers = {**ATTENTION, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+    ir = compile_for_hopper(_decode_split_kernel, constexprs, pointers, asm="ttgir")
+    loop = ir[ir.index("scf.for"):]
+    assert loop.count('"tt.reduce"') == 2
+
+
 @pytest.mark.parametrize("residual", [False, True])
 def test_the_norm_writing_fp8_rows_compiles_for_hopper(residual):
     """rms_norm_fp8: the row's amax, scale and FP8 bytes stored in the norm's own program."""
