@@ -7,6 +7,7 @@ cache in these layouts and kernels:
     fp8-scales-by-slots  the same with the keys' and values' scales transposed within their pages too
     fp8-keys-first       values by slots, the keys and values first in the products (TileConfig.keys_first)
     fp8-dot              values by slots, products on FP8 tensor cores (fp8_dot: queries and probabilities in FP8)
+    fp8-warp-split       values and scales by slots, each tile in a slice of keys a warp (TileConfig.warp_split)
 
 Each is timed per call, with the rate at which it reads the cache (keys, values and an FP8 cache's scales). With
 --sweep, the FP8 kinds are also timed under every tile configuration of a small grid, to choose decode_config's.
@@ -30,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import graph_call_us, write_result  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
-KINDS = ("bf16", "fp8", "fp8-values-by-slots", "fp8-scales-by-slots", "fp8-keys-first", "fp8-dot")
+KINDS = ("bf16", "fp8", "fp8-values-by-slots", "fp8-scales-by-slots", "fp8-keys-first", "fp8-dot",
+         "fp8-warp-split")
 
 
 def _cases(batch: int, context: int, seed: int):
@@ -74,7 +76,8 @@ def main() -> None:
               "fp8-values-by-slots": ((k8, v8_by_slots), (k_scale, v_scale)),
               "fp8-scales-by-slots": ((k8, v8_by_slots), scales_by_slots),
               "fp8-keys-first": ((k8, v8_by_slots), (k_scale, v_scale)),
-              "fp8-dot": ((k8, v8_by_slots), (k_scale, v_scale))}
+              "fp8-dot": ((k8, v8_by_slots), (k_scale, v_scale)),
+              "fp8-warp-split": ((k8, v8_by_slots), scales_by_slots)}
     keys = args.batch * args.context * KV_HEADS
     result: dict = {"batch": args.batch, "context": args.context}
     scale = HEAD_DIM ** -0.5
@@ -83,6 +86,8 @@ def main() -> None:
         (k, v), scales = caches[kind]
         if kind == "fp8-keys-first":
             config = dataclasses.replace(config or decode_config(HEAD_DIM, 2, 1), keys_first=True)
+        if kind == "fp8-warp-split":
+            config = dataclasses.replace(config or decode_config(HEAD_DIM, 2, 1), warp_split=True)
         nbytes = 2 * keys * HEAD_DIM * k.element_size() + (2 * keys * 4 if scales else 0)
 
         def call():
@@ -103,14 +108,18 @@ def main() -> None:
     scales_by_slots_out = paged_decode_attention(q, k8, v8_by_slots, tables, lens, scale, kv_scales=scales_by_slots)
     fp8_dot = paged_decode_attention(q, k8, v8_by_slots, tables, lens, scale, kv_scales=(k_scale, v_scale),
                                      fp8_dot=True)
+    warp_split = paged_decode_attention(q, k8, v8_by_slots, tables, lens, scale, kv_scales=scales_by_slots,
+                                        config=dataclasses.replace(decode_config(HEAD_DIM, 2, 1), warp_split=True))
     gap = (fp8_out.float() - reference.float()).abs().max().item()
     dot_gap = (fp8_dot.float() - reference.float()).abs().max().item()
-    layouts_gap = max((out.float() - fp8_out.float()).abs().max().item() for out in (by_slots, scales_by_slots_out))
+    layouts_gap = max((out.float() - fp8_out.float()).abs().max().item()
+                      for out in (by_slots, scales_by_slots_out, warp_split))
     if layouts_gap > 0.01:
-        sys.exit(f"the FP8 cache's values (or scales) by slots gave other outputs than by rows (largest gap "
-                 f"{layouts_gap})")
+        sys.exit(f"the FP8 cache's values (or scales) by slots, or the tiles in slices a warp, gave other outputs "
+                 f"than by rows (largest gap {layouts_gap})")
     print(f"B {args.batch} x L {args.context}: FP8 cache against bf16, largest output gap {gap:.4f}; values by "
-          f"slots against by rows {layouts_gap:.4f}; FP8 products (fp8_dot) against bf16 {dot_gap:.4f}", flush=True)
+          f"slots (and warp slices) against by rows {layouts_gap:.4f}; FP8 products (fp8_dot) against bf16 "
+          f"{dot_gap:.4f}", flush=True)
     result["fp8_max_gap_vs_bf16"] = gap
     result["fp8_dot_max_gap_vs_bf16"] = dot_gap
     assert tuple(caches) == KINDS
@@ -118,12 +127,14 @@ def main() -> None:
     for kind in kinds:
         result[kind] = timed(kind, None)
     if args.sweep:
-        for kind in [kind for kind in ("fp8", "fp8-values-by-slots", "fp8-scales-by-slots", "fp8-dot")
-                     if kind in kinds]:
-            tiles = (64, 128) if kind == "fp8-dot" else (32, 64, 128)  # the FP8 MMA takes 64 keys at a time
+        for kind in [kind for kind in ("fp8", "fp8-values-by-slots", "fp8-scales-by-slots", "fp8-dot",
+                                       "fp8-warp-split") if kind in kinds]:
+            # the FP8 MMA takes 64 keys at a time; a warp's slice at least 16
+            tiles = {"fp8-dot": (64, 128), "fp8-warp-split": (64, 128, 256)}.get(kind, (32, 64, 128))
             result[f"{kind}_sweep"] = [timed(kind, TileConfig(block_m=16, block_n=block_n, num_warps=warps,
                                                               num_stages=stages))
-                                       for block_n in tiles for warps in (4, 8) for stages in (2, 3)]
+                                       for block_n in tiles for warps in (4, 8) for stages in (2, 3)
+                                       if kind != "fp8-warp-split" or block_n % (16 * warps) == 0]
             best = min(result[f"{kind}_sweep"], key=lambda entry: entry["us"])
             print(f"fastest {kind} tiles: {best['config']} ({best['tb_per_s']:.2f} TB/s)")
     path = write_result(f"attention-decode-llama-3.1-8b-b{args.batch}-l{args.context}", args, result)

@@ -311,11 +311,11 @@ case "${1:-}" in
       | grep -v Warning | tail -18
     ;;
   fp8-attention-kinds)
-    # The decode kernel alone at its default tiles: bf16, FP8 by rows, by slots, keys first, FP8 products; then the
-    # kernels' GPU tests of the last two.
+    # The decode kernel alone at its default tiles: bf16, FP8 by rows, by slots, scales by slots too, keys first,
+    # FP8 products, slices of keys a warp; then the kernels' GPU tests of the last three.
     timeout 120 python benchmarks/attention.py $(output_json attention-decode-8b-b512-l1024-kinds) 2>&1 \
       | grep -E "^(B |bf16|fp8)"
-    timeout 100 python -m pytest tests/kernels/test_triton_attention.py -m gpu -k "keys_first or fp8_dot" -q \
+    timeout 100 python -m pytest tests/kernels/test_triton_attention.py -m gpu -k "keys_first or fp8_dot or slices" -q \
       -p no:cacheprovider 2>&1 | tail -2
     ;;
   fp8-throughput-kv-products)
@@ -347,6 +347,14 @@ case "${1:-}" in
     throughput throughput-8b-fp8-kv-fp8-attention "$llama" 1000 1024 1024 512 200 --set quant_config.quant_algo=FP8 \
       --set kv_cache_config.dtype=fp8 --set kernel_config.fp8_attention=fp8
     ;;
+  fp8-throughput-kv-slices)
+    # fp8-throughput-kv with the decode tiles in slices of keys a warp (kernel_config.fp8_attention=float16_slices),
+    # then the kernel alone under a sweep of its tiles.
+    throughput throughput-8b-fp8-kv-float16-slices "$llama" 1000 1024 1024 512 300 --set quant_config.quant_algo=FP8 \
+      --set kv_cache_config.dtype=fp8 --set kernel_config.fp8_attention=float16_slices
+    timeout 150 python benchmarks/attention.py --sweep --kinds fp8-scales-by-slots fp8-warp-split \
+      $(output_json attention-decode-8b-b512-l1024-slices) 2>&1 | grep -E "^(B |fp8|fastest)"
+    ;;
   fp8-tests)
     # The FP8 paths' GPU tests: FP8 rows from the norm and SiLU-and-mul (kernels, and the model bit for bit against
     # the layers' own quantization), the cache's values and scales by slots, keys first and FP8 products, the engine
@@ -354,7 +362,7 @@ case "${1:-}" in
     log="${OUT:-/tmp}/fp8-tests.log"
     timeout 400 python -m pytest tests/kernels/test_triton_ops.py tests/kernels/test_triton_attention.py \
       tests/kernels/test_triton_kv_cache.py tests/models/test_quantization.py tests/engine/test_fp8_kv_cache.py \
-      tests/rl_api/test_memory_gpu.py -m gpu -k "fp8 or transposed or keys_first or rms or silu" -q -rs \
+      tests/rl_api/test_memory_gpu.py -m gpu -k "fp8 or transposed or keys_first or rms or silu or slices" -q -rs \
       -p no:cacheprovider > "$log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$log" | tail -12
     ;;

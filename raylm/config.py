@@ -105,13 +105,14 @@ class KernelConfig(StrictModel):
                                       "H200: docs/benchmarks.md); 'before' computes them in a kernel before the GEMV, "
                                       "whose epilogue adds them before rounding (gate / up keep their fused SiLU-mul "
                                       "GEMV).")
-    fp8_attention: Literal["float16", "fp8"] = Field(
+    fp8_attention: Literal["float16", "float16_slices", "fp8"] = Field(
         default="float16", description="Decode attention over an FP8 KV cache on the Triton backend: 'float16' widens "
-                                       "the cached keys and values to float16 for the tensor cores; 'fp8' multiplies "
-                                       "them as stored on FP8 tensor cores, the queries and the softmax's "
-                                       "probabilities quantized to FP8 too (their rounding changes results more "
-                                       "than float16's: docs/benchmarks.md; heads of fewer than 32 dimensions "
-                                       "stay on float16).")
+                                       "the cached keys and values to float16 for the tensor cores; 'float16_slices' "
+                                       "does too, each tile of keys cut into a slice a warp with a softmax state of "
+                                       "its own (fewer exchanges between warps a tile); 'fp8' multiplies them as "
+                                       "stored on FP8 tensor cores, the queries and the softmax's probabilities "
+                                       "quantized to FP8 too (their rounding changes results more than float16's: "
+                                       "docs/benchmarks.md; heads of fewer than 32 dimensions stay on float16).")
     gemv_tiles: Literal["shipped", "tune"] = Field(
         default="shipped", description="The decode GEMV's tiles per layer shape: 'shipped' launches those raylm ships "
                                        "for the GPU model (raylm/kernels/gemv_tiles.json, tuned with "

@@ -30,6 +30,7 @@ The wrappers never read device values on the host, so they can be captured in CU
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -194,6 +195,77 @@ def _attend_tile_keys_first(q, k, v, k_scale, v_scale, key_mask, m_i, l_i, acc_t
     return m_new, l_i, acc_t
 
 
+@triton.jit
+def _load_kv_slices(k_cache_ptr, v_cache_ptr, block_table_row_ptr, key_pos, key_mask, kv_head, dims, dim_mask,
+                    stride_block, stride_slot, stride_head, stride_v_block, stride_v_slot, stride_v_head,
+                    stride_v_dim, k_scale_ptr, v_scale_ptr, stride_scale_block, stride_scale_slot, stride_scale_head,
+                    PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, V_RUN: tl.constexpr, run_end):
+    """_load_kv_tile for a tile cut into slices, one a warp (_attend_slices): key_pos and key_mask [W, NW]; the
+    keys [W, NW, D], the values' transpose [W, D, NW] as stored by slots (read in whole runs of V_RUN keys, a slice
+    holding whole runs), and an FP8 cache's scales [W, NW] (1.0 for another cache)."""
+    run_mask = key_pos // V_RUN * V_RUN < run_end
+    block_id = tl.load(block_table_row_ptr + key_pos // PAGE_SIZE, mask=run_mask, other=0).to(tl.int64)
+    slot = key_pos % PAGE_SIZE
+    rows = block_id * stride_block + slot * stride_slot + kv_head * stride_head
+    k = tl.load(k_cache_ptr + rows[:, :, None] + dims[None, None, :],
+                mask=key_mask[:, :, None] & dim_mask[None, None, :], other=0.0)
+    v_rows = block_id * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
+    v_rows = tl.max_contiguous(tl.multiple_of(v_rows, [1, V_RUN]), [1, V_RUN])
+    v_t = tl.load(v_cache_ptr + v_rows[:, None, :] + dims[None, :, None] * stride_v_dim,
+                  mask=dim_mask[None, :, None] & run_mask[:, None, :], other=0.0)
+    if KV_FP8:
+        scale_rows = block_id * stride_scale_block + slot * stride_scale_slot + kv_head * stride_scale_head
+        k_scale = tl.load(k_scale_ptr + scale_rows, mask=key_mask, other=0.0)
+        v_scale = tl.load(v_scale_ptr + scale_rows, mask=key_mask, other=0.0)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
+    return k, v_t, k_scale, v_scale
+
+
+@triton.jit
+def _attend_slices(q, k, v_t, k_scale, v_scale, key_mask, m_i, l_i, acc_t, qk_scale, DOT_PRECISION: tl.constexpr,
+                   KV_FP8: tl.constexpr):
+    """_attend_tile over a tile cut into W slices of keys, each with a softmax state of its own: q [W, G, D] (the
+    group's queries, repeated), keys [W, NW, D], the values' transpose [W, D, NW], scales and key_mask [W, NW];
+    m_i, l_i [W, G], the accumulator acc_t [W, D, G]. The products are batched over the slices, which the compiler
+    gives a warp each, so that the reductions over keys stay within a warp: no exchange through shared memory
+    between warps in the loop (sm_90: 4 barriers a 128-key tile against 11), one merge after it (_merge_slices)."""
+    k = k.to(q.dtype)
+    v_t = v_t.to(q.dtype)
+    scores = tl.dot(q, tl.trans(k, (0, 2, 1)), input_precision=DOT_PRECISION) * qk_scale
+    if KV_FP8:
+        scores = scores * k_scale[:, None, :]
+    scores = tl.where(key_mask[:, None, :], scores, float("-inf"))
+    if KV_FP8:
+        tile_max, top = tl.reduce((scores, tl.broadcast_to(v_scale[:, None, :], scores.shape)), 2, _max_pair)
+    else:
+        tile_max = tl.max(scores, axis=2)
+    m_new = tl.maximum(m_i, tile_max)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(scores - m_ref[:, :, None])
+    alpha = tl.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, axis=2)
+    if KV_FP8:
+        top = tl.where(top > 0.0, top, 1.0)
+        weights = (p * v_scale[:, None, :] * (1.0 / top)[:, :, None]).to(v_t.dtype)
+        acc_t = tl.dot(v_t, tl.trans(weights, (0, 2, 1)), acc=acc_t * (alpha / top)[:, None, :],
+                       input_precision=DOT_PRECISION)
+        acc_t = acc_t * top[:, None, :]
+    else:
+        acc_t = tl.dot(v_t, tl.trans(p.to(v_t.dtype), (0, 2, 1)), acc=acc_t * alpha[:, None, :],
+                       input_precision=DOT_PRECISION)
+    return m_new, l_i, acc_t
+
+
+@triton.jit
+def _merge_slices(m_i, l_i, acc_t):
+    """The slices' softmax states [W, G], [W, G], [W, D, G] as one: row max and sum [G], accumulator [G, D]."""
+    m_all = tl.max(m_i, axis=0)
+    weights = tl.exp2(m_i - tl.where(m_all == float("-inf"), 0.0, m_all)[None, :])
+    return m_all, tl.sum(l_i * weights, axis=0), tl.trans(tl.sum(acc_t * weights[:, None, :], axis=0))
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # float32 inputs would otherwise be multiplied in TF32 on the GPU (10-bit mantissa).
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -226,7 +298,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ROPE: tl.constexpr = False, KV_FP8: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
     V_BY_SLOTS: tl.constexpr = False, V_RUN: tl.constexpr = 16, FP8_DOT: tl.constexpr = False,
-    KEYS_FIRST: tl.constexpr = False,
+    KEYS_FIRST: tl.constexpr = False, WARP_SPLIT: tl.constexpr = 0,
 ):
     """One (sequence, KV head, split): attends the group's query heads over the split's range of keys.
 
@@ -285,34 +357,53 @@ def _decode_split_kernel(
     else:
         q = _fp8_cache_queries(q, KV_FP8)
         scores_scale = qk_scale
-    if KEYS_FIRST:
-        acc = tl.zeros([BLOCK_D, BLOCK_G], tl.float32)  # transposed (_attend_tile_keys_first)
-    else:
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table
     if V_BY_SLOTS:  # tiles from the start of a run of V_RUN keys: the values load a run at a time (_load_kv_tile)
         tiles_start = split_start // V_RUN * V_RUN
     else:
         tiles_start = split_start
-    for tile_start in range(tiles_start, split_end, BLOCK_N):
-        key_pos = tile_start + tl.arange(0, BLOCK_N)
-        if V_BY_SLOTS:
+    if WARP_SPLIT:  # each tile in WARP_SPLIT slices of keys, a softmax state each (_attend_slices)
+        SLICE: tl.constexpr = BLOCK_N // WARP_SPLIT
+        q_slices = tl.broadcast_to(q[None, :, :], (WARP_SPLIT, BLOCK_G, BLOCK_D))
+        slice_acc = tl.zeros([WARP_SPLIT, BLOCK_D, BLOCK_G], tl.float32)
+        slice_m = tl.full([WARP_SPLIT, BLOCK_G], float("-inf"), tl.float32)
+        slice_l = tl.zeros([WARP_SPLIT, BLOCK_G], tl.float32)
+        slice_pos = tl.arange(0, WARP_SPLIT)[:, None] * SLICE + tl.arange(0, SLICE)[None, :]
+        for tile_start in range(tiles_start, split_end, BLOCK_N):
+            key_pos = tile_start + slice_pos
             key_mask = (key_pos >= split_start) & (key_pos < split_end)
-        else:
-            key_mask = key_pos < split_end
-        k, v, k_scale, v_scale = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, key_pos, key_mask, kv_head, dims,
-                                               dim_mask, stride_block, stride_slot, stride_head, stride_v_block,
-                                               stride_v_slot, stride_v_head, stride_v_dim, k_scale_ptr, v_scale_ptr,
-                                               stride_scale_block, stride_scale_slot, stride_scale_head, PAGE_SIZE,
-                                               KV_FP8, V_BY_SLOTS, V_RUN, split_end)
+            k, v_t, k_scale, v_scale = _load_kv_slices(
+                k_cache_ptr, v_cache_ptr, table_row, key_pos, key_mask, kv_head, dims, dim_mask, stride_block,
+                stride_slot, stride_head, stride_v_block, stride_v_slot, stride_v_head, stride_v_dim, k_scale_ptr,
+                v_scale_ptr, stride_scale_block, stride_scale_slot, stride_scale_head, PAGE_SIZE, KV_FP8, V_RUN,
+                split_end)
+            slice_m, slice_l, slice_acc = _attend_slices(q_slices, k, v_t, k_scale, v_scale, key_mask, slice_m,
+                                                         slice_l, slice_acc, scores_scale, DOT_PRECISION, KV_FP8)
+        m_i, l_i, acc = _merge_slices(slice_m, slice_l, slice_acc)
+    else:
         if KEYS_FIRST:
-            m_i, l_i, acc = _attend_tile_keys_first(q, k, v, k_scale, v_scale, key_mask, m_i, l_i, acc,
-                                                    scores_scale, DOT_PRECISION, FP8_DOT)
+            acc = tl.zeros([BLOCK_D, BLOCK_G], tl.float32)  # transposed (_attend_tile_keys_first)
         else:
-            m_i, l_i, acc = _attend_tile(q, k, v, k_scale, v_scale, key_mask[None, :], m_i, l_i, acc, scores_scale,
-                                         True, DOT_PRECISION, KV_FP8)
+            acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        for tile_start in range(tiles_start, split_end, BLOCK_N):
+            key_pos = tile_start + tl.arange(0, BLOCK_N)
+            if V_BY_SLOTS:
+                key_mask = (key_pos >= split_start) & (key_pos < split_end)
+            else:
+                key_mask = key_pos < split_end
+            k, v, k_scale, v_scale = _load_kv_tile(k_cache_ptr, v_cache_ptr, table_row, key_pos, key_mask, kv_head,
+                                                   dims, dim_mask, stride_block, stride_slot, stride_head,
+                                                   stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
+                                                   k_scale_ptr, v_scale_ptr, stride_scale_block, stride_scale_slot,
+                                                   stride_scale_head, PAGE_SIZE, KV_FP8, V_BY_SLOTS, V_RUN, split_end)
+            if KEYS_FIRST:
+                m_i, l_i, acc = _attend_tile_keys_first(q, k, v, k_scale, v_scale, key_mask, m_i, l_i, acc,
+                                                        scores_scale, DOT_PRECISION, FP8_DOT)
+            else:
+                m_i, l_i, acc = _attend_tile(q, k, v, k_scale, v_scale, key_mask[None, :], m_i, l_i, acc,
+                                             scores_scale, True, DOT_PRECISION, KV_FP8)
     if KEYS_FIRST:
         acc = tl.trans(acc)
 
@@ -358,13 +449,15 @@ def _decode_reduce_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, num
 class TileConfig:
     """Tile sizes and launch options of an attention kernel (block_m: query rows; block_n: keys). keys_first
     (decode over an FP8 cache with its values by slots): the keys and values are the products' first operands
-    (_attend_tile_keys_first), the query rows padded to 8, not block_m."""
+    (_attend_tile_keys_first), the query rows padded to 8, not block_m. warp_split (decode over a cache with its
+    values by slots): each tile cut into num_warps slices of keys with a softmax state each (_attend_slices)."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     keys_first: bool = False
+    warp_split: bool = False
 
 
 def decode_config(head_dim: int, query_size: int, cache_size: int) -> TileConfig:
@@ -421,6 +514,7 @@ def paged_decode_attention(
     kv_scales: tuple[torch.Tensor, ...] = (),
     config: TileConfig | None = None,
     fp8_dot: bool = False,
+    warp_split: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; returns [B, H_q, D] in q's dtype.
 
@@ -432,10 +526,11 @@ def paged_decode_attention(
     launches' trigger mode (kernels/pdl.py). kv_scales: an FP8 cache's (k_scale, v_scale). `config` fixes the
     tiles instead of decode_config's (for benchmarks; block_m is raised to the GQA group's power of two). fp8_dot
     (an FP8 cache with its values by slots): the products run on FP8 tensor cores, the queries and probabilities
-    quantized to FP8 too (_attend_tile_keys_first).
+    quantized to FP8 too (_attend_tile_keys_first). warp_split (values by slots): the tiles cut into a slice of
+    keys a warp (TileConfig.warp_split).
     """
     return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, None, pdl,
-                   kv_scales, config, fp8_dot)
+                   kv_scales, config, fp8_dot, warp_split)
 
 
 def rotary_decode_attention(
@@ -455,6 +550,7 @@ def rotary_decode_attention(
     pdl: int = 0,
     kv_scales: tuple[torch.Tensor, ...] = (),
     fp8_dot: bool = False,
+    warp_split: bool = False,
 ) -> torch.Tensor:
     """rotary_write_kv_cache then paged_decode_attention in one kernel launch (two with split-K): q, k [B, H, D]
     are the step's unrotated queries and keys, v its values, cos / sin one row per sequence; the rotated keys
@@ -470,11 +566,11 @@ def rotary_decode_attention(
         raise ValueError(f"k has {num_kv_heads} heads, the cache {k_cache.shape[2]}")
     rope = (k, v, cos_rows, sin_rows, slot_mapping)
     return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope, pdl,
-                   kv_scales, None, fp8_dot)
+                   kv_scales, None, fp8_dot, warp_split)
 
 
 def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope, pdl,
-            kv_scales, config=None, fp8_dot=False):
+            kv_scales, config=None, fp8_dot=False, warp_split=False):
     """The decode attention launch of paged_decode_attention, and of rotary_decode_attention with rope =
     (k, v, cos_rows, sin_rows, slot_mapping)."""
     batch, num_q_heads, head_dim = q.shape
@@ -503,6 +599,8 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
     block_d = triton.next_power_of_2(head_dim)
     # FP8 products take the queries in FP8: the tiles stay FP8 whatever the queries' dtype.
     config = config or decode_config(block_d, 2 if fp8_dot else q.element_size(), k_cache.element_size())
+    if warp_split:
+        config = dataclasses.replace(config, warp_split=True)
     values_by_slots = v_cache.stride() != k_cache.stride()
     if fp8_dot and not (fp8 and values_by_slots and config.block_n % 64 == 0 and head_dim >= 32):
         raise ValueError(f"fp8_dot needs an FP8 cache with its values by slots, tiles of a multiple of 64 keys (the "
@@ -511,6 +609,13 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
                          f"block_n {config.block_n}, head_dim {head_dim}")
     if config.keys_first and not (fp8 and values_by_slots):
         raise ValueError("keys_first tiles need an FP8 cache with its values by slots")
+    run = math.gcd(page_size, config.block_n, 16)
+    if config.warp_split and not (values_by_slots and not fp8_dot and not config.keys_first
+                                  and config.block_n % (config.num_warps * max(16, run)) == 0):
+        raise ValueError(f"warp_split tiles need values by slots, no FP8 products or keys first, and block_n a "
+                         f"multiple of 16 keys (and of the value runs) per warp; got values "
+                         f"{'by slots' if values_by_slots else 'by rows'}, block_n {config.block_n}, "
+                         f"{config.num_warps} warps")
     keys_first = fp8_dot or config.keys_first
     direct = num_splits == 1
     if direct:
@@ -532,8 +637,9 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
         k_scale, v_scale, stride_scale_block, stride_scale_slot, stride_scale_head,
         GROUP=group, BLOCK_G=max(8 if keys_first else config.block_m, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=config.block_n, PAGE_SIZE=page_size, DIRECT_OUTPUT=direct, DOT_PRECISION=_dot_precision(q.dtype),
-        ROPE=rope is not None, KV_FP8=fp8, V_BY_SLOTS=values_by_slots, V_RUN=math.gcd(page_size, config.block_n, 16),
-        FP8_DOT=fp8_dot, KEYS_FIRST=keys_first, num_warps=config.num_warps, num_stages=config.num_stages,
+        ROPE=rope is not None, KV_FP8=fp8, V_BY_SLOTS=values_by_slots, V_RUN=run, FP8_DOT=fp8_dot,
+        KEYS_FIRST=keys_first, WARP_SPLIT=config.num_warps if config.warp_split else 0, num_warps=config.num_warps,
+        num_stages=config.num_stages,
         **launch_options(pdl),
     )
     if not direct:  # one BLOCK_S for every split count up to _MAX_SPLITS: one compiled variant

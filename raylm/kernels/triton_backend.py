@@ -42,7 +42,12 @@ class TritonAttentionMetadata:
         # FP8 products (kernel_config.fp8_attention) need the values by slots, as the engine stores an FP8 cache's,
         # and heads of 32 dimensions or more (the FP8 MMA's reduction); smaller heads widen their tiles.
         fp8_dot = kv_scales and kernels.fp8_attention_dot and q.shape[-1] >= 32
-        decode_fp8 = {**fp8, "fp8_dot": True} if fp8_dot else fp8
+        if fp8_dot:
+            decode_fp8 = {**fp8, "fp8_dot": True}
+        elif kv_scales and kernels.fp8_attention_slices:  # tiles in slices of keys a warp (values by slots)
+            decode_fp8 = {**fp8, "warp_split": True}
+        else:
+            decode_fp8 = fp8
         from raylm.kernels.triton_attention import paged_decode_attention, rotary_decode_attention
         from raylm.kernels.triton_kv_cache import rotary_write_kv_cache, write_kv_cache
         from raylm.kernels.triton_prefill_attention import paged_prefill_attention

@@ -177,12 +177,15 @@ def test_release_and_resume_bring_back_an_fp8_cache_that_generates_the_same(tiny
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_the_triton_kernels_on_an_fp8_cache_give_the_torch_reference_s_tokens(tiny_model_dirs, arch):
+@pytest.mark.parametrize("fp8_attention", ["float16", "float16_slices"])
+def test_the_triton_kernels_on_an_fp8_cache_give_the_torch_reference_s_tokens(tiny_model_dirs, arch, fp8_attention):
     """float32 on the GPU, the decode graphs on: the Triton writes and attention (prefill, decode with the rotation
-    inside, split K) against the torch backend on the same FP8 cache layout."""
+    inside, split K; decode tiles whole or in slices of keys a warp) against the torch backend on the same FP8 cache
+    layout."""
     path = tiny_model_dirs[arch]
     options = dict(kv_cache_config=FP8_KV, device="cuda", dtype="float32", executor="local")
-    triton_run = _generate(path, GREEDY, attention_backend="triton", **options)
+    triton_run = _generate(path, GREEDY, attention_backend="triton", kernel_config={"fp8_attention": fp8_attention},
+                           **options)
     reference = _generate(path, GREEDY, attention_backend="torch", **options)
     for ours, theirs in zip(triton_run, reference):
         assert ours[0][0] == theirs[0][0]  # the greedy tokens

@@ -170,6 +170,22 @@ def test_an_fp8_tile_reduces_its_scores_and_value_scales_together(keys_first):
     assert loop.count('"tt.reduce"') == 2
 
 
+def test_warp_split_tiles_give_each_warp_a_slice_of_keys():
+    """warp_split: the products are batched over the tile's slices with one warp each (the MMA's warps along the
+    batch), so that the softmax's reductions over keys stay within a warp; keys and values still load through
+    asynchronous copies (sm_90: 4 barriers a 128-key tile, against 11 for the tile spread over the warps)."""
+    from raylm.kernels.triton_attention import _decode_split_kernel
+
+    constexprs = {"GROUP": 4, "BLOCK_G": 16, "BLOCK_D": 128, "BLOCK_N": 128, "PAGE_SIZE": 16, "DIRECT_OUTPUT": True,
+                  "DOT_PRECISION": "tf32", "ROPE": True, "KV_FP8": True, "USE_PDL": 0, "stride_v_slot": 1,
+                  "V_BY_SLOTS": True, "V_RUN": 16, "WARP_SPLIT": 4}
+    pointers = {**ATTENTION, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+    ir = compile_for_hopper(_decode_split_kernel, constexprs, pointers, asm="ttgir")
+    assert "versionMajor = 2" in ir and "warpsPerCTA = [4, 1, 1]" in ir
+    ptx = compile_for_hopper(_decode_split_kernel, constexprs, pointers)
+    assert "cp.async.cg.shared.global" in ptx and "ld.global.b8" not in ptx
+
+
 @pytest.mark.parametrize("residual", [False, True])
 def test_the_norm_writing_fp8_rows_compiles_for_hopper(residual):
     """rms_norm_fp8: the row's amax, scale and FP8 bytes stored in the norm's own program."""

@@ -62,6 +62,11 @@ def test_kernel_config_overrides_the_defaults(hopper):
     for lora_expand, in_gemv, first in (("kernel", False, False), ("epilogue", True, False), ("before", True, True)):
         chosen = choose_kernel_policy(GPU, LARGE, lora_expand=lora_expand)
         assert (chosen.lora_in_gemv, chosen.lora_products_first) == (in_gemv, first)
+    for fp8_attention, dot, slices in (("float16", False, False), ("float16_slices", False, True),
+                                       ("fp8", True, False)):
+        chosen = choose_kernel_policy(GPU, LARGE, fp8_attention=fp8_attention)
+        assert (chosen.fp8_attention_dot, chosen.fp8_attention_slices) == (dot, slices)
+    assert choose_kernel_policy(GPU, LARGE, gemv_tiles="tune").gemv_tiles == "tune"
 
 
 def test_pdl_needs_hopper_and_compiled_triton(hopper, monkeypatch):

@@ -68,7 +68,8 @@ def _cdiv(a: int, b: int) -> int:
 def _run_step(device: torch.device, dtype: torch.dtype, shape: Shape, decode_lens: list[int],
               prefill_chunks: list[tuple[int, int]], sliding_window: int | None = None,
               num_splits: int | None = None, planner=None, fp8: bool = False, transposed_values: bool = False,
-              fp8_dot: bool = False, prefill_tiles: TileConfig | None = None) -> None:
+              fp8_dot: bool = False, prefill_tiles: TileConfig | None = None,
+              decode_tiles: TileConfig | None = None) -> None:
     """Runs one step of decodes (context lengths) then prefill chunks ((start, query_len)) through the
     kernels and through the reference, and asserts that outputs and caches agree. With a planner (the
     FlashInfer backend's build_metadata), the step runs through the metadata it plans instead of the Triton
@@ -76,7 +77,7 @@ def _run_step(device: torch.device, dtype: torch.dtype, shape: Shape, decode_len
     With transposed_values, the kernels' value cache is stored transposed within its pages, the reference's by
     rows. With fp8_dot (decodes only), the decode multiplies in FP8: the reference takes each query row quantized
     to FP8 as the kernel quantizes it, and the outputs may differ by the probabilities' FP8 rounding. prefill_tiles:
-    the prefill kernel's tiles instead of its default."""
+    the prefill kernel's tiles instead of its default; decode_tiles, the decode kernel's."""
     page_size, num_kv_heads, head_dim = shape.page_size, shape.num_kv_heads, shape.head_dim
     num_q_heads = num_kv_heads * shape.group
     context_lens = decode_lens + [start + length for start, length in prefill_chunks]
@@ -153,7 +154,7 @@ def _run_step(device: torch.device, dtype: torch.dtype, shape: Shape, decode_len
         out[:num_decodes] = paged_decode_attention(
             q[:num_decodes], k_cache, v_cache, table[:num_decodes],
             torch.tensor(decode_lens, dtype=torch.int32, device=device), scale, sliding_window, num_splits, **scales,
-            **({"fp8_dot": True} if fp8_dot else {}))
+            **({"fp8_dot": True} if fp8_dot else {}), config=decode_tiles)
     if prefill_chunks:
         query_lens = torch.tensor([length for _, length in prefill_chunks], dtype=torch.int32)
         query_start_loc = torch.zeros(len(prefill_chunks) + 1, dtype=torch.int32)
@@ -360,6 +361,32 @@ def test_fp8_cache_prefill_and_decode_of_one_step_match_the_reference(device, dt
     _run_step(device, dtype, shape, [5, 33], [(0, 17), (16, 40), (100, 3)], fp8=True)
 
 
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "same-dtype"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("sliding_window", [None, 37])
+@pytest.mark.parametrize("tiles", [TileConfig(16, 64, 4, 3, warp_split=True),
+                                   TileConfig(16, 128, 2, 2, warp_split=True)],
+                         ids=lambda tiles: f"n{tiles.block_n}-w{tiles.num_warps}")
+def test_decode_in_slices_of_keys_a_warp_matches_the_reference(device, dtype, fp8, num_splits, sliding_window, tiles):
+    """warp_split tiles (values by slots): each warp's slice of a tile keeps its own softmax state, merged after
+    the loop; contexts shorter than a slice, ending inside one, and over many tiles."""
+    _run_step(device, dtype, Shape(16, 2, 4, 64), [1, 17, 40, 300], [], sliding_window=sliding_window,
+              num_splits=num_splits, fp8=fp8, transposed_values=True, decode_tiles=tiles)
+
+
+def test_warp_split_tiles_refuse_what_they_cannot_read(device):
+    q = torch.randn(1, 2, 64, device=device)
+    cache = torch.zeros(3, 16, 2, 64, device=device)
+    table, lens = torch.tensor([[1]], dtype=torch.int32, device=device), torch.tensor([5], device=device)
+    with pytest.raises(ValueError, match="warp_split tiles need values by slots"):
+        paged_decode_attention(q, cache, cache.clone(), table, lens, 0.125,
+                               config=TileConfig(16, 64, 4, 3, warp_split=True))
+    with pytest.raises(ValueError, match="warp_split tiles need"):
+        paged_decode_attention(q, cache, value_cache_by_slots(cache.shape, cache.dtype, device), table, lens, 0.125,
+                               config=TileConfig(16, 32, 4, 3, warp_split=True))
+
+
 @pytest.mark.parametrize("tiles", [TileConfig(128, 32, 8, 2), TileConfig(64, 64, 8, 2), TileConfig(128, 64, 8, 3)],
                          ids=lambda tiles: f"m{tiles.block_m}-n{tiles.block_n}")
 def test_fp8_cache_prefill_under_other_tiles_matches_the_reference(device, tiles):
@@ -397,10 +424,11 @@ def test_fp8_dot_decode_matches_the_reference_on_fp8_queries(device, dtype, num_
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 2])
-def test_fp8_cache_rotary_decode_stores_what_rotary_write_stores(device, dtype, num_splits):
+@pytest.mark.parametrize("warp_split", [False, True], ids=["", "warp-split"])
+def test_fp8_cache_rotary_decode_stores_what_rotary_write_stores(device, dtype, num_splits, warp_split):
     """The decode kernel that rotates and stores the step's key quantizes it as rotary_write_kv_cache does, and
     attends over the cache as paged_decode_attention does (its value cache transposed within its pages, the other
-    kernels' by rows: the stores follow the value cache's strides)."""
+    kernels' by rows: the stores follow the value cache's strides), in slices of keys a warp too."""
     from raylm.kernels.rotary import RotaryEmbedding, rope_inv_freq
 
     torch.manual_seed(5)
@@ -416,7 +444,7 @@ def test_fp8_cache_rotary_decode_stores_what_rotary_write_stores(device, dtype, 
     fused = [fused[0], transposed_within_pages(fused[0]), fused[1], fused[1].clone()]
     split = [fused[0].clone(), fused[1].contiguous(), fused[2].clone(), fused[3].clone()]
     got = rotary_decode_attention(q, k, v, cos, sin, fused[0], fused[1], slots, table, lens, head_dim**-0.5,
-                                  num_splits=num_splits, kv_scales=(fused[2], fused[3]))
+                                  num_splits=num_splits, kv_scales=(fused[2], fused[3]), warp_split=warp_split)
     rotated_q = rotary_write_kv_cache(q, k, v, cos, sin, split[0], split[1], slots, kv_scales=(split[2], split[3]))
     expected = paged_decode_attention(rotated_q, split[0], split[1], table, lens, head_dim**-0.5,
                                       num_splits=num_splits, kv_scales=(split[2], split[3]))
