@@ -90,16 +90,18 @@ def _configs(split: bool = False, fp8: bool = False) -> list[triton.Config]:
 
 def _core_configs(split: bool = False) -> list[triton.Config]:
     """Tile shapes to time for one row of x against FP8 weights on the CUDA cores (CORE). Their loads are not
-    pipelined by Triton (the loop requests each next tile itself), so one stage; 60-96 registers a thread (ptxas,
-    sm_90). Tiles of 8 warps (BLOCK_N x BLOCK_K of 16 x 1024, 32 x 512, 64 x 256) were timed on the H200 too and
-    never chosen for an 8B layer."""
+    pipelined by Triton (the loop requests its next tiles itself: CORE_AHEAD 1 or 2), so one stage; 60-96 registers
+    a thread (ptxas, sm_90). Tiles of 8 warps (BLOCK_N x BLOCK_K of 16 x 1024, 32 x 512, 64 x 256) were timed on the
+    H200 too and never chosen for an 8B layer."""
     shapes = [(16, 256), (16, 512), (32, 256)]
-    configs = [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "CORE": 1}, num_warps=4, num_stages=1)
-               for block_n, block_k in shapes]
+    configs = [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "CORE": 1, "CORE_AHEAD": ahead}, num_warps=4,
+                             num_stages=1)
+               for block_n, block_k in shapes for ahead in (1, 2)]
     if split:
-        configs += [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "CORE": 1},
-                                  num_warps=4, num_stages=1)
-                    for block_n, block_k in shapes for split_k in _SPLITS]
+        configs += [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "CORE": 1,
+                                   "CORE_AHEAD": ahead}, num_warps=4, num_stages=1)
+                    for block_n, block_k in shapes for split_k in _SPLITS for ahead in (1, 2)
+                    if ahead == 1 or split_k == 2]
     return configs
 
 
@@ -170,17 +172,30 @@ def _core_x(x_ptr, ks, K):
 
 @triton.jit
 def _core_sums(x_ptr, w_rows, w, ks, col_mask, k_start, k_end, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               X_MODE: tl.constexpr):
+               X_MODE: tl.constexpr, CORE_AHEAD: tl.constexpr):
     """x's row times W's rows over K from k_start to k_end on the CUDA cores ([1, BLOCK_N] float32), w being the
-    first weight tile (at ks), loaded already. Each tile's successor is requested before the tile is multiplied, so
-    two tiles of every program are in flight."""
+    first weight tile (at ks), loaded already. Each tile's CORE_AHEAD successors (1 or 2) are requested before the
+    tile is multiplied, so CORE_AHEAD + 1 tiles of every program are in flight: more bytes in flight per SM where a
+    narrow layer has few programs an SM. A tile past k_end loads as zeros and adds nothing (the same sums)."""
     acc = tl.zeros([BLOCK_N, BLOCK_K // _CORE_RUN], dtype=tl.float32)
-    for start in range(k_start + BLOCK_K, k_end, BLOCK_K):
-        following = start + tl.arange(0, BLOCK_K)
-        w_next = _w_tile(w_rows, following, col_mask, k_end)
+    if CORE_AHEAD == 2:
+        ks_next = ks + BLOCK_K
+        w_next = _w_tile(w_rows, ks_next, col_mask, k_end)
+        for start in range(k_start + 2 * BLOCK_K, k_end, BLOCK_K):
+            following = start + tl.arange(0, BLOCK_K)
+            w_after = _w_tile(w_rows, following, col_mask, k_end)
+            acc = _core_fma(_core_x(x_ptr, ks, k_end), w, acc, X_MODE)
+            w, ks = w_next, ks_next
+            w_next, ks_next = w_after, following
         acc = _core_fma(_core_x(x_ptr, ks, k_end), w, acc, X_MODE)
-        w = w_next
-        ks = following
+        w, ks = w_next, ks_next
+    else:
+        for start in range(k_start + BLOCK_K, k_end, BLOCK_K):
+            following = start + tl.arange(0, BLOCK_K)
+            w_next = _w_tile(w_rows, following, col_mask, k_end)
+            acc = _core_fma(_core_x(x_ptr, ks, k_end), w, acc, X_MODE)
+            w = w_next
+            ks = following
     acc = _core_fma(_core_x(x_ptr, ks, k_end), w, acc, X_MODE)
     return tl.sum(acc, axis=1)[None, :]
 
@@ -210,13 +225,14 @@ def _gemv_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_
                  HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0, X_MODE: tl.constexpr = 0,
                  LORA_PARTS: tl.constexpr = 0, LORA_BLOCK_RANK: tl.constexpr = 16, LORA_BLOCK_S: tl.constexpr = 1,
-                 SWAP_AB: tl.constexpr = 0, CORE: tl.constexpr = 0):
+                 SWAP_AB: tl.constexpr = 0, CORE: tl.constexpr = 0, CORE_AHEAD: tl.constexpr = 1):
     """Program (i, s) computes output features [i BLOCK_N, (i + 1) BLOCK_N) over split s of K (the whole of K
     when SPLIT_K is 1); with SPLIT_K > 1, partial_ptr is a float32 workspace of at least [SPLIT_K, M, N] and
     arrivals_ptr one int32 counter per output tile, zero between calls. HAS_SCALE: W holds FP8 rows, each scaled by
     its float32 scale_ptr[n]; X_MODE 2: so does x, by x_scale_ptr[m]. LORA_PARTS other than 0: the layer's LoRA
     products (the lora_* arguments: a LoraRows or a LoraProducts of kernels/triton_lora.py, _lora_delta) join each
-    row's sum before it is rounded. CORE: one input row (BLOCK_M 1), multiplied on the CUDA cores (_core_sums)."""
+    row's sum before it is rounded. CORE: one input row (BLOCK_M 1), multiplied on the CUDA cores (_core_sums, its
+    loads CORE_AHEAD tiles ahead)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -243,7 +259,7 @@ def _gemv_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_
     else:
         lora = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if CORE:
-        acc = _core_sums(x_ptr, w_rows, w, ks, col_mask, k_start, k_end, BLOCK_N, BLOCK_K, X_MODE)
+        acc = _core_sums(x_ptr, w_rows, w, ks, col_mask, k_start, k_end, BLOCK_N, BLOCK_K, X_MODE, CORE_AHEAD)
         pdl_trigger_at_tail(USE_PDL)
     else:
         acc = _dot(_x_tile(x_rows, ks, row_mask, k_end), w, _zero_sums(BLOCK_M, BLOCK_N, SWAP_AB), X_MODE, SWAP_AB)

@@ -73,14 +73,17 @@ def test_the_fp8_gemvs_compile_for_hopper(x_mode, swap_ab):
 
 @pytest.mark.parametrize("x_mode", [0, 1, 2])
 @pytest.mark.parametrize("split_k", [1, 2])
-def test_the_one_row_fp8_gemvs_compile_for_hopper(x_mode, split_k):
-    """CORE: one row of x against FP8 weights on the CUDA cores, no tensor-core instructions."""
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_the_one_row_fp8_gemvs_compile_for_hopper(x_mode, split_k, ahead):
+    """CORE: one row of x against FP8 weights on the CUDA cores, no tensor-core instructions; its weight tiles in
+    16-byte loads, CORE_AHEAD tiles ahead."""
     from raylm.kernels.triton_gemv import _gemv_kernel
 
-    core = {**GEMV, "HAS_SCALE": True, "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 512, "X_MODE": x_mode, "CORE": 1}
+    core = {**GEMV, "HAS_SCALE": True, "BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 512, "X_MODE": x_mode, "CORE": 1,
+            "CORE_AHEAD": ahead}
     pointers = FP8 if x_mode == 2 else {"w_ptr": "*fp8e4nv"}
     ptx = compile_for_hopper(_gemv_kernel, {**core, "SPLIT_K": split_k}, pointers)
-    assert ".target sm_90" in ptx and "mma" not in ptx
+    assert ".target sm_90" in ptx and "mma" not in ptx and "ld.global.v4.b32" in ptx
 
 
 @pytest.mark.parametrize("lora_parts", [0, 2, -1])  # -1: the LoRA products computed before the GEMV

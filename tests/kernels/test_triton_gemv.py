@@ -322,6 +322,18 @@ def test_one_row_on_the_cuda_cores_sums_as_the_dot_does(dtype, input_mode, split
                                    rtol=tolerance)
 
 
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("k", [200, 256, 700, 1100], ids=str)
+def test_one_row_loading_two_tiles_ahead_sums_as_one_tile_ahead(split_k, k):
+    """CORE_AHEAD 2 requests each tile's two successors before multiplying it: the same products summed in the same
+    order as CORE_AHEAD 1, bit for bit, whether K holds one tile, two, or more, whole or not, split or not."""
+    x, quantized, scale, _ = _fp8_case(1, 48, k, torch.float16, False, seed=k + split_k)
+    tiles = {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": split_k, "CORE": 1}
+    one = gemv(x, quantized, weight_scale=scale, input_mode="float16", config={**tiles, "CORE_AHEAD": 1})
+    two = gemv(x, quantized, weight_scale=scale, input_mode="float16", config={**tiles, "CORE_AHEAD": 2})
+    assert torch.equal(one, two)
+
+
 def test_the_cuda_cores_take_one_row_of_the_plain_gemv_only():
     x, quantized, scale, _ = _fp8_case(2, 32, 256, torch.float16, False, seed=0)
     core = {"BLOCK_N": 16, "BLOCK_K": 256, "CORE": 1}
