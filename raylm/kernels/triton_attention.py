@@ -599,8 +599,8 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
     block_d = triton.next_power_of_2(head_dim)
     # FP8 products take the queries in FP8: the tiles stay FP8 whatever the queries' dtype.
     config = config or decode_config(block_d, 2 if fp8_dot else q.element_size(), k_cache.element_size())
-    if warp_split:
-        config = dataclasses.replace(config, warp_split=True)
+    if warp_split:  # a slice of at least 16 keys a warp (the products' reduction)
+        config = dataclasses.replace(config, warp_split=True, block_n=max(config.block_n, 16 * config.num_warps))
     values_by_slots = v_cache.stride() != k_cache.stride()
     if fp8_dot and not (fp8 and values_by_slots and config.block_n % 64 == 0 and head_dim >= 32):
         raise ValueError(f"fp8_dot needs an FP8 cache with its values by slots, tiles of a multiple of 64 keys (the "
