@@ -344,7 +344,9 @@ def test_a_worker_prints_its_stacks_on_sigusr1(ray_cluster, tiny_model_dirs):
             os.kill(pid, signal.SIGUSR1)
         stacks = {}
         deadline = time.monotonic() + 30
-        while len(stacks) < len(pids) and time.monotonic() < deadline:
+        # A dump is written thread by thread: read again until rank 1's waiting thread is in it, or time is up.
+        while time.monotonic() < deadline and not (len(stacks) == len(pids)
+                                                   and "worker_loop" in stacks[pids[1]]):
             for pid in pids:
                 for name in os.listdir(logs):
                     if name.startswith("worker-") and name.endswith(f"-{pid}.err"):
