@@ -131,13 +131,16 @@ def _max_pair(a, b, c, d):
 
 @triton.jit
 def _attend_tile(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KEYS_ACROSS_WARPS: tl.constexpr = False):
     """One online-softmax step over a tile of keys: returns the updated (row max, row sum, accumulator). An FP8
     tile's keys and values are widened to q's dtype (float16 or float32: _fp8_cache_queries), their scales (per
     key) applied to the scores and to the probabilities that weigh the values.
 
     With MASKED, scores where `visible` is false are dropped; rows that see no key yet keep max -inf and
     their probabilities are computed against 0, so that no NaN (from -inf - -inf) enters the sums.
+    KEYS_ACROSS_WARPS (decode: a few query rows, the tile's keys spread over the warps): the value scales' maximum
+    joins the scores' in one reduction, one exchange between warps fewer; where each warp holds whole rows of keys
+    (prefill) it stays a reduction of its own, which crosses no warp.
     """
     if KV_FP8:
         k = k.to(q.dtype)
@@ -147,7 +150,7 @@ def _attend_tile(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, MA
         scores = scores * k_scale[None, :]
     if MASKED:
         scores = tl.where(visible, scores, float("-inf"))
-    if KV_FP8:  # the scores' and the value scales' maxima in one reduction (one exchange between warps, not two)
+    if KV_FP8 and KEYS_ACROSS_WARPS:
         tile_max, top = tl.reduce((scores, tl.broadcast_to(v_scale[None, :], scores.shape)), 1, _max_pair)
     else:
         tile_max = tl.max(scores, axis=1)
@@ -156,10 +159,15 @@ def _attend_tile(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, MA
     p = tl.exp2(scores - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if KV_FP8:
+    if KV_FP8 and KEYS_ACROSS_WARPS:  # top per row, all rows alike
         top = tl.where(top > 0.0, top, 1.0)
         weights = (p * v_scale[None, :] * (1.0 / top)[:, None]).to(v.dtype)
         acc = tl.dot(weights, v, acc=acc * (alpha / top)[:, None], input_precision=DOT_PRECISION) * top[:, None]
+    elif KV_FP8:
+        top = tl.max(v_scale, axis=0)
+        top = tl.where(top > 0.0, top, 1.0)
+        weights = (p * (v_scale / top)[None, :]).to(v.dtype)
+        acc = tl.dot(weights, v, acc=acc * (alpha / top)[:, None], input_precision=DOT_PRECISION) * top
     else:
         acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
@@ -403,7 +411,7 @@ def _decode_split_kernel(
                                                         scores_scale, DOT_PRECISION, FP8_DOT)
             else:
                 m_i, l_i, acc = _attend_tile(q, k, v, k_scale, v_scale, key_mask[None, :], m_i, l_i, acc,
-                                             scores_scale, True, DOT_PRECISION, KV_FP8)
+                                             scores_scale, True, DOT_PRECISION, KV_FP8, True)
     if KEYS_FIRST:
         acc = tl.trans(acc)
 
