@@ -40,8 +40,8 @@ def main() -> None:
     if args.length % PAGE:
         parser.error(f"--length must be a multiple of {PAGE}")
     from raylm.kernels import triton_kv_cache
+    from raylm.kernels.attention_tiles import TileConfig
     from raylm.kernels.fp8 import quantize_fp8
-    from raylm.kernels.triton_attention import TileConfig
     from raylm.kernels.triton_prefill_attention import paged_prefill_attention
 
     generator = torch.Generator(device="cuda").manual_seed(0)

@@ -1,4 +1,5 @@
-"""The decode GEMV's tiles as its tuning chose them on a GPU model, shipped with raylm (gemv_tiles.json).
+"""The decode GEMV's tiles (kernels/triton_gemv.py): the candidates its tuning times, and those the tuning chose on a
+GPU model, shipped with raylm (gemv_tiles.json).
 
 An engine's start tunes the GEMV per layer shape: it compiles and times every candidate tiling, about 170 for an
 FP8 Llama-3.1-8B, which took 75-190 s on a fresh H200 (docs/benchmarks.md). Where the table has the GPU model
@@ -17,11 +18,65 @@ import json
 from pathlib import Path
 
 import torch
+import triton
 
+MIN_BLOCK_N = 16  # the narrowest output tile of any configuration: one arrival counter per such tile
+SPLITS = (2, 4)  # the split-K factors tuned
+MAX_SPLIT_N = 16384  # split K only for layers of at most this many output features (enough programs above)
 TABLE_PATH = Path(__file__).with_name("gemv_tiles.json")
 
 # (device name, variant, "NxK") -> the tiling a tuning in this process chose ({"BLOCK_N": ..., "num_warps": ...}).
 _chosen: dict[tuple[str, str, str], dict] = {}
+
+
+def candidates(split: bool = False, fp8: bool = False) -> list[triton.Config]:
+    """Tile shapes to time per (N, K), with split-K ones if `split`; Triton's timing clears the L2 between runs,
+    as a real step finds it. FP8 weights (`fp8`) get K tiles twice as wide: the same bytes per tile; and tiles
+    whose dot takes the weight first (SWAP_AB), to be timed against those that take it transposed."""
+    widen = 2 if fp8 else 1
+    configs = [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k * widen}, num_warps=4, num_stages=stages)
+               for block_n in (16, 32, 64) for block_k in (128, 256) for stages in (3, 4)]
+    # Wider K tiles with more warps keep more bytes of W in flight per SM when there are few programs.
+    configs += [triton.Config({"BLOCK_N": block_n, "BLOCK_K": 512 * widen}, num_warps=8, num_stages=stages)
+                for block_n in (16, 32) for stages in (2, 3)]
+    if fp8:  # the weight tile as the dot's first operand (SWAP_AB), as stored: no reordering of FP8 values
+        configs += [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "SWAP_AB": 1}, num_warps=4,
+                                  num_stages=stages)
+                    for block_n in (32, 64) for block_k in (256, 512) for stages in (3, 4)]
+    if split:
+        configs += [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k * widen, "SPLIT_K": split_k},
+                                  num_warps=4, num_stages=3)
+                    for block_n in (MIN_BLOCK_N, 32) for block_k in (128, 256) for split_k in SPLITS]
+    return configs
+
+
+def core_candidates(split: bool = False) -> list[triton.Config]:
+    """Tile shapes to time for one row of x against FP8 weights on the CUDA cores (CORE). Their loads are not
+    pipelined by Triton (the loop requests its next tiles itself: CORE_AHEAD 1 or 2), so one stage; 60-96 registers
+    a thread (ptxas, sm_90). Tiles of 8 warps (BLOCK_N x BLOCK_K of 16 x 1024, 32 x 512, 64 x 256) were timed on the
+    H200 too and never chosen for an 8B layer."""
+    shapes = [(16, 256), (16, 512), (32, 256)]
+    configs = [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "CORE": 1, "CORE_AHEAD": ahead}, num_warps=4,
+                             num_stages=1)
+               for block_n, block_k in shapes for ahead in (1, 2)]
+    if split:
+        configs += [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "CORE": 1,
+                                   "CORE_AHEAD": ahead}, num_warps=4, num_stages=1)
+                    for block_n, block_k in shapes for split_k in SPLITS for ahead in (1, 2)
+                    if ahead == 1 or split_k == 2]
+    return configs
+
+
+def without_splits_for_wide_layers(configs: list[triton.Config], named_args: dict, **_) -> list[triton.Config]:
+    """The autotuner's pruning: split-K configurations only for layers of at most MAX_SPLIT_N features."""
+    if named_args["N"] <= MAX_SPLIT_N:
+        return configs
+    return [config for config in configs if config.kwargs.get("SPLIT_K", 1) == 1]
+
+
+def tiling(config: triton.Config) -> dict:
+    """A tuning configuration as gemv's `config` takes it (and gemv_tiles.json stores it)."""
+    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
 def shape_key(N: int, K: int) -> str:
@@ -30,8 +85,9 @@ def shape_key(N: int, K: int) -> str:
 
 @functools.cache
 def device_name(device: torch.device) -> str:
-    """The GPU model as torch names it ("NVIDIA H200"): the table's first key."""
-    return torch.cuda.get_device_name(device)
+    """The GPU model as torch names it ("NVIDIA H200"): the table's first key; another device's type ("cpu", where
+    Triton's interpreter runs the GEMV), which the table never holds."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 @functools.cache
@@ -47,9 +103,9 @@ def shipped(device: torch.device, variant: str, N: int, K: int) -> dict | None:
     return load_table().get(device_name(device), {}).get(variant, {}).get(shape_key(N, K))
 
 
-def note(device: torch.device, variant: str, N: int, K: int, tiling: dict) -> None:
+def note(device: torch.device, variant: str, N: int, K: int, tiles: dict) -> None:
     """Records the tiling a tuning chose (the first one noted for a key stays)."""
-    _chosen.setdefault((device_name(device), variant, shape_key(N, K)), dict(tiling))
+    _chosen.setdefault((device_name(device), variant, shape_key(N, K)), dict(tiles))
 
 
 def chosen() -> dict:

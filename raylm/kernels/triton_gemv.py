@@ -54,62 +54,23 @@ import triton.language as tl
 
 from raylm.kernels import gemv_tiles
 from raylm.kernels.fp8 import FP8_DTYPE
+from raylm.kernels.gemv_tiles import (
+    MAX_SPLIT_N,
+    MIN_BLOCK_N,
+    SPLITS,
+    candidates,
+    core_candidates,
+    tiling,
+    without_splits_for_wide_layers,
+)
 from raylm.kernels.pdl import launch_options, pdl_trigger_at_tail, pdl_wait
 from raylm.kernels.policy import GEMV_MAX_ROWS
 from raylm.kernels.triton_fp8 import quantize_rows_fp8
 from raylm.kernels.triton_lora import LoraProducts, LoraRows, lora_rows_product
 
 _BLOCK_M = 16  # tl.dot's smallest tile; rows past M are masked
-_MIN_BLOCK_N = 16  # the narrowest output tile of any configuration: one arrival counter per such tile
-_SPLITS = (2, 4)  # the split-K factors tuned
-_MAX_SPLIT_N = 16384  # split K only for layers of at most this many output features (enough programs above)
 _FLOAT16_MAX = tl.constexpr(65504.0)
 _CORE_RUN = tl.constexpr(16)  # FP8 weights a thread loads in one 16-byte vector: summed in its registers each tile
-
-
-def _configs(split: bool = False, fp8: bool = False) -> list[triton.Config]:
-    """Tile shapes to time per (N, K), with split-K ones if `split`; Triton's timing clears the L2 between runs,
-    as a real step finds it. FP8 weights (`fp8`) get K tiles twice as wide: the same bytes per tile; and tiles
-    whose dot takes the weight first (SWAP_AB), to be timed against those that take it transposed."""
-    widen = 2 if fp8 else 1
-    configs = [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k * widen}, num_warps=4, num_stages=stages)
-               for block_n in (16, 32, 64) for block_k in (128, 256) for stages in (3, 4)]
-    # Wider K tiles with more warps keep more bytes of W in flight per SM when there are few programs.
-    configs += [triton.Config({"BLOCK_N": block_n, "BLOCK_K": 512 * widen}, num_warps=8, num_stages=stages)
-                for block_n in (16, 32) for stages in (2, 3)]
-    if fp8:  # the weight tile as the dot's first operand (SWAP_AB), as stored: no reordering of FP8 values
-        configs += [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "SWAP_AB": 1}, num_warps=4,
-                                  num_stages=stages)
-                    for block_n in (32, 64) for block_k in (256, 512) for stages in (3, 4)]
-    if split:
-        configs += [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k * widen, "SPLIT_K": split_k},
-                                  num_warps=4, num_stages=3)
-                    for block_n in (_MIN_BLOCK_N, 32) for block_k in (128, 256) for split_k in _SPLITS]
-    return configs
-
-
-def _core_configs(split: bool = False) -> list[triton.Config]:
-    """Tile shapes to time for one row of x against FP8 weights on the CUDA cores (CORE). Their loads are not
-    pipelined by Triton (the loop requests its next tiles itself: CORE_AHEAD 1 or 2), so one stage; 60-96 registers
-    a thread (ptxas, sm_90). Tiles of 8 warps (BLOCK_N x BLOCK_K of 16 x 1024, 32 x 512, 64 x 256) were timed on the
-    H200 too and never chosen for an 8B layer."""
-    shapes = [(16, 256), (16, 512), (32, 256)]
-    configs = [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "CORE": 1, "CORE_AHEAD": ahead}, num_warps=4,
-                             num_stages=1)
-               for block_n, block_k in shapes for ahead in (1, 2)]
-    if split:
-        configs += [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "CORE": 1,
-                                   "CORE_AHEAD": ahead}, num_warps=4, num_stages=1)
-                    for block_n, block_k in shapes for split_k in _SPLITS for ahead in (1, 2)
-                    if ahead == 1 or split_k == 2]
-    return configs
-
-
-def _without_splits_for_wide_layers(configs: list[triton.Config], named_args: dict, **_) -> list[triton.Config]:
-    """The autotuner's pruning: split-K configurations only for layers of at most _MAX_SPLIT_N features."""
-    if named_args["N"] <= _MAX_SPLIT_N:
-        return configs
-    return [config for config in configs if config.kwargs.get("SPLIT_K", 1) == 1]
 
 
 @triton.jit
@@ -220,7 +181,7 @@ def _rows_first(acc, SWAP_AB: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_ptr, arrivals_ptr, M, N, K,
-                 stride_xm, stride_wn, stride_ym, lora_partial_ptr, lora_b_ptr, lora_slot_ptr, LORA_SPLITS,
+                 stride_xm, stride_wn, stride_ym, lora_partial_ptr, lora_b_ptr, lora_slot_ptr, LORASPLITS,
                  LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, HAS_BIAS: tl.constexpr,
                  HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0, X_MODE: tl.constexpr = 0,
@@ -253,7 +214,7 @@ def _gemv_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_
     pdl_wait(USE_PDL, TRIGGER_AT_TAIL=True)
     x_scale = _x_scales(x_scale_ptr, rows, row_mask, BLOCK_M, X_MODE)
     if SPLIT_K == 1:  # the LoRA products are read while the first weight tile streams in, not after the loop
-        lora = _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORA_SPLITS,
+        lora = _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORASPLITS,
                            LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, BLOCK_M,
                            BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
     else:
@@ -278,7 +239,7 @@ def _gemv_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_
             acc = tl.load(partial_ptr + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
             for other in tl.static_range(1, SPLIT_K):
                 acc += tl.load(partial_ptr + other * M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
-            lora = _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORA_SPLITS,
+            lora = _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORASPLITS,
                                LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, BLOCK_M,
                                BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
             _gemv_store(acc, bias_ptr, scale_ptr, y_ptr, rows, cols, col_mask, out_mask, stride_ym, HAS_BIAS,
@@ -290,7 +251,7 @@ def _gemv_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_
 
 
 @triton.jit
-def _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORA_SPLITS, LORA_RANK,
+def _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORASPLITS, LORA_RANK,
                 LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, LORA_PARTS: tl.constexpr, LORA_BLOCK_RANK: tl.constexpr,
                 LORA_BLOCK_S: tl.constexpr):
@@ -298,7 +259,7 @@ def _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mas
     LORA_PARTS > 0 computes them from the shrunk rows (LoraRows); LORA_PARTS -1 loads them, computed before the
     GEMV (LoraProducts: float32 rows at lora_partial_ptr, LORA_R_ALL apart)."""
     if LORA_PARTS > 0:
-        return lora_rows_product(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORA_SPLITS,
+        return lora_rows_product(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORASPLITS,
                                  LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row,
                                  BLOCK_M, BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
     elif LORA_PARTS < 0:
@@ -326,7 +287,7 @@ def _gemv_store(acc, bias_ptr, scale_ptr, y_ptr, rows, cols, col_mask, out_mask,
 
 @triton.jit
 def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
-                          stride_ym, lora_partial_ptr, lora_b_ptr, lora_slot_ptr, LORA_SPLITS, LORA_RANK, LORA_R_ALL,
+                          stride_ym, lora_partial_ptr, lora_b_ptr, lora_slot_ptr, LORASPLITS, LORA_RANK, LORA_R_ALL,
                           LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, HAS_BIAS: tl.constexpr,
                           HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0, X_MODE: tl.constexpr = 0,
@@ -350,10 +311,10 @@ def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr,
     pdl_wait(USE_PDL, TRIGGER_AT_TAIL=True)
     x_scale = _x_scales(x_scale_ptr, rows, row_mask, BLOCK_M, X_MODE)
     # The LoRA products (zeros without LoRA) are read while the first weight tiles stream in.
-    lora_gate = _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORA_SPLITS,
+    lora_gate = _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORASPLITS,
                             LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, BLOCK_M,
                             BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
-    lora_up = _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, N + cols, col_mask, M, LORA_SPLITS,
+    lora_up = _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, N + cols, col_mask, M, LORASPLITS,
                           LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, BLOCK_M,
                           BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
     x = _x_tile(x_rows, ks, row_mask, K)
@@ -388,8 +349,8 @@ def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr,
 
 
 def _tuned(kernel, split: bool, fp8: bool, core: bool):
-    prune = {"early_config_prune": _without_splits_for_wide_layers} if split else None
-    configs = _core_configs(split) if core else _configs(split, fp8)
+    prune = {"early_config_prune": without_splits_for_wide_layers} if split else None
+    configs = core_candidates(split) if core else candidates(split, fp8)
     # The tuning results go to Triton's cache directory too: an engine's later starts on the machine take the same
     # tiles without timing them again (an FP8 8B engine's first start times about 170 tilings).
     return triton.autotune(configs=configs, key=["N", "K"], prune_configs_by=prune, cache_results=True)(kernel)
@@ -415,7 +376,7 @@ _gemv_silu_mul_tuned = {(fp8, mode, core): _tuned(_gemv_silu_mul_kernel, False, 
 # The interpreter (CPU tests; read at import, as Triton does) has no device to time configurations on: it runs one.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _INTERPRETED_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 128}
-# Split-K workspaces per (device, N): float32 partials for up to max(_SPLITS) splits of GEMV_MAX_ROWS rows, and
+# Split-K workspaces per (device, N): float32 partials for up to max(SPLITS) splits of GEMV_MAX_ROWS rows, and
 # the output tiles' arrival counters (zero between calls: the last program of a tile resets its counter). Calls
 # on one device share them, so GEMVs of one device run on one stream at a time (as the engine's forward does).
 _workspaces: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -430,15 +391,10 @@ def _tile_source(tiles: str) -> str:
 def _split_workspace(device: torch.device, N: int) -> tuple[torch.Tensor, torch.Tensor]:
     workspace = _workspaces.get((device, N))
     if workspace is None:
-        partial = torch.empty(max(_SPLITS) * GEMV_MAX_ROWS * N, dtype=torch.float32, device=device)
-        arrivals = torch.zeros(triton.cdiv(N, _MIN_BLOCK_N), dtype=torch.int32, device=device)
+        partial = torch.empty(max(SPLITS) * GEMV_MAX_ROWS * N, dtype=torch.float32, device=device)
+        arrivals = torch.zeros(triton.cdiv(N, MIN_BLOCK_N), dtype=torch.int32, device=device)
         workspace = _workspaces[(device, N)] = (partial, arrivals)
     return workspace
-
-
-def _tiling(config: triton.Config) -> dict:
-    """A tuning configuration as gemv's `config` takes it (and gemv_tiles.json stores it)."""
-    return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
 @functools.cache
@@ -457,12 +413,12 @@ def _shipped_tiling(kernel, weight_dtype: torch.dtype, x_dtype: torch.dtype, inp
                     device: torch.device, N: int, K: int) -> dict | None:
     """The tiling gemv_tiles.json ships for this variant, shape and GPU model, if the variant's tuning still offers
     it (split K only where the tuning would consider it). Looked up once per layer shape."""
-    tiling = gemv_tiles.shipped(device, _variant_name(kernel, weight_dtype, x_dtype, input_mode, core), N, K)
-    if tiling is None or (tiling.get("SPLIT_K", 1) > 1 and N > _MAX_SPLIT_N):
+    offer = gemv_tiles.shipped(device, _variant_name(kernel, weight_dtype, x_dtype, input_mode, core), N, K)
+    if offer is None or (offer.get("SPLIT_K", 1) > 1 and N > MAX_SPLIT_N):
         return None
     tuned = _gemv_silu_mul_tuned if kernel is _gemv_silu_mul_kernel else _gemv_tuned
     offered = tuned[(weight_dtype == FP8_DTYPE, input_mode, core)].configs
-    return tiling if any(_tiling(config) == tiling for config in offered) else None
+    return offer if any(tiling(config) == offer for config in offered) else None
 
 
 def _input_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, name: str,
@@ -551,9 +507,9 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
     if config is not None:
         config = dict(config)
         split_k = config.get("SPLIT_K", 1)
-        if split_k > 1 and not (splittable and split_k <= max(_SPLITS) and N <= _MAX_SPLIT_N):
-            raise ValueError(f"SPLIT_K={split_k} needs the plain GEMV, at most {max(_SPLITS)} splits and at most "
-                             f"{_MAX_SPLIT_N} output features")
+        if split_k > 1 and not (splittable and split_k <= max(SPLITS) and N <= MAX_SPLIT_N):
+            raise ValueError(f"SPLIT_K={split_k} needs the plain GEMV, at most {max(SPLITS)} splits and at most "
+                             f"{MAX_SPLIT_N} output features")
         grid = (triton.cdiv(N, config["BLOCK_N"]), split_k)
         kernel[grid](*args, **flags, **config, **options)
         return
@@ -561,7 +517,7 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
     autotuner[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta.get("SPLIT_K", 1))](*args, **flags, **options)
     if not lora_flags:
         gemv_tiles.note(rows.device, _variant_name(kernel, weight.dtype, rows.dtype, input_mode, core), N, K,
-                        _tiling(autotuner.best_config))
+                        tiling(autotuner.best_config))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -581,7 +537,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     N = weight.shape[0]
     out = torch.empty((rows.shape[0], N), dtype=x.dtype, device=x.device)
     # Layers too wide to split pass out twice in the workspace's place: the kernel never touches it unsplit.
-    workspace = _split_workspace(rows.device, N) if N <= _MAX_SPLIT_N else (out, out)
+    workspace = _split_workspace(rows.device, N) if N <= MAX_SPLIT_N else (out, out)
     rows, x_scale = _quantized(rows, input_mode)
     _launch(_gemv_kernel, _gemv_tuned, rows, weight, bias, weight_scale, out, N, config, pdl, workspace,
             INPUT_MODES[input_mode], lora, x_scale, tiles)

@@ -8,7 +8,7 @@ An FP8 cache (float8_e4m3fn) takes each row (one token's key or value of one hea
 the row's amax / 448, stored in a float32 scale cache [num_blocks, block_size, H_kv] beside it, as the torch
 reference does (kernels/attention.py: write_kv_cache).
 
-The value cache has strides of its own in every kernel here and in triton_attention.py: stored by rows as the keys
+The value cache has strides of its own in every kernel here and in attention_tiles.py: stored by rows as the keys
 are, or transposed within its pages ([num_blocks, H_kv, D, block_size] in memory, seen as a [num_blocks,
 block_size, H_kv, D] view with contiguous slots), where the attention's value operand, whose reduction runs along
 keys, is contiguous (benchmarks/attention.py times an FP8 cache both ways; the engine stores by rows).
@@ -49,7 +49,7 @@ def check_value_cache(v_cache: torch.Tensor, k_cache: torch.Tensor) -> None:
 def value_cache_by_slots(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A value cache of `shape` ([blocks, page, heads, dims]) stored transposed within its pages (in memory
     [blocks, heads, dims, page]). Decode attention on an FP8 cache then loads 16 keys' values of one dimension as
-    one 16-byte vector, not byte by byte (triton_attention.py: 2.58 against 2.07 TB/s on an H200). It is
+    one 16-byte vector, not byte by byte (attention_tiles.py: 2.58 against 2.07 TB/s on an H200). It is
     zeroed: those runs read the slots past a sequence's end too, with weight 0, and 0 x NaN would be NaN."""
     blocks, page, heads, dims = shape
     return torch.zeros((blocks, heads, dims, page), dtype=dtype, device=device).permute(0, 3, 1, 2)

@@ -1,5 +1,5 @@
 """Chunked prefill attention in Triton: causal attention of chunks of new query tokens over their paged contexts,
-the chunk's own keys included, built from triton_attention.py's tile steps (the cache layouts, the FP8 cache and the
+the chunk's own keys included, built from attention_tiles.py's tile steps (the cache layouts, the FP8 cache and the
 online softmax are described there)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from raylm.kernels.triton_attention import (
+from raylm.kernels.attention_tiles import (
     _LOG2_E,
     TileConfig,
     _attend_tile,

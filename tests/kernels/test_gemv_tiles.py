@@ -49,6 +49,12 @@ def test_lookup_is_by_gpu_model_variant_and_shape(monkeypatch):
     assert gemv_tiles.shipped(other, "gemv bfloat16 dot x=bfloat16", 6144, 4096) is None
 
 
+def test_a_device_other_than_a_gpu_has_no_shipped_tiles(monkeypatch):
+    monkeypatch.setattr(gemv_tiles, "load_table", lambda: TABLE)
+    assert gemv_tiles.device_name(torch.device("cpu")) == "cpu"
+    assert gemv_tiles.shipped(torch.device("cpu"), "gemv bfloat16 dot x=bfloat16", 6144, 4096) is None
+
+
 def test_the_first_tiling_noted_for_a_key_is_the_one_chosen(monkeypatch):
     monkeypatch.setattr(gemv_tiles, "_chosen", {})
     monkeypatch.setattr(gemv_tiles, "device_name", lambda device: H200)
@@ -73,7 +79,7 @@ def test_the_shipped_table_names_only_tilings_the_gemv_offers():
                 weights = [triton_gemv.FP8_DTYPE] if fp8 else [x_dtype]
                 for weight_dtype in weights:
                     name = triton_gemv._variant_name(kernel, weight_dtype, x_dtype, mode, core)
-                    names[name] = [triton_gemv._tiling(config) for config in autotuner.configs]
+                    names[name] = [gemv_tiles.tiling(config) for config in autotuner.configs]
     for variants in gemv_tiles.load_table().values():
         for variant, shapes in variants.items():
             assert variant in names
@@ -102,11 +108,11 @@ def gemv_module(monkeypatch):
 
 
 def test_a_shipped_tiling_is_taken_only_where_the_variant_offers_it(gemv_module, monkeypatch):
-    offered = gemv_module._tiling(gemv_module._gemv_tuned[(False, 0, False)].configs[0])
+    offered = gemv_tiles.tiling(gemv_module._gemv_tuned[(False, 0, False)].configs[0])
     split = {"BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 2, "num_warps": 4, "num_stages": 3}
     cpu = torch.device("cpu")
     for tiling, N, taken in [(offered, 4096, True), ({**offered, "BLOCK_N": 48}, 4096, False),
-                             (split, 4096, True), (split, 2 * gemv_module._MAX_SPLIT_N, False)]:
+                             (split, 4096, True), (split, 2 * gemv_tiles.MAX_SPLIT_N, False)]:
         monkeypatch.setattr(gemv_tiles, "shipped", _Shipping(tiling))
         gemv_module._shipped_tiling.cache_clear()
         got = gemv_module._shipped_tiling(gemv_module._gemv_kernel, torch.bfloat16, torch.bfloat16, 0, False, cpu,

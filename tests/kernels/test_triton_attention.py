@@ -19,9 +19,9 @@ DEVICE = kernel_device()
 
 from raylm.kernels.attention import build_metadata, paged_attention  # noqa: E402
 from raylm.kernels.attention import write_kv_cache as reference_write_kv_cache  # noqa: E402
+from raylm.kernels.attention_tiles import TileConfig  # noqa: E402
 from raylm.kernels.fp8 import dequantize_fp8, quantize_fp8  # noqa: E402
 from raylm.kernels.triton_attention import (  # noqa: E402
-    TileConfig,
     choose_num_splits,
     paged_decode_attention,
     rotary_decode_attention,
