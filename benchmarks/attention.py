@@ -59,8 +59,9 @@ def main() -> None:
     if args.context % PAGE:
         parser.error(f"--context must be a multiple of {PAGE}")
     from raylm.kernels import triton_kv_cache
+    from raylm.kernels.attention_tiles import TileConfig
     from raylm.kernels.fp8 import quantize_fp8
-    from raylm.kernels.triton_attention import TileConfig, decode_config, paged_decode_attention
+    from raylm.kernels.triton_attention import decode_config, paged_decode_attention
 
     q, tables, lens = _cases(args.batch, args.context, seed=0)
     blocks = args.batch * args.context // PAGE

@@ -94,15 +94,24 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, key_pos, key_ma
         v = tl.trans(tl.load(v_cache_ptr + v_rows[None, :] + dims[:, None] * stride_v_dim, mask=v_mask, other=0.0))
     else:  # by rows, at the keys' offsets (check_value_cache: the same strides)
         v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    k_scale, v_scale = _load_kv_scales(k_scale_ptr, v_scale_ptr, block_id, slot, kv_head, key_mask,
+                                       stride_scale_block, stride_scale_slot, stride_scale_head, KV_FP8)
+    return k, v, k_scale, v_scale
+
+
+@triton.jit
+def _load_kv_scales(k_scale_ptr, v_scale_ptr, block_id, slot, kv_head, key_mask, stride_scale_block,
+                    stride_scale_slot, stride_scale_head, KV_FP8: tl.constexpr):
+    """An FP8 cache's scales of the keys and values at (block_id, slot) of one KV head, any shape (0 where key_mask
+    is false, so that those keys weigh nothing); 1.0 for another cache."""
     if KV_FP8:
-        scale_rows = (block_id * stride_scale_block + (key_pos % PAGE_SIZE) * stride_scale_slot
-                      + kv_head * stride_scale_head)
+        scale_rows = block_id * stride_scale_block + slot * stride_scale_slot + kv_head * stride_scale_head
         k_scale = tl.load(k_scale_ptr + scale_rows, mask=key_mask, other=0.0)
         v_scale = tl.load(v_scale_ptr + scale_rows, mask=key_mask, other=0.0)
     else:
         k_scale = 1.0
         v_scale = 1.0
-    return k, v, k_scale, v_scale
+    return k_scale, v_scale
 
 
 @triton.jit
@@ -212,13 +221,8 @@ def _load_kv_slices(k_cache_ptr, v_cache_ptr, block_table_row_ptr, key_pos, key_
     v_rows = tl.max_contiguous(tl.multiple_of(v_rows, [1, V_RUN]), [1, V_RUN])
     v_t = tl.load(v_cache_ptr + v_rows[:, None, :] + dims[None, :, None] * stride_v_dim,
                   mask=dim_mask[None, :, None] & run_mask[:, None, :], other=0.0)
-    if KV_FP8:
-        scale_rows = block_id * stride_scale_block + slot * stride_scale_slot + kv_head * stride_scale_head
-        k_scale = tl.load(k_scale_ptr + scale_rows, mask=key_mask, other=0.0)
-        v_scale = tl.load(v_scale_ptr + scale_rows, mask=key_mask, other=0.0)
-    else:
-        k_scale = 1.0
-        v_scale = 1.0
+    k_scale, v_scale = _load_kv_scales(k_scale_ptr, v_scale_ptr, block_id, slot, kv_head, key_mask,
+                                       stride_scale_block, stride_scale_slot, stride_scale_head, KV_FP8)
     return k, v_t, k_scale, v_scale
 
 

@@ -25,8 +25,8 @@ SPLITS = (2, 4)  # the split-K factors tuned
 MAX_SPLIT_N = 16384  # split K only for layers of at most this many output features (enough programs above)
 TABLE_PATH = Path(__file__).with_name("gemv_tiles.json")
 
-# (device name, variant, "NxK") -> the tiling a tuning in this process chose ({"BLOCK_N": ..., "num_warps": ...}).
-_chosen: dict[tuple[str, str, str], dict] = {}
+# (device name, variant, N, K) -> the tiling a tuning in this process chose ({"BLOCK_N": ..., "num_warps": ...}).
+_chosen: dict[tuple[str, str, int, int], dict] = {}
 
 
 def candidates(split: bool = False, fp8: bool = False) -> list[triton.Config]:
@@ -103,16 +103,19 @@ def shipped(device: torch.device, variant: str, N: int, K: int) -> dict | None:
     return load_table().get(device_name(device), {}).get(variant, {}).get(shape_key(N, K))
 
 
-def note(device: torch.device, variant: str, N: int, K: int, tiles: dict) -> None:
-    """Records the tiling a tuning chose (the first one noted for a key stays)."""
-    _chosen.setdefault((device_name(device), variant, shape_key(N, K)), dict(tiles))
+def note(device: torch.device, variant: str, N: int, K: int, config: triton.Config) -> None:
+    """Records the tiling a tuning chose (the first one noted for a key stays). Called on every tuned launch: a
+    key already noted costs a lookup."""
+    key = (device_name(device), variant, N, K)
+    if key not in _chosen:
+        _chosen[key] = tiling(config)
 
 
 def chosen() -> dict:
     """The tilings this process's tunings chose, in the table's layout."""
     table: dict = {}
-    for (device, variant, shape), tiling in _chosen.items():
-        table.setdefault(device, {}).setdefault(variant, {})[shape] = tiling
+    for (device, variant, N, K), tiles in _chosen.items():
+        table.setdefault(device, {}).setdefault(variant, {})[shape_key(N, K)] = tiles
     return table
 
 

@@ -108,8 +108,7 @@ def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool =
     weights; PDL only on compute capability 9.0+ and never interpreted; LoRA's products in the GEMV's epilogue where
     lora_expand is "epilogue" (computed there) or "before" (computed by a kernel before the GEMV); FP8 products in
     the decode attention over an FP8 cache where fp8_attention is "fp8", tiles in slices a warp where it is
-    "float16_slices"; the GEMV's tiles as gemv_tiles says
-    (kernels/gemv_tiles.py)."""
+    "float16_slices"; the GEMV's tiles as gemv_tiles says (kernels/gemv_tiles.py)."""
     if pdl != "auto" and pdl not in PDL_TRIGGERS:
         raise ValueError(f"kernel_config.pdl must be 'auto' or one of {sorted(PDL_TRIGGERS)}, got {pdl!r}")
     on_triton = triton and device.type == "cuda" and triton_available()

@@ -517,7 +517,7 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
     autotuner[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta.get("SPLIT_K", 1))](*args, **flags, **options)
     if not lora_flags:
         gemv_tiles.note(rows.device, _variant_name(kernel, weight.dtype, rows.dtype, input_mode, core), N, K,
-                        tiling(autotuner.best_config))
+                        autotuner.best_config)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -58,12 +58,19 @@ def test_a_device_other_than_a_gpu_has_no_shipped_tiles(monkeypatch):
 def test_the_first_tiling_noted_for_a_key_is_the_one_chosen(monkeypatch):
     monkeypatch.setattr(gemv_tiles, "_chosen", {})
     monkeypatch.setattr(gemv_tiles, "device_name", lambda device: H200)
+    import triton
+
     gpu = torch.device("cuda", 0)
-    gemv_tiles.note(gpu, "gemv bfloat16 dot x=bfloat16", 6144, 4096, {"BLOCK_N": 64})
-    gemv_tiles.note(gpu, "gemv bfloat16 dot x=bfloat16", 6144, 4096, {"BLOCK_N": 16})
-    gemv_tiles.note(gpu, "gemv bfloat16 dot x=bfloat16", 4096, 4096, {"BLOCK_N": 32})
-    assert gemv_tiles.chosen() == {H200: {"gemv bfloat16 dot x=bfloat16": {"6144x4096": {"BLOCK_N": 64},
-                                                                           "4096x4096": {"BLOCK_N": 32}}}}
+
+    def config(block_n: int) -> triton.Config:
+        return triton.Config({"BLOCK_N": block_n}, num_warps=4, num_stages=3)
+
+    gemv_tiles.note(gpu, "gemv bfloat16 dot x=bfloat16", 6144, 4096, config(64))
+    gemv_tiles.note(gpu, "gemv bfloat16 dot x=bfloat16", 6144, 4096, config(16))
+    gemv_tiles.note(gpu, "gemv bfloat16 dot x=bfloat16", 4096, 4096, config(32))
+    launch = {"num_warps": 4, "num_stages": 3}
+    assert gemv_tiles.chosen() == {H200: {"gemv bfloat16 dot x=bfloat16": {"6144x4096": {"BLOCK_N": 64, **launch},
+                                                                           "4096x4096": {"BLOCK_N": 32, **launch}}}}
 
 
 def test_the_shipped_table_names_only_tilings_the_gemv_offers():
