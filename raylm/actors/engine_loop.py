@@ -33,19 +33,30 @@ def tune_garbage_collector() -> None:
 
 
 class EngineLoop:
-    def __init__(self, engine: EngineCore, outbox: Callable[[StepOutput], None],
-                 on_thread_start: Callable[[], None] | None = None):
-        """on_thread_start runs first on the loop's thread (a Ray worker binds its GPU there)."""
+    def __init__(self, engine: EngineCore | None, outbox: Callable[[StepOutput], None],
+                 on_thread_start: Callable[[], None] | None = None,
+                 build: Callable[[], EngineCore] | None = None):
+        """on_thread_start runs first on the loop's thread (a Ray worker binds its GPU there). build: where engine
+        is None, makes the engine on the loop's thread before the loop runs; start returns once it has, raising
+        what it raised. (On a CPU the thread that runs torch's first parallel work owns an OpenMP pool; a second
+        thread's pool, as from loading the model on the caller's thread, makes OpenMP's threads sleep between
+        the small parallel regions of a decode step rather than spin, each then paying a wake-up.)"""
+        if (engine is None) == (build is None):
+            raise ValueError("EngineLoop takes an engine or a build function, one of them")
         self.engine = engine
         self.outbox = outbox
         self.on_thread_start = on_thread_start
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="raylm-engine", daemon=True)
         self.error: BaseException | None = None
+        self._build = build
+        self._built: Future = Future()
 
     def start(self) -> None:
         tune_garbage_collector()
         self.thread.start()
+        if self._build is not None:
+            self._built.result()
 
     def stop(self, timeout: float = 30.0) -> None:
         self.inbox.put(_STOP)
@@ -111,10 +122,17 @@ class EngineLoop:
         return True
 
     def _run(self) -> None:
+        if self.on_thread_start is not None:
+            self.on_thread_start()
+        if self._build is not None:
+            try:
+                self.engine = self._build()
+            except BaseException as exc:  # start raises it on the caller's thread
+                self._built.set_exception(exc)
+                return
+            self._built.set_result(None)
         running = True
         try:
-            if self.on_thread_start is not None:
-                self.on_thread_start()
             while running:
                 deltas: list[RequestDelta] = []
                 command = self.inbox.get() if not self.engine.has_work else None

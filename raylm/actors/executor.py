@@ -9,6 +9,7 @@ from typing import Any
 
 from raylm.actors.engine_loop import EngineLoop
 from raylm.actors.worker import Worker
+from raylm.engine.engine_core import EngineCore
 from raylm.engine.messages import EngineRequest, StepOutput
 from raylm.engine_spec import EngineInfo, WorkerSpec
 
@@ -57,13 +58,19 @@ class Executor(ABC):
 
 
 class LocalExecutor(Executor):
-    """One worker in this process; the engine loop runs on a background thread."""
+    """One worker in this process, built on the background thread its engine loop then runs on: on a CPU that
+    thread alone runs torch's parallel work (EngineLoop: SmolLM2's batch-8 decode steps 15-20% faster than with
+    the model loaded on the caller's thread, docs/benchmarks.md)."""
 
     def __init__(self, spec: WorkerSpec):
-        self.worker = Worker(spec)
-        self.info = self.worker.start()
         self.outputs: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()
-        self.loop = EngineLoop(self.worker.engine, self.outputs.put)
+
+        def build() -> EngineCore:
+            self.worker = Worker(spec)
+            self.info = self.worker.start()
+            return self.worker.engine
+
+        self.loop = EngineLoop(None, self.outputs.put, build=build)
         self.loop.start()
 
     def submit(self, requests: list[EngineRequest]) -> None:

@@ -1,0 +1,79 @@
+"""The engine loop built on its own thread (LocalExecutor): the model is loaded, and every step runs, on one thread,
+so on a CPU one OpenMP pool serves the engine; a failed build is raised to the caller."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import raylm.actors.executor as executor_module
+from raylm import LLM, SamplingParams, TokensPrompt
+from raylm.actors.engine_loop import EngineLoop
+
+
+class _IdleEngine:
+    has_work = False
+    weight_version = 0
+
+    def drain(self):
+        return None
+
+    def take_control_deltas(self):
+        return []
+
+
+def test_a_loop_builds_its_engine_on_its_own_thread_before_start_returns():
+    built_on = []
+
+    def build():
+        built_on.append(threading.get_ident())
+        return _IdleEngine()
+
+    loop = EngineLoop(None, outbox=lambda output: None, build=build)
+    loop.start()
+    try:
+        assert isinstance(loop.engine, _IdleEngine)
+        ran_on = loop.call(lambda engine: threading.get_ident()).result(timeout=10)
+    finally:
+        loop.stop()
+    assert built_on == [ran_on] and ran_on != threading.get_ident()
+
+
+def test_a_failed_build_raises_from_start_and_ends_the_thread():
+    def build():
+        raise ValueError("no such model")
+
+    loop = EngineLoop(None, outbox=lambda output: None, build=build)
+    with pytest.raises(ValueError, match="no such model"):
+        loop.start()
+    loop.thread.join(timeout=10)
+    assert not loop.thread.is_alive() and loop.engine is None
+
+
+def test_a_loop_takes_an_engine_or_a_build_function():
+    with pytest.raises(ValueError, match="one of them"):
+        EngineLoop(None, outbox=lambda output: None)
+    with pytest.raises(ValueError, match="one of them"):
+        EngineLoop(_IdleEngine(), outbox=lambda output: None, build=_IdleEngine)
+
+
+def test_the_local_executor_loads_the_model_on_the_thread_that_steps_it(tiny_model_dirs, monkeypatch):
+    starts = []
+    original = executor_module.Worker.start
+
+    def start(worker):
+        starts.append(threading.get_ident())
+        return original(worker)
+
+    monkeypatch.setattr(executor_module.Worker, "start", start)
+    llm = LLM(str(tiny_model_dirs["llama"]), executor="local", dtype="float32", skip_tokenizer_init=True,
+              max_seq_len=64)
+    try:
+        out = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])], SamplingParams(max_tokens=3),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+        stepped_on = llm._executor.loop.thread.ident
+    finally:
+        llm.shutdown()
+    assert starts == [stepped_on] and stepped_on != threading.get_ident()
