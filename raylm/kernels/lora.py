@@ -1,5 +1,8 @@
 """The batched LoRA product: each row of a step adds the product of its own adapter (or none) to a linear layer's
-output. The torch reference, which groups rows by adapter slot; correct on every device."""
+output, in torch; correct on every device. add_lora groups rows by adapter slot (two matmuls per adapter: the
+reference, and the cheaper where adapters have many rows each, as in prefill); add_lora_by_rows gathers each row's
+adapter for it (two batched matmuls whatever the number of adapters: the cheaper for decode steps of a few rows per
+adapter, where add_lora's per-adapter calls cost more than their arithmetic)."""
 
 from __future__ import annotations
 
@@ -35,4 +38,27 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: t
             out += delta
         else:
             out.index_add_(0, rows, delta)
+    return out
+
+
+def add_lora_by_rows(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                     slice_sizes: list[int], rows: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+    """add_lora's sums with each row's A and B gathered for it: `rows` (their indices, None for every row) use
+    adapter slots `slots` (one per row, int64 on x's device). Adds to `out` in place and returns it."""
+    rank = lora_b.shape[-1]
+    inputs = x if rows is None else x.index_select(0, rows)
+    shrunk = torch.bmm(inputs.unsqueeze(1), lora_a.index_select(0, slots).transpose(1, 2))  # [rows, 1, slices * rank]
+    b = lora_b.index_select(0, slots).transpose(1, 2)  # [rows, rank, out_features]
+    if len(slice_sizes) == 1:
+        delta = torch.bmm(shrunk, b)
+    else:
+        parts, offset = [], 0
+        for index, size in enumerate(slice_sizes):
+            parts.append(torch.bmm(shrunk[:, :, index * rank : (index + 1) * rank], b[:, :, offset : offset + size]))
+            offset += size
+        delta = torch.cat(parts, dim=-1)
+    if rows is None:
+        out += delta.squeeze(1)
+    else:
+        out.index_add_(0, rows, delta.squeeze(1))
     return out

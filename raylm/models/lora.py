@@ -20,7 +20,7 @@ from torch import nn
 
 from raylm.config import LoraConfig
 from raylm.kernels.linear import linear
-from raylm.kernels.lora import SlotRows, add_lora
+from raylm.kernels.lora import SlotRows, add_lora, add_lora_by_rows
 from raylm.kernels.policy import KernelPolicy
 from raylm.lora_request import LoRARequest
 from raylm.models.arch import ArchConfig
@@ -42,6 +42,12 @@ FUSED_TARGETS: dict[str, tuple[str, object]] = {
 # Steps of at most this many rows run the adapters' products in the Triton kernels where the kernel policy runs
 # Triton (one program per row: decode-sized steps); larger ones group rows by slot in torch, one matmul a slot.
 TRITON_MAX_ROWS = 64
+# Elsewhere, steps of at most BY_ROWS_MAX_ROWS rows with adapters, at most BY_ROWS_PER_ADAPTER of them an adapter on
+# average, gather each row's adapter (add_lora_by_rows: two batched matmuls); others group rows by slot (add_lora:
+# two matmuls a slot). The crossover on SmolLM2's shapes on the CPU (docs/benchmarks.md): 8 rows of 8 adapters
+# 0.3 against 0.9 ms a layer, level at 8 rows an adapter, and gathering many rows outgrows the caches.
+BY_ROWS_MAX_ROWS = 64
+BY_ROWS_PER_ADAPTER = 4
 
 
 class LoraBatch:
@@ -49,6 +55,9 @@ class LoraBatch:
 
     def __init__(self) -> None:
         self.groups: list[SlotRows] = []
+        # Where the step gathers each row's adapter (add_lora_by_rows): the rows with one (None: every row) and
+        # their slots; else None.
+        self.by_rows: tuple[torch.Tensor | None, torch.Tensor] | None = None
         # Each row's slot on the device, for the Triton kernels (a CUDA step of at most TRITON_MAX_ROWS rows).
         self.row_slots: torch.Tensor | None = None
         # While a decode graph runs its forward (engine/cuda_graphs.py), captured or not: in_graph, and graph_slots,
@@ -62,6 +71,7 @@ class LoraBatch:
         replays a captured decode graph, which reads the slots from its own buffer."""
         self.row_slots = None
         self.groups = []
+        self.by_rows = None
         if graphed:
             return
         slots = np.asarray(row_slots, dtype=np.int64)
@@ -70,6 +80,11 @@ class LoraBatch:
         for slot in np.unique(slots[slots >= 0]).tolist():
             rows = np.flatnonzero(slots == slot)
             self.groups.append((slot, None if len(rows) == len(slots) else torch.from_numpy(rows).to(device)))
+        with_adapter = np.flatnonzero(slots >= 0)
+        if (self.row_slots is None and len(self.groups) > 1 and len(with_adapter) <= BY_ROWS_MAX_ROWS
+                and len(with_adapter) <= BY_ROWS_PER_ADAPTER * len(self.groups)):
+            rows = None if len(with_adapter) == len(slots) else torch.from_numpy(with_adapter).to(device)
+            self.by_rows = (rows, torch.from_numpy(slots[with_adapter]).to(device))
 
 
 class LayerAdapters(nn.Module):
@@ -131,6 +146,9 @@ class LayerAdapters(nn.Module):
         groups = self.batch.groups
         if not groups:
             return out
+        if self.batch.by_rows is not None:
+            rows, slots = self.batch.by_rows
+            return add_lora_by_rows(out, x, self.lora_a, self.lora_b, self.slice_sizes, rows, slots)
         return add_lora(out, x, self.lora_a, self.lora_b, self.slice_sizes, groups)
 
     def clear(self, slot: int) -> None:

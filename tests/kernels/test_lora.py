@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from raylm.kernels.lora import add_lora
+from raylm.kernels.lora import add_lora, add_lora_by_rows
+from raylm.models.lora import LoraBatch
 
 
 def test_rows_of_mixed_slots_and_none_each_get_their_own_adapter_per_fused_slice():
@@ -37,3 +39,35 @@ def test_one_slot_for_every_row_adds_to_all_rows():
     out = add_lora(base.clone(), x, lora_a, lora_b, [5], [(1, None)])
     torch.testing.assert_close(out, base + (x @ lora_a[1].T) @ lora_b[1].T)
     assert torch.equal(add_lora(base.clone(), x, lora_a, lora_b, [5], []), base)
+
+
+@pytest.mark.parametrize("sizes", [[12, 4, 4], [9]])
+def test_gathering_each_rows_adapter_gives_the_grouped_sums(sizes):
+    generator = torch.Generator().manual_seed(2)
+    slots, rank, in_features = 4, 8, 16
+    lora_a = torch.randn(slots, len(sizes) * rank, in_features, generator=generator)
+    lora_b = torch.randn(slots, sum(sizes), rank, generator=generator)
+    x = torch.randn(6, in_features, generator=generator)
+    base = torch.randn(6, sum(sizes), generator=generator)
+    for row_slots in ([3, 0, 2, 0, 1, 3], [3, -1, 2, 0, -1, 3]):
+        groups = [(slot, torch.tensor([r for r, s in enumerate(row_slots) if s == slot]))
+                  for slot in sorted(set(row_slots) - {-1})]
+        rows = [r for r, s in enumerate(row_slots) if s >= 0]
+        by_rows = add_lora_by_rows(base.clone(), x, lora_a, lora_b, sizes,
+                                   None if len(rows) == len(row_slots) else torch.tensor(rows),
+                                   torch.tensor([row_slots[r] for r in rows]))
+        torch.testing.assert_close(by_rows, add_lora(base.clone(), x, lora_a, lora_b, sizes, groups))
+        assert torch.equal(by_rows[1], base[1]) == (row_slots[1] < 0)
+
+
+def test_a_step_of_few_rows_an_adapter_gathers_and_one_of_many_groups():
+    batch = LoraBatch()
+    batch.set_rows([0, 1, 2, -1, 3], torch.device("cpu"))
+    rows, slots = batch.by_rows
+    assert rows.tolist() == [0, 1, 2, 4] and slots.tolist() == [0, 1, 2, 3]
+    batch.set_rows([0, 1, 2, 3], torch.device("cpu"))
+    assert batch.by_rows[0] is None
+    batch.set_rows([0] * 9 + [1] * 9, torch.device("cpu"))  # 9 rows an adapter
+    assert batch.by_rows is None and len(batch.groups) == 2
+    batch.set_rows([2, 2, 2], torch.device("cpu"))  # one adapter: one matmul pair either way
+    assert batch.by_rows is None
