@@ -51,8 +51,10 @@
 #   bash benchmarks/h200.sh fp8-throughput-kv  # the same with FP8 weights and KV cache, max batch 512    (~5 min)
 #   bash benchmarks/h200.sh fp8-throughput-kv-profile  # fp8-throughput-kv, its step profile, FP8 products' test (~9 min)
 #   bash benchmarks/h200.sh lora         # multi-LoRA: 8B batch 8, 8 random rank-16 adapters against no LoRA, the expand
-#                                        # as its own kernel after the GEMV, before it (lora_expand=before), then
-#                                        # in the GEMV's epilogue; the time a new adapter takes to load (~5 min)
+#                                        # as its own kernel after the GEMV, on a second stream beside it
+#                                        # (lora_expand=beside), before it (before), then in the GEMV's epilogue;
+#                                        # the time a new adapter takes to load (~7 min)
+#   bash benchmarks/h200.sh lora-beside  # the same, kernel and beside alone (~4 min)
 #   bash benchmarks/h200.sh lora-tests   # the LoRA kernel, decode-graph and engine GPU tests (~8 min)
 #   bash benchmarks/h200.sh speculative  # prompt lookup against plain decoding on SmolLM2's real weights, batch 1 to 64,
 #                                        # a copy workload; needs the GGUF at $SMOLLM2_GGUF (default
@@ -419,10 +421,13 @@ case "${1:-}" in
     timeout 280 python -m pytest tests/test_lora.py -m gpu -q -rs -p no:cacheprovider >> "$log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$log" | tail -12
     ;;
-  lora)
-    # The expand as a kernel of its own after the GEMV (the default), as one before it whose products the GEMV's
-    # epilogue adds, then inside the GEMV's epilogue (kernel_config.lora_expand).
-    for expand in kernel before epilogue; do
+  lora|lora-beside)
+    # The expand as a kernel of its own after the GEMV (the default), shrink and products on a second stream beside
+    # the GEMV, as one before it whose products the GEMV's epilogue adds, then inside the GEMV's epilogue
+    # (kernel_config.lora_expand).
+    expands=(kernel beside before epilogue)
+    [ "$1" = lora-beside ] && expands=(kernel beside)
+    for expand in "${expands[@]}"; do
       watched 180 python benchmarks/lora.py --model "$llama" "${dummy[@]}" --batch_size 8 --rank 16 --input_len 32 \
         --output_len 128 --num_iters 3 --set kernel_config.lora_expand=$expand \
         $(output_json lora-llama-3.1-8b-b8-r16-$expand) 2>&1 | tail -6

@@ -57,6 +57,7 @@ class KernelPolicy:
     fp8_gemv_input: str = "float16"  # how GEMVs on FP8 weights take their input (triton_gemv.INPUT_MODES)
     lora_in_gemv: bool = False  # LoRA's products join the decode GEMV's sums in its epilogue, not after it
     lora_products_first: bool = False  # with lora_in_gemv: computed by a kernel before the GEMV, not inside it
+    lora_beside: bool = False  # LoRA's products computed on a second stream beside the GEMV, added after it
     fp8_attention_dot: bool = False  # decode attention over an FP8 cache multiplies on FP8 tensor cores
     fp8_attention_slices: bool = False  # ... or widens, each tile in a slice of keys a warp (TileConfig.warp_split)
     gemv_tiles: str = "shipped"  # the GEMV's tiles: shipped for the GPU model where known, else tuned (triton_gemv)
@@ -106,7 +107,8 @@ def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool =
     """The policy for a model of `weight_bytes` per rank on `device`, from kernel_config's fields: Triton where
     asked for, on CUDA, and importable; the GEMV (decode_gemv None) and PDL (pdl "auto") for models that stream
     weights; PDL only on compute capability 9.0+ and never interpreted; LoRA's products in the GEMV's epilogue where
-    lora_expand is "epilogue" (computed there) or "before" (computed by a kernel before the GEMV); FP8 products in
+    lora_expand is "epilogue" (computed there) or "before" (computed by a kernel before the GEMV), on a second
+    stream beside the GEMV where it is "beside"; FP8 products in
     the decode attention over an FP8 cache where fp8_attention is "fp8", tiles in slices a warp where it is
     "float16_slices"; the GEMV's tiles as gemv_tiles says (kernels/gemv_tiles.py)."""
     if pdl != "auto" and pdl not in PDL_TRIGGERS:
@@ -120,5 +122,6 @@ def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool =
         mode = 0
     return KernelPolicy(triton=True, decode_gemv=streaming if decode_gemv is None else decode_gemv, pdl=mode,
                         fp8_gemv_input=fp8_gemv_input, lora_in_gemv=lora_expand in ("epilogue", "before"),
-                        lora_products_first=lora_expand == "before", fp8_attention_dot=fp8_attention == "fp8",
+                        lora_products_first=lora_expand == "before", lora_beside=lora_expand == "beside",
+                        fp8_attention_dot=fp8_attention == "fp8",
                         fp8_attention_slices=fp8_attention == "float16_slices", gemv_tiles=gemv_tiles)

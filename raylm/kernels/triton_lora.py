@@ -193,12 +193,16 @@ class LoraProducts:
     products: torch.Tensor
 
 
-def lora_products(lora: LoraRows, pdl: int = 0) -> LoraProducts:
-    """Each row's product (zeros for a row without an adapter) into a float32 buffer of its own: the expand needs
-    only the shrink, not the layer's output, so it can run before the GEMV, whose epilogue then adds the buffer
-    (kernel_config.lora_expand 'before'); gate / up keep their fused SiLU-mul GEMV that way."""
+def lora_products(lora: LoraRows, pdl: int = 0, out: torch.Tensor | None = None) -> LoraProducts:
+    """Each row's product (zeros for a row without an adapter) into a float32 buffer of its own (`out` [rows, N]
+    where given): the expand needs only the shrink, not the layer's output, so it can run before the GEMV, whose
+    epilogue then adds the buffer (kernel_config.lora_expand 'before'; gate / up keep their fused SiLU-mul GEMV
+    that way), or beside it on another stream ('beside', models/lora.py)."""
     rows, N = lora.partial.shape[0], lora.lora_b.shape[1]
-    products = torch.empty(rows, N, dtype=torch.float32, device=lora.partial.device)
+    products = out if out is not None else torch.empty(rows, N, dtype=torch.float32, device=lora.partial.device)
+    if products.shape != (rows, N) or products.dtype != torch.float32 or not products.is_contiguous():
+        raise ValueError(f"LoRA products go to a contiguous float32 [{rows}, {N}] buffer, got {products.dtype} "
+                         f"{list(products.shape)}")
     if rows:
         _expand_kernel[(rows, triton.cdiv(N, _BLOCK_N))](
             lora.partial, lora.lora_b, lora.row_slots, products, N, *lora.kernel_args(), products.stride(0),

@@ -50,10 +50,29 @@ BY_ROWS_MAX_ROWS = 64
 BY_ROWS_PER_ADAPTER = 4
 
 
+class SideStream:
+    """A second CUDA stream for work that needs only a layer's input (kernel_config.lora_expand 'beside'): fork()
+    has it wait for what the current stream has queued so far and makes it current (a context); join() has the
+    current stream wait for what it queued. Captured in a decode graph, the work between becomes a branch of the
+    graph that runs beside the current stream's."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def fork(self):
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self.stream)
+
+    def join(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
 class LoraBatch:
     """The rows of the current step that use each adapter slot, shared by every adapted layer of a model."""
 
     def __init__(self) -> None:
+        self.side: SideStream | None = None  # on CUDA (LoraRuntime), for kernel_config.lora_expand 'beside'
         self.groups: list[SlotRows] = []
         # Where the step gathers each row's adapter (add_lora_by_rows): the rows with one (None: every row) and
         # their slots; else None.
@@ -113,19 +132,25 @@ class LayerAdapters(nn.Module):
         step with a row of an adapter."""
         return self.batch.graph_slots is not None if self.batch.in_graph else bool(self.batch.groups)
 
-    def shrink(self, x: torch.Tensor):
-        """Where the Triton kernels take this step's rows (a decode graph with adapters: the same launches each
-        replay, each row's slot read from the graph's buffer; an eager CUDA step of at most TRITON_MAX_ROWS rows
-        with adapters): launches the shrink and returns its LoraRows, for the expand in the epilogue of the GEMV
-        that computes the layer's output (kernels/linear.py). None: nothing to add, or added in torch (forward)."""
-        if not self.kernels.on_triton(x):
+    def triton_slots(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Each row's slot where the Triton kernels take this step's rows (a decode graph with adapters: the same
+        launches each replay, each row's slot read from the graph's buffer; an eager CUDA step of at most
+        TRITON_MAX_ROWS rows with adapters); None: nothing to add, or added in torch (forward)."""
+        if not isinstance(x, torch.Tensor) or not self.kernels.on_triton(x):
             return None
         batch = self.batch
         if batch.in_graph:
             slots = batch.graph_slots[: x.shape[0]] if batch.graph_slots is not None else None
         else:
             slots = batch.row_slots if batch.groups and batch.row_slots is not None else None
-        if slots is None or slots.shape[0] != x.shape[0]:
+        return slots if slots is not None and slots.shape[0] == x.shape[0] else None
+
+    def shrink(self, x: torch.Tensor):
+        """Where the Triton kernels take this step's rows (triton_slots): launches the shrink and returns its
+        LoraRows, for the expand after the GEMV that computes the layer's output or in its epilogue
+        (kernels/linear.py); else None."""
+        slots = self.triton_slots(x)
+        if slots is None:
             return None
         from raylm.kernels.triton_lora import lora_shrink
 
@@ -134,9 +159,28 @@ class LayerAdapters(nn.Module):
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                weight_scale: torch.Tensor | None) -> torch.Tensor:
         """The adapted layer's x W^T + b with each row's adapter product."""
+        if self.kernels.lora_beside and self.batch.side is not None:
+            slots = self.triton_slots(x)
+            if slots is not None:
+                return self._linear_beside(x, weight, bias, weight_scale, slots)
         lora = self.shrink(x)
         out = linear(x, weight, bias, self.kernels, weight_scale, lora=lora)
         return out if lora is not None else self(out, x)
+
+    def _linear_beside(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       weight_scale: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+        """kernel_config.lora_expand 'beside': the shrink and the products (float32) on the side stream while the
+        GEMV runs, then added to its output. The products' buffer is made on the current stream before the fork,
+        so it is freed there, after the join."""
+        from raylm.kernels.triton_lora import lora_products, lora_shrink
+
+        side = self.batch.side
+        products = torch.empty(x.shape[0], self.lora_b.shape[1], dtype=torch.float32, device=x.device)
+        with side.fork():  # plain launches: the branch's first kernel follows another stream's
+            lora_products(lora_shrink(x, self.lora_a, self.lora_b, self.slice_sizes, slots), out=products)
+        out = linear(x, weight, bias, self.kernels, weight_scale)
+        side.join()
+        return out.add_(products)
 
     def forward(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out plus each row's adapter product in torch (rows grouped by slot), where shrink gave nothing."""
@@ -188,6 +232,8 @@ class LoraRuntime:
         self.dtype = dtype
         self.device = device
         self.batch = LoraBatch()
+        if device.type == "cuda":
+            self.batch.side = SideStream(device)
         self.targets: dict[ModuleKey, tuple[LayerAdapters, object]] = {}
         self.layers: list[LayerAdapters] = []
         for index in range(model.start_layer, model.end_layer):

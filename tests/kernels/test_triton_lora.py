@@ -3,6 +3,8 @@ and of none in one launch, plain and fused (q / k / v, gate / up) layers, ranks 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -153,3 +155,52 @@ def test_linear_adds_the_products_where_kernel_config_lora_expand_says(lora_expa
     expected = add_lora(x.float() @ weight.float().T, x.float(), lora_a.float(), lora_b.float(), slices,
                         _groups(row_slots))
     torch.testing.assert_close(got.float(), expected, atol=2e-3, rtol=2e-3)
+
+
+def test_products_beside_the_gemv_fork_before_it_join_after_and_add_the_reference_sums(monkeypatch):
+    """kernel_config.lora_expand 'beside': an adapted layer queues the shrink and the products on the side stream
+    (between fork and join), the layer's matmul on its own stream, then adds the products once joined."""
+    from types import SimpleNamespace
+
+    import raylm.models.lora as lora_module
+    from raylm.kernels import triton_lora
+    from raylm.kernels.policy import KernelPolicy
+    from raylm.models.lora import LayerAdapters, LoraBatch
+
+    class DecodePolicy(KernelPolicy):
+        def on_triton(self, x):  # the real policy takes only CUDA tensors
+            return True
+
+    events = []
+
+    class Side:
+        def fork(self):
+            events.append("fork")
+            return contextlib.nullcontext()
+
+        def join(self):
+            events.append("join")
+
+    slices, k, rank, row_slots = [32, 16, 16], 96, 8, [1, -1, 2, 0]
+    out, x, lora_a, lora_b = _case(slices, k, rank, torch.float32, row_slots)
+    weight = torch.randn(sum(slices), k, generator=torch.Generator().manual_seed(3)).to(DEVICE) / k**0.5
+    batch = LoraBatch()
+    batch.side, batch.in_graph = Side(), True
+    batch.graph_slots = torch.tensor(row_slots + [0, 0], dtype=torch.int32, device=DEVICE)  # a graph's buffer
+    layer = SimpleNamespace(weight=torch.empty(sum(slices), k, device=DEVICE), _load=None)
+    adapters = LayerAdapters(layer, ["q", "k", "v"], slices, False, batch, 3, rank, torch.float32)
+    adapters.lora_a.copy_(lora_a)
+    adapters.lora_b.copy_(lora_b)
+    adapters.kernels = DecodePolicy(triton=True, lora_beside=True)
+    products, linear = triton_lora.lora_products, lora_module.linear
+    monkeypatch.setattr(triton_lora, "lora_products",
+                        lambda *args, **kwargs: events.append("products") or products(*args, **kwargs))
+    monkeypatch.setattr(lora_module, "linear", lambda *args, **kwargs: events.append("matmul") or linear(*args,
+                                                                                                         **kwargs))
+    got = adapters.linear(x, weight, None, None)
+    assert events == ["fork", "products", "matmul", "join"]
+    expected = add_lora(x @ weight.T, x, lora_a, lora_b, slices, _groups(row_slots))
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        triton_lora.lora_products(triton_lora.lora_shrink(x, lora_a, lora_b, slices, batch.graph_slots[:4]),
+                                  out=torch.empty(4, sum(slices), device=DEVICE, dtype=torch.float16))
