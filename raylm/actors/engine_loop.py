@@ -122,10 +122,10 @@ class EngineLoop:
         return True
 
     def _run(self) -> None:
-        if self.on_thread_start is not None:
-            self.on_thread_start()
         if self._build is not None:
             try:
+                if self.on_thread_start is not None:
+                    self.on_thread_start()
                 self.engine = self._build()
             except BaseException as exc:  # start raises it on the caller's thread
                 self._built.set_exception(exc)
@@ -133,6 +133,8 @@ class EngineLoop:
             self._built.set_result(None)
         running = True
         try:
+            if self._build is None and self.on_thread_start is not None:
+                self.on_thread_start()
             while running:
                 deltas: list[RequestDelta] = []
                 command = self.inbox.get() if not self.engine.has_work else None

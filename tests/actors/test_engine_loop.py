@@ -77,3 +77,17 @@ def test_the_local_executor_loads_the_model_on_the_thread_that_steps_it(tiny_mod
     finally:
         llm.shutdown()
     assert starts == [stepped_on] and stepped_on != threading.get_ident()
+
+
+def test_a_failed_start_hook_fails_the_build_or_the_loop_never_silently():
+    def hook():
+        raise RuntimeError("no GPU")
+
+    loop = EngineLoop(None, outbox=lambda output: None, on_thread_start=hook, build=_IdleEngine)
+    with pytest.raises(RuntimeError, match="no GPU"):
+        loop.start()
+    outputs = []
+    loop = EngineLoop(_IdleEngine(), outbox=outputs.append, on_thread_start=hook)
+    loop.start()
+    loop.thread.join(timeout=10)
+    assert isinstance(loop.error, RuntimeError) and "no GPU" in outputs[0].fatal_error
