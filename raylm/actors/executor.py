@@ -59,8 +59,8 @@ class Executor(ABC):
 
 class LocalExecutor(Executor):
     """One worker in this process, built on the background thread its engine loop then runs on: on a CPU that
-    thread alone runs torch's parallel work (EngineLoop: SmolLM2's batch-8 decode steps 15-20% faster than with
-    the model loaded on the caller's thread, docs/benchmarks.md)."""
+    thread alone runs torch's parallel work (EngineLoop: SmolLM2's decode steps at batch 1 and 8 were 17-24% faster
+    than with the model loaded on the caller's thread, docs/benchmarks.md)."""
 
     def __init__(self, spec: WorkerSpec):
         self.outputs: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()

@@ -183,7 +183,8 @@ class LayerAdapters(nn.Module):
         return out.add_(products)
 
     def forward(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """out plus each row's adapter product in torch (rows grouped by slot), where shrink gave nothing."""
+        """out plus each row's adapter product in torch (rows grouped by slot, or each row's adapter gathered:
+        LoraBatch.by_rows), where shrink gave nothing."""
         if self.batch.in_graph and self.batch.graph_slots is None:  # the graphs of steps without adapters
             return out
         # (graphs run uncaptured on the CPU take the rows' groups, as an eager step does)
