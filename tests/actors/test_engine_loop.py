@@ -10,17 +10,7 @@ import pytest
 import raylm.actors.executor as executor_module
 from raylm import LLM, SamplingParams, TokensPrompt
 from raylm.actors.engine_loop import EngineLoop
-
-
-class _IdleEngine:
-    has_work = False
-    weight_version = 0
-
-    def drain(self):
-        return None
-
-    def take_control_deltas(self):
-        return []
+from tests.actors import IdleEngine
 
 
 def test_a_loop_builds_its_engine_on_its_own_thread_before_start_returns():
@@ -28,12 +18,12 @@ def test_a_loop_builds_its_engine_on_its_own_thread_before_start_returns():
 
     def build():
         built_on.append(threading.get_ident())
-        return _IdleEngine()
+        return IdleEngine()
 
     loop = EngineLoop(None, outbox=lambda output: None, build=build)
     loop.start()
     try:
-        assert isinstance(loop.engine, _IdleEngine)
+        assert isinstance(loop.engine, IdleEngine)
         ran_on = loop.call(lambda engine: threading.get_ident()).result(timeout=10)
     finally:
         loop.stop()
@@ -55,7 +45,7 @@ def test_a_loop_takes_an_engine_or_a_build_function():
     with pytest.raises(ValueError, match="one of them"):
         EngineLoop(None, outbox=lambda output: None)
     with pytest.raises(ValueError, match="one of them"):
-        EngineLoop(_IdleEngine(), outbox=lambda output: None, build=_IdleEngine)
+        EngineLoop(IdleEngine(), outbox=lambda output: None, build=IdleEngine)
 
 
 def test_the_local_executor_loads_the_model_on_the_thread_that_steps_it(tiny_model_dirs, monkeypatch):
@@ -83,11 +73,11 @@ def test_a_failed_start_hook_fails_the_build_or_the_loop_never_silently():
     def hook():
         raise RuntimeError("no GPU")
 
-    loop = EngineLoop(None, outbox=lambda output: None, on_thread_start=hook, build=_IdleEngine)
+    loop = EngineLoop(None, outbox=lambda output: None, on_thread_start=hook, build=IdleEngine)
     with pytest.raises(RuntimeError, match="no GPU"):
         loop.start()
     outputs = []
-    loop = EngineLoop(_IdleEngine(), outbox=outputs.append, on_thread_start=hook)
+    loop = EngineLoop(IdleEngine(), outbox=outputs.append, on_thread_start=hook)
     loop.start()
     loop.thread.join(timeout=10)
     assert isinstance(loop.error, RuntimeError) and "no GPU" in outputs[0].fatal_error

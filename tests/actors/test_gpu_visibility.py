@@ -14,6 +14,7 @@ from raylm.actors.symmetric_memory import (
     symmetric_memory_requested,
 )
 from raylm.config import KernelConfig
+from tests.actors import IdleEngine
 
 
 def test_cuda_index_is_ray_gpu_id_when_the_node_shows_every_gpu():
@@ -31,23 +32,10 @@ def test_cuda_index_refuses_a_gpu_the_process_cannot_see():
         cuda_index("2", "0,1")
 
 
-class _IdleEngine:
-    """Just enough of an engine for the loop to take calls: never any work, nothing to drain."""
-
-    has_work = False
-    weight_version = 0
-
-    def drain(self):
-        return None
-
-    def take_control_deltas(self):
-        return []
-
-
 def test_the_engine_loop_runs_its_start_hook_on_its_own_thread():
     """A Ray worker binds its GPU (a per-thread setting) on the thread that will step the engine."""
     threads = []
-    loop = EngineLoop(_IdleEngine(), outbox=lambda output: None,
+    loop = EngineLoop(IdleEngine(), outbox=lambda output: None,
                       on_thread_start=lambda: threads.append(threading.get_ident()))
     loop.start()
     try:
