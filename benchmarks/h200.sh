@@ -54,8 +54,10 @@
 #                                        # as its own kernel after the GEMV, on a second stream beside it
 #                                        # (lora_expand=beside), before it (before), then in the GEMV's epilogue;
 #                                        # the time a new adapter takes to load (~7 min)
-#   bash benchmarks/h200.sh lora-beside  # the same, kernel and beside alone (~4 min)
+#   bash benchmarks/h200.sh lora-beside  # the same, kernel, beside and beside_fused_mlp alone (~5 min)
 #   bash benchmarks/h200.sh lora-tests   # the LoRA kernel, decode-graph and engine GPU tests (~8 min)
+#   bash benchmarks/h200.sh lora-profile # the step profile of 8B batch 8 with 8 adapters, lora_expand=beside or
+#                                        # $LORA_EXPAND (~2 min)
 #   bash benchmarks/h200.sh speculative  # prompt lookup against plain decoding on SmolLM2's real weights, batch 1 to 64,
 #                                        # a copy workload; needs the GGUF at $SMOLLM2_GGUF (default
 #                                        # /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf). It is larger than a run may
@@ -425,13 +427,19 @@ case "${1:-}" in
     # The expand as a kernel of its own after the GEMV (the default), shrink and products on a second stream beside
     # the GEMV, as one before it whose products the GEMV's epilogue adds, then inside the GEMV's epilogue
     # (kernel_config.lora_expand).
-    expands=(kernel beside before epilogue)
-    [ "$1" = lora-beside ] && expands=(kernel beside)
+    expands=(kernel beside beside_fused_mlp before epilogue)
+    [ "$1" = lora-beside ] && expands=(kernel beside beside_fused_mlp)
     for expand in "${expands[@]}"; do
       watched 180 python benchmarks/lora.py --model "$llama" "${dummy[@]}" --batch_size 8 --rank 16 --input_len 32 \
         --output_len 128 --num_iters 3 --set kernel_config.lora_expand=$expand \
         $(output_json lora-llama-3.1-8b-b8-r16-$expand) 2>&1 | tail -6
     done
+    ;;
+  lora-profile)
+    # Where a step of the LoRA benchmark goes with the products beside the GEMV: kernels and the gaps between them.
+    watched 150 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 8 --batch_size 8 \
+      --lora_rank 16 --kernels 16 --gaps 6 --set kernel_config.lora_expand=${LORA_EXPAND:-beside} \
+      $(output_json step-profile-llama-3.1-8b-b8-lora-r16-${LORA_EXPAND:-beside}) 2>&1 | tail -30
     ;;
   speculative)
     # Verify rows: the Triton path and a captured decode graph against the torch path.

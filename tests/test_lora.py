@@ -218,7 +218,9 @@ def test_bad_lora_requests_are_refused(fields, message):
     ("bfloat16", {"decode_gemv": True, "lora_expand": "epilogue"}),
     ("bfloat16", {"decode_gemv": True, "lora_expand": "before"}),
     # ... or on a second stream beside the matmul (a branch of the graph), in float32 against PEFT too
-    ("float32", {"lora_expand": "beside"}), ("bfloat16", {"decode_gemv": True, "lora_expand": "beside"})], ids=str)
+    ("float32", {"lora_expand": "beside"}), ("bfloat16", {"decode_gemv": True, "lora_expand": "beside"}),
+    # ... but gate / up's products computed before their fused SiLU-mul GEMV
+    ("bfloat16", {"decode_gemv": True, "lora_expand": "beside_fused_mlp"})], ids=str)
 def test_decode_graphs_give_the_eager_tokens_with_adapters_mixed_per_row(tiny_model_dirs, tiny_lora_dirs, dtype,
                                                                          kernels):
     """On CUDA the decode graphs of an engine with adapters are captured once and read each row's slot from a

@@ -59,10 +59,13 @@ def test_kernel_config_overrides_the_defaults(hopper):
     assert choose_kernel_policy(GPU, LARGE, decode_gemv=False, pdl="off") == KernelPolicy(triton=True)
     assert choose_kernel_policy(GPU, SMALL, decode_gemv=True, pdl="exit") == KernelPolicy(True, True, 3)
     assert choose_kernel_policy(GPU, LARGE, triton=False) == KernelPolicy()  # the torch reference throughout
-    for lora_expand, in_gemv, first, beside in (("kernel", False, False, False), ("epilogue", True, False, False),
-                                                ("before", True, True, False), ("beside", False, False, True)):
+    for lora_expand, in_gemv, first, beside, gate_up_first in (
+            ("kernel", False, False, False, False), ("epilogue", True, False, False, False),
+            ("before", True, True, False, False), ("beside", False, False, True, False),
+            ("beside_fused_mlp", False, False, True, True)):
         chosen = choose_kernel_policy(GPU, LARGE, lora_expand=lora_expand)
-        assert (chosen.lora_in_gemv, chosen.lora_products_first, chosen.lora_beside) == (in_gemv, first, beside)
+        assert (chosen.lora_in_gemv, chosen.lora_products_first, chosen.lora_beside,
+                chosen.lora_gate_up_first) == (in_gemv, first, beside, gate_up_first)
     for fp8_attention, dot, slices in (("float16", False, False), ("float16_slices", False, True),
                                        ("fp8", True, False)):
         chosen = choose_kernel_policy(GPU, LARGE, fp8_attention=fp8_attention)
