@@ -424,7 +424,7 @@ case "${1:-}" in
     grep -E "^(FAILED|ERROR)|passed|failed" "$log" | tail -12
     ;;
   lora|lora-beside)
-    # The expand as a kernel of its own after the GEMV (the default), shrink and products on a second stream beside
+    # The expand as a kernel of its own after the GEMV, shrink and products on a second stream beside (the default)
     # the GEMV, as one before it whose products the GEMV's epilogue adds, then inside the GEMV's epilogue
     # (kernel_config.lora_expand).
     expands=(kernel beside beside_fused_mlp before epilogue)

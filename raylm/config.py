@@ -99,13 +99,14 @@ class KernelConfig(StrictModel):
                                        "the activations per token (as prefill's FP8 matmul does) and multiplies FP8 "
                                        "by FP8.")
     lora_expand: Literal["kernel", "epilogue", "before", "beside", "beside_fused_mlp"] = Field(
-        default="kernel", description="Decode steps with LoRA adapters: 'kernel' adds the adapters' products to a "
+        default="beside", description="Decode steps with LoRA adapters: 'kernel' adds the adapters' products to a "
                                       "layer's output in a kernel after its GEMV; 'epilogue' computes them inside the "
                                       "GEMV and adds them before rounding (one launch fewer per layer, slower on the "
                                       "H200: docs/benchmarks.md); 'before' computes them in a kernel before the GEMV, "
                                       "whose epilogue adds them before rounding (gate / up keep their fused SiLU-mul "
-                                      "GEMV); 'beside' computes them on a second CUDA stream while the GEMV runs (a "
-                                      "branch of the decode graph) and adds them to its output after; "
+                                      "GEMV); 'beside' (the default, fastest on the H200) computes them on a second "
+                                      "CUDA stream while the GEMV runs (a branch of the decode graph) and adds them "
+                                      "to its output after; "
                                       "'beside_fused_mlp' does so but for gate / up, whose products are computed "
                                       "before their fused SiLU-mul GEMV as with 'before'.")
     fp8_attention: Literal["float16", "float16_slices", "fp8"] = Field(

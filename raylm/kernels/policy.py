@@ -104,7 +104,7 @@ def streams_weights(weight_bytes: int) -> bool:
 
 def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool = True,
                          decode_gemv: bool | None = None, pdl: str = "auto",
-                         fp8_gemv_input: str = "float16", lora_expand: str = "kernel",
+                         fp8_gemv_input: str = "float16", lora_expand: str = "beside",
                          fp8_attention: str = "float16", gemv_tiles: str = "shipped") -> KernelPolicy:
     """The policy for a model of `weight_bytes` per rank on `device`, from kernel_config's fields: Triton where
     asked for, on CUDA, and importable; the GEMV (decode_gemv None) and PDL (pdl "auto") for models that stream

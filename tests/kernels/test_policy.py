@@ -51,13 +51,16 @@ def test_weight_streaming_follows_the_weights_per_rank(shape, tp, streams):
 
 
 def test_defaults_follow_the_model_size(hopper):
-    assert choose_kernel_policy(GPU, LARGE) == KernelPolicy(triton=True, decode_gemv=True, pdl=4)  # tail
-    assert choose_kernel_policy(GPU, SMALL) == KernelPolicy(triton=True, decode_gemv=False, pdl=0)
+    # PDL's tail trigger; LoRA's products beside the GEMV on a second stream
+    assert choose_kernel_policy(GPU, LARGE) == KernelPolicy(triton=True, decode_gemv=True, pdl=4, lora_beside=True)
+    assert choose_kernel_policy(GPU, SMALL) == KernelPolicy(triton=True, decode_gemv=False, pdl=0, lora_beside=True)
 
 
 def test_kernel_config_overrides_the_defaults(hopper):
-    assert choose_kernel_policy(GPU, LARGE, decode_gemv=False, pdl="off") == KernelPolicy(triton=True)
-    assert choose_kernel_policy(GPU, SMALL, decode_gemv=True, pdl="exit") == KernelPolicy(True, True, 3)
+    assert choose_kernel_policy(GPU, LARGE, decode_gemv=False, pdl="off", lora_expand="kernel") == KernelPolicy(
+        triton=True)
+    assert choose_kernel_policy(GPU, SMALL, decode_gemv=True, pdl="exit", lora_expand="kernel") == KernelPolicy(
+        True, True, 3)
     assert choose_kernel_policy(GPU, LARGE, triton=False) == KernelPolicy()  # the torch reference throughout
     for lora_expand, in_gemv, first, beside, gate_up_first in (
             ("kernel", False, False, False, False), ("epilogue", True, False, False, False),
