@@ -3,6 +3,7 @@ aborts and control calls, and hands each iteration's output to the outbox. It ne
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import queue
@@ -32,29 +33,73 @@ def tune_garbage_collector() -> None:
         gc.set_threshold(GC_GEN0_THRESHOLD, *older)
 
 
+class TorchThread:
+    """A worker's one thread for its torch work: run(fn, ...) runs fn there and returns what it returned (raising
+    what it raised) until hand_over(fn) gives the thread to fn for good (an engine or worker loop), after which the
+    thread ends with fn. On a CPU the thread that runs torch's parallel work owns an OpenMP pool, and a second
+    thread's pool makes OpenMP's threads sleep between a decode step's small parallel regions rather than spin
+    (EngineLoop): a Ray worker that loads on one thread and steps on another pays a wake-up each region."""
+
+    def __init__(self, name: str = "raylm-torch"):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.handed_over = False
+        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, future = job
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # the caller of run, or of hand_over's future, gets it
+                future.set_exception(exc)
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self.handed_over:
+            raise RuntimeError("the torch thread runs a loop now")
+        future: Future = Future()
+        self._jobs.put((functools.partial(fn, *args, **kwargs), future))
+        return future.result()
+
+    def hand_over(self, fn: Callable[[], Any]) -> Future:
+        """Runs fn as the thread's last job; its Future resolves when fn returns (or raises)."""
+        self.handed_over = True
+        future: Future = Future()
+        self._jobs.put((fn, future))
+        self._jobs.put(None)
+        return future
+
+
 class EngineLoop:
     def __init__(self, engine: EngineCore | None, outbox: Callable[[StepOutput], None],
                  on_thread_start: Callable[[], None] | None = None,
-                 build: Callable[[], EngineCore] | None = None):
+                 build: Callable[[], EngineCore] | None = None, thread: TorchThread | None = None):
         """on_thread_start runs first on the loop's thread (a Ray worker binds its GPU there). build: where engine
         is None, makes the engine on the loop's thread before the loop runs; start returns once it has, raising
         what it raised. (On a CPU the thread that runs torch's first parallel work owns an OpenMP pool; a second
         thread's pool, as from loading the model on the caller's thread, makes OpenMP's threads sleep between
-        the small parallel regions of a decode step rather than spin, each then paying a wake-up.)"""
+        the small parallel regions of a decode step rather than spin, each then paying a wake-up.) thread: the
+        TorchThread the loop runs on, handed over at start (the one that loaded the model); else a thread of its
+        own."""
         if (engine is None) == (build is None):
             raise ValueError("EngineLoop takes an engine or a build function, one of them")
         self.engine = engine
         self.outbox = outbox
         self.on_thread_start = on_thread_start
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name="raylm-engine", daemon=True)
+        self._torch_thread = thread
+        self.thread = thread.thread if thread is not None else threading.Thread(target=self._run, name="raylm-engine",
+                                                                                daemon=True)
         self.error: BaseException | None = None
         self._build = build
         self._built: Future = Future()
 
     def start(self) -> None:
         tune_garbage_collector()
-        self.thread.start()
+        if self._torch_thread is not None:
+            self._torch_thread.hand_over(self._run)
+        else:
+            self.thread.start()
         if self._build is not None:
             self._built.result()
 

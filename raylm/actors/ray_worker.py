@@ -3,7 +3,8 @@
 Rank 0 hosts the engine loop (on a thread of the actor) and the engine channel's far end: submissions
 and aborts arrive through an ordered concurrency group, outputs leave through one streaming generator for the
 engine's life, each item every iteration output gathered since the last (one Ray object a batch, no call per
-batch). The other ranks run the worker loop.
+batch). The other ranks run the worker loop. Each worker does its torch work on one thread (TorchThread): it
+loads the model and builds the cache there, then runs its loop there.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from raylm.actors.distributed_runner import DistributedRunner
 from raylm.actors.distributed_runner import worker_loop as run_worker_loop
-from raylm.actors.engine_loop import EngineLoop
+from raylm.actors.engine_loop import EngineLoop, TorchThread
 from raylm.actors.executor import control_engine
 from raylm.actors.symmetric_memory import all_reduce_norm_requested
 from raylm.actors.transport import Communicator, RankLayout, free_address, init_distributed
@@ -89,6 +90,9 @@ class RayWorker:
         self.outputs: queue.SimpleQueue[StepOutput] = queue.SimpleQueue()
         self._stopped = False  # rank 0's engine loop was stopped: the output stream ends once drained
         self.loop_error: str | None = None
+        # The thread of every torch call until the loop, which then runs on it (TorchThread).
+        self.torch = TorchThread()
+        self.torch.run(self.bind_gpu)
 
     def bind_gpu(self) -> None:
         """Makes this actor's GPU the calling thread's current device. CUDA's current device is per thread, and
@@ -103,7 +107,9 @@ class RayWorker:
         return free_address()
 
     def init_distributed(self, address: str, port: int) -> None:
-        self.bind_gpu()
+        self.torch.run(self._init_distributed, address, port)
+
+    def _init_distributed(self, address: str, port: int) -> None:
         device = torch.device(self.spec.device, self.gpu_index) if self.gpu_index is not None else \
             torch.device(self.spec.device)
         if self.layout.world_size > 1:
@@ -122,29 +128,25 @@ class RayWorker:
         return resolve_architecture(hf_config)[1].hidden_size
 
     def load_model(self) -> int:
-        self.bind_gpu()
-        return self.worker.load_model()
+        return self.torch.run(self.worker.load_model)
 
     def init_cache(self, num_blocks: int) -> EngineInfo:
-        self.bind_gpu()
-        return self.worker.init_cache(num_blocks)
+        return self.torch.run(self.worker.init_cache, num_blocks)
 
     def start_engine(self, num_blocks: int) -> dict:
         """Rank 0: builds the engine core over all ranks and starts its loop; returns the start-up timings."""
-        self.bind_gpu()
         overlap = not self.spec.args.disable_pipeline_overlap
         runner = DistributedRunner(self.worker.runner, self.comm, overlap) if self.comm is not None else None
-        engine = self.worker.build_engine(num_blocks, runner)
-        self.loop = EngineLoop(engine, self.outputs.put, on_thread_start=self.bind_gpu)
+        engine = self.torch.run(self.worker.build_engine, num_blocks, runner)
+        self.loop = EngineLoop(engine, self.outputs.put, on_thread_start=self.bind_gpu, thread=self.torch)
         self.loop.start()
         return self.worker.timings
 
     # ------------------------------------------------------------------ loops (concurrency group "loop")
 
     def run_worker_loop(self) -> None:
-        """Ranks > 0: runs until rank 0 stops the workers; raises if the loop fails."""
-        self.bind_gpu()
-        run_worker_loop(self.worker.runner, self.comm)
+        """Ranks > 0: runs (on the torch thread) until rank 0 stops the workers; raises if the loop fails."""
+        self.torch.hand_over(lambda: run_worker_loop(self.worker.runner, self.comm)).result()
 
     def watch_engine(self) -> None:
         """Rank 0: returns when the engine loop ends; raises if it died."""
@@ -194,9 +196,16 @@ class RayWorker:
         return control_engine(self.loop, method, args)
 
     def execute_method(self, method: str, args: tuple, kwargs: dict) -> Any:
+        """A worker method (collective_rpc): on the torch thread before the loop; on rank 0's engine thread
+        between iterations while its loop runs (as the in-process executor runs it); else on the calling thread
+        (ranks > 0 in their worker loop, which waits on rank 0, and any rank once its loop has ended)."""
         fn = getattr(self.worker, method, None)
         if fn is None or method.startswith("_") or not callable(fn):
             raise ValueError(f"worker has no method {method!r}")
+        if not self.torch.handed_over:
+            return self.torch.run(fn, *args, **kwargs)
+        if self.loop is not None and self.loop.thread.is_alive():
+            return self.loop.call(lambda _engine: fn(*args, **kwargs)).result()
         self.bind_gpu()
         return fn(*args, **kwargs)
 

@@ -9,7 +9,7 @@ import pytest
 
 import raylm.actors.executor as executor_module
 from raylm import LLM, SamplingParams, TokensPrompt
-from raylm.actors.engine_loop import EngineLoop
+from raylm.actors.engine_loop import EngineLoop, TorchThread
 from tests.actors import IdleEngine
 
 
@@ -81,3 +81,21 @@ def test_a_failed_start_hook_fails_the_build_or_the_loop_never_silently():
     loop.start()
     loop.thread.join(timeout=10)
     assert isinstance(loop.error, RuntimeError) and "no GPU" in outputs[0].fatal_error
+
+
+def test_a_torch_thread_runs_calls_until_it_is_handed_to_a_loop():
+    """TorchThread (a Ray worker's): run() runs on its one thread and returns or raises there what the call did;
+    an EngineLoop given it runs there after the calls, and the thread ends with the loop."""
+    torch_thread = TorchThread()
+    assert torch_thread.run(threading.get_ident) == torch_thread.thread.ident != threading.get_ident()
+    with pytest.raises(ZeroDivisionError):
+        torch_thread.run(lambda: 1 / 0)
+    loop = EngineLoop(IdleEngine(), outbox=lambda output: None, thread=torch_thread)
+    loop.start()
+    try:
+        assert loop.call(lambda engine: threading.get_ident()).result(timeout=10) == torch_thread.thread.ident
+        with pytest.raises(RuntimeError, match="runs a loop"):
+            torch_thread.run(threading.get_ident)
+    finally:
+        loop.stop()
+    assert not torch_thread.thread.is_alive()

@@ -45,11 +45,13 @@ def test_the_engine_loop_runs_its_start_hook_on_its_own_thread():
     assert threads == [ran_on] and ran_on != threading.get_ident()
 
 
-def test_worker_methods_bind_the_gpu_on_the_calling_thread(monkeypatch):
-    """With every GPU visible, a method that reaches the GPU first makes the worker's GPU the current device of
-    the thread it runs on (each concurrency group of the actor has its own threads)."""
+def test_worker_methods_run_on_the_torch_thread_bound_to_the_gpu(monkeypatch):
+    """With every GPU visible, a worker's torch thread (where it loads, builds its cache and then loops) makes the
+    worker's GPU its current device first; a method run once that thread's loop has ended binds the GPU on the
+    thread it runs on (each concurrency group of the actor has its own threads)."""
     import torch
 
+    from raylm.actors.engine_loop import TorchThread
     from raylm.actors.ray_worker import RayWorker
 
     bound = []
@@ -57,19 +59,24 @@ def test_worker_methods_bind_the_gpu_on_the_calling_thread(monkeypatch):
 
     class _Worker:
         def load_model(self):
-            return bound[-1]
+            return threading.get_ident()
 
         def report_device_id(self):
-            return bound[-1]
+            return threading.get_ident()
 
     actor = object.__new__(RayWorker)
-    actor.gpu_index, actor.worker = 3, _Worker()
-    threads = []
-    for call in (actor.load_model, lambda: actor.execute_method("report_device_id", (), {})):
-        thread = threading.Thread(target=lambda call=call: threads.append((call(), threading.get_ident())))
-        thread.start()
-        thread.join()
-    assert [seen for seen, _ in threads] == [(3, ident) for _, ident in threads]
+    actor.gpu_index, actor.worker, actor.loop = 3, _Worker(), None
+    actor.torch = TorchThread()
+    actor.torch.run(actor.bind_gpu)
+    on_torch = actor.torch.thread.ident
+    assert actor.load_model() == on_torch and actor.execute_method("report_device_id", (), {}) == on_torch
+    assert bound == [(3, on_torch)]
+    actor.torch.hand_over(lambda: None).result(timeout=10)  # a loop, ended
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(actor.execute_method("report_device_id", (), {})))
+    thread.start()
+    thread.join()
+    assert seen == [bound[-1][1]] and bound[-1] == (3, thread.ident)
     actor.gpu_index = None  # Ray shows the actor its own GPU alone: nothing to bind
     actor.bind_gpu()
     assert len(bound) == 2
