@@ -204,3 +204,54 @@ def test_products_beside_the_gemv_fork_before_it_join_after_and_add_the_referenc
     with pytest.raises(ValueError, match="contiguous float32"):
         triton_lora.lora_products(triton_lora.lora_shrink(x, lora_a, lora_b, slices, batch.graph_slots[:4]),
                                   out=torch.empty(4, sum(slices), device=DEVICE, dtype=torch.float16))
+
+
+def test_gate_up_products_computed_first_keep_the_fused_silu_mul_gemv(tiny_model_dirs, monkeypatch):
+    """kernel_config.lora_expand 'beside_fused_mlp': gate / up compute their products before the SiLU-mul GEMV,
+    which adds them in its epilogue (LoraProducts), where 'beside' runs a plain GEMV, the products beside it and
+    the SiLU-mul apart; both give the reference's sums."""
+    from raylm.kernels import triton_gemv
+    from raylm.kernels.policy import KernelPolicy
+    from raylm.models.llama import MLP
+    from raylm.models.loader import load_hf_config
+    from raylm.models.lora import LayerAdapters, LoraBatch
+    from raylm.models.parallel import SINGLE
+    from raylm.models.registry import resolve_architecture
+    from raylm.models.source import resolve_model
+
+    class DecodePolicy(KernelPolicy):  # the real policy takes only CUDA tensors
+        def on_triton(self, x):
+            return True
+
+        def gemv_applies(self, x, weight):
+            return True
+
+    arch = resolve_architecture(load_hf_config(resolve_model(str(tiny_model_dirs["llama"]))))[1]
+    mlp = MLP(arch, SINGLE).to(DEVICE)
+    generator = torch.Generator().manual_seed(11)
+    for parameter in mlp.parameters():
+        parameter.data = (torch.randn(parameter.shape, generator=generator) / parameter.shape[-1] ** 0.5).to(
+            DEVICE, torch.float16)
+    size, rank, row_slots = arch.intermediate_size, 8, [1, -1, 0]
+    batch = LoraBatch()
+    batch.in_graph = True
+    batch.graph_slots = torch.tensor(row_slots, dtype=torch.int32, device=DEVICE)
+    adapters = LayerAdapters(mlp.gate_up_proj, [0, 1], [size, size], False, batch, 2, rank, torch.float16)
+    adapters.lora_a.copy_(torch.randn(adapters.lora_a.shape, generator=generator) / arch.hidden_size**0.5)
+    adapters.lora_b.copy_(torch.randn(adapters.lora_b.shape, generator=generator) / rank)
+    mlp.gate_up_proj.lora = adapters
+    x = torch.randn(len(row_slots), arch.hidden_size, generator=generator).to(DEVICE, torch.float16)
+    gate_up = add_lora(x.float() @ mlp.gate_up_proj.weight.float().T, x.float(), adapters.lora_a.float(),
+                       adapters.lora_b.float(), [size, size], _groups(row_slots))
+    expected = (torch.nn.functional.silu(gate_up[:, :size]) * gate_up[:, size:]) @ mlp.down_proj.weight.float().T
+    fused, handed = triton_gemv.gemv_silu_mul, []
+    monkeypatch.setattr(triton_gemv, "gemv_silu_mul", lambda *args, **kwargs: handed.append(
+        type(kwargs["lora"]).__name__) or fused(*args, **kwargs))
+    for lora_expand, launched in (("beside_fused_mlp", ["LoraProducts"]), ("beside", [])):
+        handed.clear()
+        policy = DecodePolicy(triton=True, decode_gemv=True, lora_beside=True,
+                              lora_gate_up_first=lora_expand == "beside_fused_mlp")
+        mlp.kernels = adapters.kernels = mlp.gate_up_proj.kernels = mlp.down_proj.kernels = policy
+        got = mlp(x)
+        assert handed == launched, lora_expand
+        torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
