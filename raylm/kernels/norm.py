@@ -36,9 +36,16 @@ class RMSNorm(nn.Module):
     def forward(self, x, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual). x may be a row-parallel
         layer's Unreduced partial sum (models/parallel.py): the sum over ranks is then taken first, in one kernel
-        with the add and the norm where the context's fused_norm takes it. Where the linear it feeds takes FP8 rows
-        for x, the output is those rows (kernels/fp8.py's Fp8Rows)."""
+        with the add and the norm where the context's fused_norm takes it. x may also be a LoRA layer's output with
+        its products still to add (models/lora.py's PendingProducts): added in the same kernel on Triton. Where the
+        linear it feeds takes FP8 rows for x, the output is those rows (kernels/fp8.py's Fp8Rows)."""
         pdl = self.kernels.pdl
+        if hasattr(x, "products"):  # a LoRA layer's output and its products, still to add (models/lora.py)
+            if residual is not None and self.kernels.on_triton(x.out) and not self._writes_fp8(x.out):
+                from raylm.kernels import triton_ops
+
+                return triton_ops.fused_add_rms_norm(x.out, residual, self.weight, self.eps, pdl, extra=x.products)
+            x = x.materialize()
         if hasattr(x, "partial"):  # Unreduced
             fused = x.ctx.fused_norm
             if residual is not None and fused is not None and fused.fits(x.partial):
@@ -47,7 +54,7 @@ class RMSNorm(nn.Module):
         if self.kernels.on_triton(x):
             from raylm.kernels import triton_ops
 
-            if self._fp8_consumer and self.weight.dtype == x.dtype and self._fp8_consumer[0].takes_fp8_rows(x):
+            if self._writes_fp8(x):
                 rows, new_residual = triton_ops.rms_norm_fp8(x, residual, self.weight, self.eps, pdl)
                 return rows if residual is None else (rows, new_residual)
             if residual is None:
@@ -57,3 +64,7 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps)
         x = x + residual
         return rms_norm(x, self.weight, self.eps), x
+
+    def _writes_fp8(self, x: torch.Tensor) -> bool:
+        """Whether the Triton norm writes FP8 rows for x (the linear it feeds takes them)."""
+        return bool(self._fp8_consumer) and self.weight.dtype == x.dtype and self._fp8_consumer[0].takes_fp8_rows(x)

@@ -22,14 +22,19 @@ from raylm.kernels.triton_fp8 import fp8_scale, to_fp8
 @triton.jit(do_not_specialize=["rows"])
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, rows, hidden_size, eps,
                      stride_x, stride_residual, stride_out, stride_residual_out, HAS_RESIDUAL: tl.constexpr,
-                     BLOCK: tl.constexpr, USE_PDL: tl.constexpr = 0, scale_ptr=None, QUANTIZE: tl.constexpr = False):
+                     BLOCK: tl.constexpr, USE_PDL: tl.constexpr = 0, scale_ptr=None, QUANTIZE: tl.constexpr = False,
+                     extra_ptr=None, stride_extra=0, HAS_EXTRA: tl.constexpr = False):
     """One program a row. With QUANTIZE, the row (rounded to x's dtype) is stored quantized to FP8 in out_ptr, its
-    scale at scale_ptr, as triton_fp8's quantize_rows_fp8 would store it."""
+    scale at scale_ptr, as triton_fp8's quantize_rows_fp8 would store it. With HAS_EXTRA, x first gains the float32
+    row at extra_ptr, rounded to x's dtype (LoRA products left to add, models/lora.py)."""
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_EXTRA:
+        extra = tl.load(extra_ptr + row * stride_extra + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + extra.to(tl.float32)).to(x_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
@@ -55,11 +60,16 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                     pdl: int, quantize: bool = False) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor | None]:
+                     pdl: int, quantize: bool = False,
+                     extra: torch.Tensor | None = None) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor | None]:
     hidden_size = x.shape[-1]
     if weight.shape != (hidden_size,):
         raise ValueError(f"weight must be [{hidden_size}], got {list(weight.shape)}")
     x_rows = _rows(x)
+    if extra is not None and (extra.shape != x.shape or extra.dtype != torch.float32 or extra.stride(-1) != 1):
+        raise ValueError(f"extra must be float32 [{', '.join(map(str, x.shape))}] with contiguous rows, got "
+                         f"{extra.dtype} {list(extra.shape)}")
+    extra_rows = extra.view(-1, hidden_size) if extra is not None else None
     if quantize:
         if weight.dtype != x.dtype:
             raise ValueError(f"FP8 rows take a weight in x's dtype ({x.dtype}), got {weight.dtype}")
@@ -84,7 +94,9 @@ def _launch_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
             x_rows, residual_rows, weight.contiguous(), out_rows, residual_out_rows, rows, hidden_size, eps,
             x_rows.stride(0), residual_rows.stride(0), out_rows.stride(0), residual_out_rows.stride(0),
             HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
-            scale_ptr=scale, QUANTIZE=quantize, **launch_options(pdl),
+            scale_ptr=scale, QUANTIZE=quantize, extra_ptr=extra_rows,
+            stride_extra=extra_rows.stride(0) if extra_rows is not None else 0, HAS_EXTRA=extra is not None,
+            **launch_options(pdl),
         )
     return out, residual_out
 
@@ -104,11 +116,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: int = 0) ->
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                       pdl: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                       pdl: int = 0, extra: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual) in one pass; the sum is rounded to x's dtype before it
-    is normalised, as RMSNorm.forward does. Neither input is modified. `pdl` as rms_norm takes it."""
+    is normalised, as RMSNorm.forward does. Neither input is modified. `pdl` as rms_norm takes it. extra: float32
+    [*, hidden] that x gains first, rounded to x's dtype (as x.add_(extra) would), in the same pass."""
     _check_residual(x, residual)
-    out, new_residual = _launch_rms_norm(x, residual, weight, eps, pdl)
+    out, new_residual = _launch_rms_norm(x, residual, weight, eps, pdl, extra=extra)
     return out, new_residual
 
 

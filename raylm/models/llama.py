@@ -213,6 +213,8 @@ class LlamaForCausalLM(nn.Module):
         if self.norm is None:
             if isinstance(hidden, Unreduced):
                 hidden = hidden.reduce()
+            if hasattr(hidden, "products"):  # LoRA products still to add (models/lora.py's PendingProducts)
+                hidden = hidden.materialize()
             return hidden, residual if residual is not None else torch.zeros_like(hidden)
         hidden, _ = self.norm(hidden, residual)
         return hidden

@@ -13,6 +13,7 @@ this rank's input columns of A and B whole, and its product joins the partial su
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -66,6 +67,19 @@ class SideStream:
 
     def join(self) -> None:
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+@dataclass
+class PendingProducts:
+    """A row-parallel layer's output (o, down; one rank) with its LoRA products (float32) not yet added: the RMSNorm
+    after it adds them in its own kernel (kernels/norm.py) rather than an add of their own; anything else calls
+    materialize(). The sum rounds as out.add_(products) does."""
+
+    out: torch.Tensor
+    products: torch.Tensor
+
+    def materialize(self) -> torch.Tensor:
+        return self.out.add_(self.products)
 
 
 class LoraBatch:
@@ -157,21 +171,23 @@ class LayerAdapters(nn.Module):
         return lora_shrink(x, self.lora_a, self.lora_b, self.slice_sizes, slots, self.kernels.pdl)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               weight_scale: torch.Tensor | None) -> torch.Tensor:
-        """The adapted layer's x W^T + b with each row's adapter product."""
+               weight_scale: torch.Tensor | None, defer_add: bool = False) -> torch.Tensor | PendingProducts:
+        """The adapted layer's x W^T + b with each row's adapter product. defer_add: the products computed beside
+        the GEMV may come back unadded (PendingProducts), for the RMSNorm after the layer to add."""
         if self.kernels.lora_beside and self.batch.side is not None:
             slots = self.triton_slots(x)
             if slots is not None:
-                return self._linear_beside(x, weight, bias, weight_scale, slots)
+                pending = self._linear_beside(x, weight, bias, weight_scale, slots)
+                return pending if defer_add else pending.materialize()
         lora = self.shrink(x)
         out = linear(x, weight, bias, self.kernels, weight_scale, lora=lora)
         return out if lora is not None else self(out, x)
 
     def _linear_beside(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       weight_scale: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+                       weight_scale: torch.Tensor | None, slots: torch.Tensor) -> PendingProducts:
         """kernel_config.lora_expand 'beside': the shrink and the products (float32) on the side stream while the
-        GEMV runs, then added to its output. The products' buffer is made on the current stream before the fork,
-        so it is freed there, after the join."""
+        GEMV runs, joined before they are added to its output. The products' buffer is made on the current stream
+        before the fork, so it is freed there, after the join."""
         from raylm.kernels.triton_lora import lora_products, lora_shrink
 
         side = self.batch.side
@@ -180,7 +196,7 @@ class LayerAdapters(nn.Module):
             lora_products(lora_shrink(x, self.lora_a, self.lora_b, self.slice_sizes, slots), out=products)
         out = linear(x, weight, bias, self.kernels, weight_scale)
         side.join()
-        return out.add_(products)
+        return PendingProducts(out, products)
 
     def forward(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """out plus each row's adapter product in torch (rows grouped by slot, or each row's adapter gathered:

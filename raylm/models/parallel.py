@@ -253,9 +253,14 @@ class RowParallelLinear(nn.Module):
         return _takes_fp8_rows(self, x)
 
     def forward(self, x: torch.Tensor | Fp8Rows, defer_reduce: bool = False) -> torch.Tensor | Unreduced:
-        """With defer_reduce (and no bias), the partial sum as Unreduced: the next RMSNorm all-reduces it."""
+        """With defer_reduce (and no bias), the partial sum as Unreduced: the next RMSNorm all-reduces it. On one
+        rank without bias, the LoRA products computed beside the GEMV may come back unadded (PendingProducts), for
+        that RMSNorm to add."""
         if self.lora is not None:
-            out = self.lora.linear(x, self.weight, None, self.weight_scale)
+            out = self.lora.linear(x, self.weight, None, self.weight_scale,
+                                   defer_add=self.ctx.tp_size == 1 and self.bias is None)
+            if hasattr(out, "products"):
+                return out
         else:
             out = linear(x, self.weight, None, self.kernels, self.weight_scale)
         if defer_reduce and self.bias is None:

@@ -255,3 +255,50 @@ def test_gate_up_products_computed_first_keep_the_fused_silu_mul_gemv(tiny_model
         got = mlp(x)
         assert handed == launched, lora_expand
         torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_a_row_parallel_layer_leaves_its_products_beside_to_the_norm_after_it(bias):
+    """kernel_config.lora_expand 'beside' on o / down (one rank, no bias): the layer returns its output with the
+    products still to add (PendingProducts), which the RMSNorm after it adds in its own kernel; with a bias the
+    layer adds them itself. Either way the sums are the reference's."""
+    from raylm.kernels.policy import KernelPolicy
+    from raylm.models.lora import LayerAdapters, LoraBatch
+    from raylm.models.parallel import SINGLE, RowParallelLinear
+
+    class DecodePolicy(KernelPolicy):  # the real policy takes only CUDA tensors
+        def on_triton(self, x):
+            return True
+
+    class Side:
+        def fork(self):
+            return contextlib.nullcontext()
+
+        def join(self):
+            pass
+
+    k, n, rank, row_slots = 96, 64, 8, [1, -1, 0]
+    out, x, lora_a, lora_b = _case([n], k, rank, torch.float32, row_slots)
+    layer = RowParallelLinear(k, n, bias, SINGLE).to(DEVICE)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k, generator=torch.Generator().manual_seed(9)) / k**0.5)
+        if bias:
+            layer.bias.copy_(torch.randn(n, generator=torch.Generator().manual_seed(10)))
+    batch = LoraBatch()
+    batch.side, batch.in_graph = Side(), True
+    batch.graph_slots = torch.tensor(row_slots, dtype=torch.int32, device=DEVICE)
+    adapters = LayerAdapters(layer, [None], [n], True, batch, 3, rank, torch.float32)
+    adapters.lora_a.copy_(lora_a)
+    adapters.lora_b.copy_(lora_b)
+    layer.lora = adapters
+    layer.kernels = adapters.kernels = DecodePolicy(triton=True, lora_beside=True)
+    with torch.no_grad():
+        got = layer(x)
+    expected = add_lora(x @ layer.weight.T, x, lora_a, lora_b, [n], _groups(row_slots))
+    if bias:
+        assert isinstance(got, torch.Tensor)
+        expected = expected + layer.bias
+    else:
+        assert hasattr(got, "products")
+        got = got.materialize()
+    torch.testing.assert_close(got, expected.detach(), atol=1e-5, rtol=1e-5)

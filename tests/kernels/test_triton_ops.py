@@ -81,6 +81,46 @@ def test_fused_add_rms_norm_matches_reference_and_keeps_inputs(device, dtype, sh
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (9, 1000), (2, 3, 128)], ids=str)
+def test_the_norm_adds_a_lora_layers_pending_products_as_adding_them_first_would(device, dtype, shape):
+    """A LoRA layer's output with its float32 products still to add (models/lora.py's PendingProducts): the
+    RMSNorm after it adds them in its own kernel, bit for bit as x.add_(products) and then the norm; without a
+    residual, or on the torch path, the products are added first."""
+    from raylm.kernels.policy import KernelPolicy
+    from raylm.models.lora import PendingProducts
+
+    torch.manual_seed(5)
+    x = torch.randn(shape, dtype=dtype, device=device)
+    products = torch.randn(shape, dtype=torch.float32, device=device)
+    residual = torch.randn(shape, dtype=dtype, device=device)
+    norm = RMSNorm(shape[-1], 1e-5).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1]))
+        expected, expected_residual = fused_add_rms_norm(x.clone().add_(products), residual, norm.weight, 1e-5)
+        launched = []
+        with pytest.MonkeyPatch.context() as patch:
+            import raylm.kernels.triton_ops as triton_ops
+
+            fused = triton_ops.fused_add_rms_norm
+            patch.setattr(triton_ops, "fused_add_rms_norm", lambda *args, **kwargs: launched.append(
+                kwargs.get("extra") is not None) or fused(*args, **kwargs))
+            norm.kernels = KernelPolicy(triton=True)
+            pending = PendingProducts(x.clone(), products)
+            patch.setattr(type(norm.kernels), "on_triton", lambda self, t: True)  # the interpreter's CPU tensors
+            normed, new_residual = norm(pending, residual)
+        assert launched == [True] and torch.equal(pending.out, x)  # added in the kernel, x left as it was
+        assert torch.equal(normed, expected) and torch.equal(new_residual, expected_residual)
+        norm.kernels = KernelPolicy()  # the torch path
+        alone = norm(PendingProducts(x.clone(), products))
+        torched, torched_residual = norm(PendingProducts(x.clone(), products), residual)
+    assert torch.equal(alone, reference_rms_norm(x.clone().add_(products), norm.weight, 1e-5))
+    assert torch.equal(torched_residual, x.clone().add_(products) + residual)
+    _assert_close(torched, expected)
+    with pytest.raises(ValueError, match="extra must be float32"):
+        fused_add_rms_norm(x, residual, norm.weight, 1e-5, extra=products.half())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("shape", [(1, 64), (9, 1000), (2, 3, 128)], ids=str)
 def test_fp8_rows_of_the_norm_are_the_quantized_norm(device, dtype, with_residual, shape):
