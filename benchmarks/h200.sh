@@ -64,6 +64,10 @@
 #                                        # carry: `split -b 30M <gguf> .gpu-smollm2/part-` here, then on a warm machine
 #                                        # one call per part, back to back, each carrying [".gpu/setup.sh", that part]:
 #                                        # mkdir -p /tmp/smollm2 && cat .gpu-smollm2/part-a? >> /tmp/smollm2/<file> (~6 min)
+#   bash benchmarks/h200.sh gemv-prefetch  # the GEMV asking the L2 for its weight rows before its PDL wait
+#                                        # (kernel_config.gemv_prefetch): its GPU test, then 8B batch 1 in bf16 and
+#                                        # with FP8 weights, without and with 4 KB a row; gemv-prefetch-b8: batch 8,
+#                                        # bf16 and FP8, without and with                       (~5 min each)
 #   bash benchmarks/h200.sh flashinfer   # attention_backend="flashinfer": its GPU tests, then 8B latency batch 8
 #                                        # and 8B 256 x (512, 128); needs .gpu/flashinfer.tar.xz from
 #                                        # benchmarks/flashinfer_bundle.sh (its first JIT compiles take minutes)
@@ -433,6 +437,23 @@ case "${1:-}" in
       watched 180 python benchmarks/lora.py --model "$llama" "${dummy[@]}" --batch_size 8 --rank 16 --input_len 32 \
         --output_len 128 --num_iters 3 --set kernel_config.lora_expand=$expand \
         $(output_json lora-llama-3.1-8b-b8-r16-$expand) 2>&1 | tail -6
+    done
+    ;;
+  gemv-prefetch|gemv-prefetch-b8)
+    batch=1
+    if [ "$1" = gemv-prefetch ]; then
+      timeout 150 python -m pytest tests/kernels/test_triton_gemv.py -m gpu -k l2 -q -rs -p no:cacheprovider 2>&1 \
+        | tail -3
+    else
+      batch=8
+    fi
+    for quant in bf16 fp8; do
+      settings=()
+      [ "$quant" = fp8 ] && settings=(--set quant_config.quant_algo=FP8)
+      for prefetch in 0 4096; do
+        latency "latency-8b-b$batch-$quant-prefetch-$prefetch" "$llama" "$batch" "${settings[@]}" \
+          --set kernel_config.gemv_prefetch=$prefetch
+      done
     done
     ;;
   lora-profile)

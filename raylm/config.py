@@ -122,6 +122,11 @@ class KernelConfig(StrictModel):
                                        "for the GPU model (raylm/kernels/gemv_tiles.json, tuned with "
                                        "benchmarks/tune_gemv.py) where it has the shape, and times the candidates for "
                                        "the others at start-up; 'tune' times the candidates for every shape.")
+    gemv_prefetch: int = Field(
+        default=0, ge=0, le=16384, description="Bytes of each weight row (0, or a power of two from 128) that each "
+                                               "program of a decode GEMV asks the L2 for before it waits on the "
+                                               "kernels before it (under PDL): its weights then stream in while the "
+                                               "small kernels between GEMVs run. 0: only its first tile.")
     pdl: Literal["auto", "off", "start", "after_wait", "exit", "tail"] = Field(
         default="auto", description="Programmatic dependent launch of the Triton decode kernels (compute capability "
                                     "9.0+): when a kernel lets the next one start. auto: 'tail' for models whose "
@@ -132,6 +137,13 @@ class KernelConfig(StrictModel):
     fused_allreduce_norm: bool | None = Field(
         default=None, description="The o / down projections leave their all-reduce to the RMSNorm after them, done "
                                   "in one kernel with the residual add on GPUs; null: on for TP > 1 on CUDA.")
+
+    @field_validator("gemv_prefetch")
+    @classmethod
+    def _prefetch_power_of_two(cls, value: int) -> int:
+        if value and (value < 128 or value & (value - 1)):
+            raise ValueError(f"gemv_prefetch must be 0 or a power of two from 128 to 16384, got {value}")
+        return value
 
     @field_validator("pdl", mode="before")
     @classmethod

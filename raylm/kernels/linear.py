@@ -24,7 +24,8 @@ def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor |
 
         in_epilogue = lora is not None and policy.lora_in_gemv
         out = gemv(x, weight, bias, weight_scale=weight_scale, input_mode=policy.gemv_input_mode(weight_scale),
-                   pdl=policy.pdl, lora=policy.gemv_lora(lora) if in_epilogue else None, tiles=policy.gemv_tiles)
+                   pdl=policy.pdl, lora=policy.gemv_lora(lora) if in_epilogue else None, tiles=policy.gemv_tiles,
+                   prefetch=policy.gemv_prefetch)
         if lora is None or in_epilogue:
             return out
     elif weight_scale is not None:

@@ -62,6 +62,7 @@ class KernelPolicy:
     fp8_attention_dot: bool = False  # decode attention over an FP8 cache multiplies on FP8 tensor cores
     fp8_attention_slices: bool = False  # ... or widens, each tile in a slice of keys a warp (TileConfig.warp_split)
     gemv_tiles: str = "shipped"  # the GEMV's tiles: shipped for the GPU model where known, else tuned (triton_gemv)
+    gemv_prefetch: int = 0  # bytes of each weight row a GEMV program asks the L2 for before its PDL wait
 
     def on_triton(self, x: torch.Tensor) -> bool:
         """Whether an operation on x runs its Triton kernel."""
@@ -105,7 +106,8 @@ def streams_weights(weight_bytes: int) -> bool:
 def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool = True,
                          decode_gemv: bool | None = None, pdl: str = "auto",
                          fp8_gemv_input: str = "float16", lora_expand: str = "beside",
-                         fp8_attention: str = "float16", gemv_tiles: str = "shipped") -> KernelPolicy:
+                         fp8_attention: str = "float16", gemv_tiles: str = "shipped",
+                         gemv_prefetch: int = 0) -> KernelPolicy:
     """The policy for a model of `weight_bytes` per rank on `device`, from kernel_config's fields: Triton where
     asked for, on CUDA, and importable; the GEMV (decode_gemv None) and PDL (pdl "auto") for models that stream
     weights; PDL only on compute capability 9.0+ and never interpreted; LoRA's products in the GEMV's epilogue where
@@ -113,7 +115,8 @@ def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool =
     stream beside the GEMV where it is "beside" ("beside_fused_mlp": but gate / up's, computed before their fused
     SiLU-mul GEMV); FP8 products in
     the decode attention over an FP8 cache where fp8_attention is "fp8", tiles in slices a warp where it is
-    "float16_slices"; the GEMV's tiles as gemv_tiles says (kernels/gemv_tiles.py)."""
+    "float16_slices"; the GEMV's tiles as gemv_tiles says (kernels/gemv_tiles.py); gemv_prefetch bytes of each
+    weight row asked of the L2 before a GEMV's PDL wait, where PDL is on."""
     if pdl != "auto" and pdl not in PDL_TRIGGERS:
         raise ValueError(f"kernel_config.pdl must be 'auto' or one of {sorted(PDL_TRIGGERS)}, got {pdl!r}")
     on_triton = triton and device.type == "cuda" and triton_available()
@@ -128,4 +131,5 @@ def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool =
                         lora_products_first=lora_expand == "before", lora_beside=lora_expand.startswith("beside"),
                         lora_gate_up_first=lora_expand == "beside_fused_mlp",
                         fp8_attention_dot=fp8_attention == "fp8",
-                        fp8_attention_slices=fp8_attention == "float16_slices", gemv_tiles=gemv_tiles)
+                        fp8_attention_slices=fp8_attention == "float16_slices", gemv_tiles=gemv_tiles,
+                        gemv_prefetch=gemv_prefetch if mode else 0)

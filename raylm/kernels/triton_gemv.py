@@ -16,7 +16,8 @@ next call. Splits are among the tuned configurations, chosen only where they tim
 
 On by default for models whose decode steps stream weights, with programmatic dependent launch (kernels/policy.py:
 alone it is level with cuBLAS; with PDL's `tail` it is faster end to end); kernel_config.decode_gemv overrides.
-Under PDL (kernels/pdl.py) a program loads its first weight tile before it waits for the kernel before it.
+Under PDL (kernels/pdl.py) a program loads its first weight tile before it waits for the kernel before it, and
+with kernel_config.gemv_prefetch asks the L2 for that many more bytes of each of its rows (_prefetch_rows).
 
 FP8 weights (float8_e4m3fn with a float32 scale per output row, kernels/fp8.py) stream half the bytes; the row's
 scale goes on the float32 sum, and their tiles are tuned apart, with wider K tiles (the same bytes in flight). How
@@ -180,20 +181,35 @@ def _rows_first(acc, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_rows(w_rows, k_start, k_end, FP8_W: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+    """Asks the L2 for PREFETCH bytes of each of the program's weight rows after its first tile (one request a
+    128-byte line; lines past the program's part of K ask for its first line again). A GEMV does this before its
+    PDL wait, so that under PDL its weights stream from memory while the small kernels before it finish, and its
+    loop then reads them from the L2 (kernel_config.gemv_prefetch)."""
+    LINE: tl.constexpr = 128 if FP8_W else 64  # weights a 128-byte line holds
+    ks = k_start + BLOCK_K + tl.arange(0, PREFETCH // 128) * LINE
+    ks = tl.where(ks < k_end, ks, k_start)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [w_rows + ks[None, :]],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_ptr, arrivals_ptr, M, N, K,
                  stride_xm, stride_wn, stride_ym, lora_partial_ptr, lora_b_ptr, lora_slot_ptr, LORASPLITS,
                  LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, HAS_BIAS: tl.constexpr,
                  HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0, X_MODE: tl.constexpr = 0,
                  LORA_PARTS: tl.constexpr = 0, LORA_BLOCK_RANK: tl.constexpr = 16, LORA_BLOCK_S: tl.constexpr = 1,
-                 SWAP_AB: tl.constexpr = 0, CORE: tl.constexpr = 0, CORE_AHEAD: tl.constexpr = 1):
+                 SWAP_AB: tl.constexpr = 0, CORE: tl.constexpr = 0, CORE_AHEAD: tl.constexpr = 1,
+                 PREFETCH: tl.constexpr = 0):
     """Program (i, s) computes output features [i BLOCK_N, (i + 1) BLOCK_N) over split s of K (the whole of K
     when SPLIT_K is 1); with SPLIT_K > 1, partial_ptr is a float32 workspace of at least [SPLIT_K, M, N] and
     arrivals_ptr one int32 counter per output tile, zero between calls. HAS_SCALE: W holds FP8 rows, each scaled by
     its float32 scale_ptr[n]; X_MODE 2: so does x, by x_scale_ptr[m]. LORA_PARTS other than 0: the layer's LoRA
     products (the lora_* arguments: a LoraRows or a LoraProducts of kernels/triton_lora.py, _lora_delta) join each
     row's sum before it is rounded. CORE: one input row (BLOCK_M 1), multiplied on the CUDA cores (_core_sums, its
-    loads CORE_AHEAD tiles ahead)."""
+    loads CORE_AHEAD tiles ahead). PREFETCH: bytes of each weight row the L2 is asked for before the PDL wait
+    (_prefetch_rows), 0 for none."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -211,6 +227,8 @@ def _gemv_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_
     # streams in while the kernel before finishes.
     ks = k_start + tl.arange(0, BLOCK_K)
     w = _w_tile(w_rows, ks, col_mask, k_end)
+    if PREFETCH:
+        _prefetch_rows(w_rows, k_start, k_end, HAS_SCALE, BLOCK_K, PREFETCH)
     pdl_wait(USE_PDL, TRIGGER_AT_TAIL=True)
     x_scale = _x_scales(x_scale_ptr, rows, row_mask, BLOCK_M, X_MODE)
     if SPLIT_K == 1:  # the LoRA products are read while the first weight tile streams in, not after the loop
@@ -292,11 +310,12 @@ def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr,
                           HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0, X_MODE: tl.constexpr = 0,
                           LORA_PARTS: tl.constexpr = 0, LORA_BLOCK_RANK: tl.constexpr = 16,
-                          LORA_BLOCK_S: tl.constexpr = 1, SWAP_AB: tl.constexpr = 0):
+                          LORA_BLOCK_S: tl.constexpr = 1, SWAP_AB: tl.constexpr = 0, PREFETCH: tl.constexpr = 0):
     """silu(x W_gate^T) * (x W_up^T) for W = [W_gate; W_up] ([2N, K]): each program takes BLOCK_N gate rows and
     the matching up rows, and rounds as linear followed by silu_and_mul does (each projection to y's dtype,
     then the activation, then the product). LORA_PARTS 2 (or -1, products computed before): each projection gains
-    its LoRA product first (gate's the first slice of the adapters' outputs, up's the second)."""
+    its LoRA product first (gate's the first slice of the adapters' outputs, up's the second). PREFETCH as the
+    plain GEMV takes it, for the gate and the up rows."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -308,6 +327,9 @@ def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr,
     ks = tl.arange(0, BLOCK_K)
     w_gate = _w_tile(gate_rows, ks, col_mask, K)
     w_up = _w_tile(up_rows, ks, col_mask, K)
+    if PREFETCH:
+        _prefetch_rows(gate_rows, 0, K, HAS_SCALE, BLOCK_K, PREFETCH)
+        _prefetch_rows(up_rows, 0, K, HAS_SCALE, BLOCK_K, PREFETCH)
     pdl_wait(USE_PDL, TRIGGER_AT_TAIL=True)
     x_scale = _x_scales(x_scale_ptr, rows, row_mask, BLOCK_M, X_MODE)
     # The LoRA products (zeros without LoRA) are read while the first weight tiles stream in.
@@ -463,13 +485,13 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
             weight_scale: torch.Tensor | None, out: torch.Tensor, N: int, config: dict | None, pdl: int,
             workspace: tuple[torch.Tensor, torch.Tensor] | None = None, input_mode: int = 0,
             lora: LoraRows | LoraProducts | None = None, x_scale: torch.Tensor | None = None,
-            tiles: str = "tune") -> None:
+            tiles: str = "tune", prefetch: int = 0) -> None:
     """Runs a GEMV kernel over N output features of out [M, N]: tuned per (N, K) (`tuned`, by the variant: FP8
     weight, INPUT_MODES value; with tiles "shipped", the tiling gemv_tiles.json has for the GPU model, where it has
     one, without tuning), or with `config` (the interpreter's one configuration when none is given there);
     with PDL's trigger mode `pdl`. A kernel that may split K takes its (partials, arrivals) `workspace` after out;
     `lora`, the layer's shrunk rows or its products computed before, adds the LoRA products in the epilogue;
-    `x_scale`, FP8 rows' scales."""
+    `x_scale`, FP8 rows' scales; `prefetch`, bytes of each weight row asked of the L2 before the PDL wait."""
     M, K = rows.shape
     if not M:
         return
@@ -503,6 +525,8 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
         raise ValueError(f"CORE multiplies at most {_CORE_ROWS} input row, in the plain GEMV; got M={M}")
     flags = {"HAS_BIAS": bias is not None, "HAS_SCALE": weight_scale is not None,
              "BLOCK_M": _CORE_ROWS if core else _BLOCK_M, "X_MODE": input_mode, **lora_flags}
+    if prefetch and not _INTERPRETED:  # the interpreter runs no inline assembly
+        flags["PREFETCH"] = _prefetch_bytes(prefetch)
     options = launch_options(pdl)
     if config is not None:
         config = dict(config)
@@ -520,9 +544,16 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
                         autotuner.best_config)
 
 
+def _prefetch_bytes(prefetch: int) -> int:
+    if prefetch < 128 or prefetch & (prefetch - 1):
+        raise ValueError(f"prefetch must be 0 or a power of two of at least 128 bytes, got {prefetch}")
+    return prefetch
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          weight_scale: torch.Tensor | None = None, input_mode: str = "model_dtype", config: dict | None = None,
-         pdl: int = 0, lora: LoraRows | LoraProducts | None = None, tiles: str = "tune") -> torch.Tensor:
+         pdl: int = 0, lora: LoraRows | LoraProducts | None = None, tiles: str = "tune",
+         prefetch: int = 0) -> torch.Tensor:
     """F.linear(x, weight, bias) for x of at most GEMV_MAX_ROWS rows (any leading shape) and a half-precision
     weight [N, K] with contiguous rows, or an FP8 one with its float32 weight_scale [N] (F.linear of x and the
     dequantized weight; input_mode, an INPUT_MODES key, says how: with "fp8", F.linear of x quantized per row to
@@ -531,7 +562,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     launch's trigger mode (kernels/pdl.py). `lora`: the layer's shrunk rows (kernels/triton_lora.py's lora_shrink),
     or their products computed before (lora_products), which the epilogue adds before rounding (one pass over the
     output fewer than lora_expand after the GEMV). `tiles`: "tune" times the candidate tilings at a layer shape's
-    first call; "shipped" takes gemv_tiles.json's tiling for the GPU model where it has one (TILE_SOURCES)."""
+    first call; "shipped" takes gemv_tiles.json's tiling for the GPU model where it has one (TILE_SOURCES).
+    `prefetch`: bytes of each weight row (0, or a power of two from 128) that each program asks the L2 for before
+    its PDL wait, past its first tile (kernel_config.gemv_prefetch)."""
     tiles = _tile_source(tiles)
     rows = _input_rows(x, weight, weight_scale, "gemv", input_mode)
     N = weight.shape[0]
@@ -540,18 +573,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     workspace = _split_workspace(rows.device, N) if N <= MAX_SPLIT_N else (out, out)
     rows, x_scale = _quantized(rows, input_mode)
     _launch(_gemv_kernel, _gemv_tuned, rows, weight, bias, weight_scale, out, N, config, pdl, workspace,
-            INPUT_MODES[input_mode], lora, x_scale, tiles)
+            INPUT_MODES[input_mode], lora, x_scale, tiles, prefetch)
     return out.reshape(*x.shape[:-1], N)
 
 
 def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   weight_scale: torch.Tensor | None = None, input_mode: str = "model_dtype",
                   config: dict | None = None, pdl: int = 0,
-                  lora: LoraRows | LoraProducts | None = None, tiles: str = "tune") -> torch.Tensor:
+                  lora: LoraRows | LoraProducts | None = None, tiles: str = "tune", prefetch: int = 0) -> torch.Tensor:
     """silu_and_mul(F.linear(x, weight, bias)) in one kernel, for x as gemv takes it and a merged gate / up
     weight [2I, K] (gate rows, then up rows; bias and an FP8 weight's weight_scale likewise): returns [..., I],
-    rounded as the two steps round. `input_mode`, `config`, `pdl`, `tiles` and `lora` (with gate and up slices) as gemv
-    takes them, without SPLIT_K (the gate / up layer is wide enough not to need it)."""
+    rounded as the two steps round. `input_mode`, `config`, `pdl`, `tiles`, `prefetch` and `lora` (with gate and up
+    slices) as gemv takes them, without SPLIT_K (the gate / up layer is wide enough not to need it)."""
     tiles = _tile_source(tiles)
     rows = _input_rows(x, weight, weight_scale, "gemv_silu_mul", input_mode)
     if weight.shape[0] % 2:
@@ -562,5 +595,5 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"gemv_silu_mul takes LoRA rows of gate and up slices, got {lora.slice_sizes}")
     rows, x_scale = _quantized(rows, input_mode)
     _launch(_gemv_silu_mul_kernel, _gemv_silu_mul_tuned, rows, weight, bias, weight_scale, out, N, config, pdl,
-            input_mode=INPUT_MODES[input_mode], lora=lora, x_scale=x_scale, tiles=tiles)
+            input_mode=INPUT_MODES[input_mode], lora=lora, x_scale=x_scale, tiles=tiles, prefetch=prefetch)
     return out.reshape(*x.shape[:-1], N)

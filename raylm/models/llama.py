@@ -104,6 +104,7 @@ class MLP(nn.Module):
                 activated = gemv_silu_mul(x, gate_up.weight, gate_up.bias, weight_scale=gate_up.weight_scale,
                                           input_mode=self.kernels.gemv_input_mode(gate_up.weight_scale),
                                           pdl=self.kernels.pdl, tiles=self.kernels.gemv_tiles,
+                                          prefetch=self.kernels.gemv_prefetch,
                                           lora=self.kernels.gemv_lora(lora, first) if lora is not None else None)
                 return self.down_proj(activated, defer_reduce)
         gate_up_out = gate_up(x)

@@ -86,6 +86,28 @@ def test_the_one_row_fp8_gemvs_compile_for_hopper(x_mode, split_k, ahead):
     assert ".target sm_90" in ptx and "mma" not in ptx and "ld.global.v4.b32" in ptx
 
 
+@pytest.mark.parametrize("weights", ["bf16", "fp8", "fp8_core"])
+def test_the_gemvs_ask_the_l2_for_their_rows_before_the_pdl_wait(weights):
+    """kernel_config.gemv_prefetch: each program asks the L2 for PREFETCH bytes of each of its weight rows (one
+    prefetch a 128-byte line) before it waits on the kernel before it (griddepcontrol.wait)."""
+    from raylm.kernels.triton_gemv import _gemv_kernel, _gemv_silu_mul_kernel
+
+    flags = {**GEMV, "USE_PDL": 4, "PREFETCH": 2048, "SPLIT_K": 1}
+    pointers = None
+    if weights != "bf16":
+        flags.update(HAS_SCALE=True, BLOCK_K=512, X_MODE=1)
+        pointers = {"w_ptr": "*fp8e4nv"}
+    if weights == "fp8_core":
+        flags.update(BLOCK_M=1, BLOCK_N=16, CORE=1)
+    kernels = [_gemv_kernel] if weights == "fp8_core" else [_gemv_kernel, _gemv_silu_mul_kernel]
+    for kernel in kernels:
+        ptx = compile_for_hopper(kernel, flags, pointers)
+        assert "prefetch.global.L2" in ptx, kernel.__name__
+        assert ptx.index("prefetch.global.L2") < ptx.index("griddepcontrol.wait"), kernel.__name__
+        without = compile_for_hopper(kernel, {**flags, "PREFETCH": 0}, pointers)
+        assert "prefetch.global.L2" not in without
+
+
 @pytest.mark.parametrize("lora_parts", [0, 2, -1])  # -1: the LoRA products computed before the GEMV
 def test_the_silu_mul_gemv_compiles_for_hopper(lora_parts):
     from raylm.kernels.triton_gemv import _gemv_silu_mul_kernel

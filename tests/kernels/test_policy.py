@@ -107,3 +107,18 @@ def test_the_policy_reaches_every_layer_that_chooses_kernels():
     assert all(module.kernels is chosen for module in choosers)
     assert type(choosers[0]).kernels == KernelPolicy()  # other models keep the default
 
+
+
+def test_gemv_prefetch_applies_under_pdl_and_takes_powers_of_two(hopper):
+    """kernel_config.gemv_prefetch: bytes of each weight row a GEMV program asks the L2 for before its PDL wait, so
+    nothing without PDL; 0 or a power of two from 128 to 16384."""
+    from pydantic import ValidationError
+
+    from raylm.config import KernelConfig
+
+    assert choose_kernel_policy(GPU, LARGE, gemv_prefetch=4096).gemv_prefetch == 4096
+    assert choose_kernel_policy(GPU, LARGE, pdl="off", gemv_prefetch=4096).gemv_prefetch == 0
+    assert KernelConfig(gemv_prefetch=16384).gemv_prefetch == 16384
+    for bad in (100, 3000, 32768, -128):
+        with pytest.raises(ValidationError, match="gemv_prefetch"):
+            KernelConfig(gemv_prefetch=bad)

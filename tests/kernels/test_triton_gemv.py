@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -357,3 +359,31 @@ def test_tuned_one_row_fp8_gemvs_are_linear_of_the_dequantized_weight(input_mode
                                rtol=tolerance)
     activated = gemv_silu_mul(x, quantized, bias, weight_scale=scale, input_mode=input_mode)
     torch.testing.assert_close(activated, silu_and_mul(got), atol=2 * tolerance, rtol=2 * tolerance)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device")
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("rows", [1, GEMV_MAX_ROWS])
+def test_prefetching_rows_into_the_l2_changes_no_bit(fp8, rows):
+    """kernel_config.gemv_prefetch: the programs ask the L2 for their weight rows before their PDL wait (under PDL,
+    in a CUDA graph as the engine runs them); the plain and SiLU-mul GEMVs give the same bits as without, split K
+    and a row past K's end included."""
+    torch.manual_seed(7)
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(2048, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    scale = None
+    if fp8:
+        weight, scale = quantize_fp8(weight)
+    for config in ({"BLOCK_N": 16, "BLOCK_K": 256}, {"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 4}, None):
+        for function in (gemv, gemv_silu_mul):
+            if function is gemv_silu_mul and config is not None and "SPLIT_K" in config:
+                continue
+            call = functools.partial(function, x, weight, weight_scale=scale, config=config, pdl=4,
+                                     input_mode="float16" if fp8 else "model_dtype")
+            expected = call()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = call(prefetch=16384)  # 16 KB a row: more than a split's part of K, lines past it masked
+            graph.replay()
+            assert torch.equal(out, expected), (function.__name__, config)
