@@ -222,6 +222,18 @@ def test_the_norm_writing_fp8_rows_compiles_for_hopper(residual):
     assert ".target sm_90" in ptx and "e4m3" in ptx
 
 
+def test_the_norm_adding_lora_products_compiles_for_hopper():
+    """fused_add_rms_norm with extra (a LoRA layer's products left to the norm): one more float32 row loaded."""
+    from raylm.kernels.triton_ops import _rms_norm_kernel
+
+    ptx = compile_for_hopper(_rms_norm_kernel, {"HAS_RESIDUAL": True, "BLOCK": 4096, "HAS_EXTRA": True,
+                                                "USE_PDL": 4},
+                             {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16",
+                              "residual_out_ptr": "*bf16", "scale_ptr": "*fp32", "extra_ptr": "*fp32",
+                              "eps": "fp32"}, num_warps=16)
+    assert ".target sm_90" in ptx and "griddepcontrol.wait" in ptx
+
+
 def test_silu_and_mul_writing_fp8_rows_compiles_for_hopper():
     from raylm.kernels.triton_ops import _silu_and_mul_fp8_kernel
 
