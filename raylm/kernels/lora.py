@@ -43,10 +43,12 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: t
 
 def add_lora_by_rows(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                      slice_sizes: list[int], rows: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
-    """add_lora's sums with each row's A and B gathered for it: `rows` (their indices, None for every row) use
+    """add_lora's sums with each row's A and B gathered for it: `rows` (their indices; None for the first
+    len(slots) rows, every row of an unpadded batch: a decode graph's padding rows past them add nothing) use
     adapter slots `slots` (one per row, int64 on x's device). Adds to `out` in place and returns it."""
     rank = lora_b.shape[-1]
-    inputs = x if rows is None else x.index_select(0, rows)
+    count = slots.shape[0]
+    inputs = x[:count] if rows is None else x.index_select(0, rows)
     shrunk = torch.bmm(inputs.unsqueeze(1), lora_a.index_select(0, slots).transpose(1, 2))  # [rows, 1, slices * rank]
     b = lora_b.index_select(0, slots).transpose(1, 2)  # [rows, rank, out_features]
     if len(slice_sizes) == 1:
@@ -58,7 +60,7 @@ def add_lora_by_rows(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, l
             offset += size
         delta = torch.cat(parts, dim=-1)
     if rows is None:
-        out += delta.squeeze(1)
+        out[:count] += delta.squeeze(1)
     else:
         out.index_add_(0, rows, delta.squeeze(1))
     return out

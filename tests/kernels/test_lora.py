@@ -58,6 +58,11 @@ def test_gathering_each_rows_adapter_gives_the_grouped_sums(sizes):
                                    torch.tensor([row_slots[r] for r in rows]))
         torch.testing.assert_close(by_rows, add_lora(base.clone(), x, lora_a, lora_b, sizes, groups))
         assert torch.equal(by_rows[1], base[1]) == (row_slots[1] < 0)
+    # A decode graph run uncaptured pads its rows: every real row gathers (rows None), the padding adds nothing.
+    slots_of_real = torch.tensor([3, 0, 2, 0])
+    padded = add_lora_by_rows(base.clone(), x, lora_a, lora_b, sizes, None, slots_of_real)
+    real = add_lora_by_rows(base[:4].clone(), x[:4], lora_a, lora_b, sizes, None, slots_of_real)
+    assert torch.equal(padded[:4], real) and torch.equal(padded[4:], base[4:])
 
 
 def test_a_step_of_few_rows_an_adapter_gathers_and_one_of_many_groups():
