@@ -138,7 +138,7 @@ class RayWorker:
         overlap = not self.spec.args.disable_pipeline_overlap
         runner = DistributedRunner(self.worker.runner, self.comm, overlap) if self.comm is not None else None
         engine = self.torch.run(self.worker.build_engine, num_blocks, runner)
-        self.loop = EngineLoop(engine, self.outputs.put, on_thread_start=self.bind_gpu, thread=self.torch)
+        self.loop = EngineLoop(engine, self.outputs.put, thread=self.torch)  # bound to the GPU at __init__
         self.loop.start()
         return self.worker.timings
 
