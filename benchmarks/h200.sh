@@ -196,7 +196,7 @@ case "${1:-}" in
   check)
     # The PDL tests run in their own part (pdl).
     timeout 560 python -m pytest tests/kernels tests/engine/test_gpu.py tests/engine/test_overlap.py \
-      tests/engine/test_sampler.py -q -rs -k "not pdl" \
+      tests/engine/test_sampler.py -q -rfEs -k "not pdl" \
       -p no:cacheprovider --durations=5 2>&1 | tail -20
     ;;
   latency)
@@ -237,11 +237,11 @@ case "${1:-}" in
     ;;
   fp8)
     # Each GEMV shape the kernels tune takes about 20 s of Triton tuning on a fresh machine.
-    timeout 150 python -m pytest tests/kernels/test_fp8.py tests/models/test_quantization.py -m gpu -q -rs \
+    timeout 150 python -m pytest tests/kernels/test_fp8.py tests/models/test_quantization.py -m gpu -q -rfEs \
       -p no:cacheprovider 2>&1 | tail -12
     timeout 400 python -m pytest tests/kernels/test_triton_gemv.py tests/kernels/test_triton_kv_cache.py \
       tests/kernels/test_triton_fp8.py \
-      tests/kernels/test_triton_attention.py tests/engine/test_fp8_kv_cache.py -k "fp8 or refuses" -q -rs \
+      tests/kernels/test_triton_attention.py tests/engine/test_fp8_kv_cache.py -k "fp8 or refuses" -q -rfEs \
       -p no:cacheprovider 2>&1 | tail -30
     ;;
   fp8-gemv)
@@ -259,7 +259,7 @@ case "${1:-}" in
   fp8-one-row)
     # One row on FP8 weights on the CUDA cores: its GPU tests, the 8B layers at 1 row against the tensor-core GEMV,
     # then 8B batch 1 latency with FP8 weights and in bf16, and the FP8 step profile.
-    timeout 150 python -m pytest tests/kernels/test_triton_gemv.py -m gpu -k "cuda_cores or one_row" -q -rs \
+    timeout 150 python -m pytest tests/kernels/test_triton_gemv.py -m gpu -k "cuda_cores or one_row" -q -rfEs \
       -p no:cacheprovider 2>&1 | tail -4
     timeout 200 python benchmarks/gemv.py --fp8 --rows 1 --impls triton_fp16 triton_fp16_dot \
       $(output_json gemv-llama-3.1-8b-fp8-one-row) 2>&1 | grep -E "^rows|wrote|Error"
@@ -290,8 +290,8 @@ case "${1:-}" in
     # of tiles, then the throughput step profile with FP8 products (kernel_config.fp8_attention=fp8).
     log="${OUT:-/tmp}/fp8-values-by-slots-tests.log"
     timeout 200 python -m pytest tests/kernels/test_triton_attention.py tests/engine/test_fp8_kv_cache.py \
-      tests/rl_api/test_memory_gpu.py -m gpu -k "fp8 or transposed" -q -rs -p no:cacheprovider > "$log" 2>&1
-    grep -E "^(FAILED|ERROR)|passed|failed" "$log" | tail -12
+      tests/rl_api/test_memory_gpu.py -m gpu -k "fp8 or transposed" -v -rfEs -p no:cacheprovider > "$log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed| FAILED " "$log" | tail -20
     timeout 150 python benchmarks/attention.py --sweep $(output_json attention-decode-8b-b512-l1024) 2>&1 \
       | grep -E "^(B |fastest|bf16|fp8 |fp8-values|fp8-dot +default)"
     watched 200 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 512 \
@@ -370,9 +370,9 @@ case "${1:-}" in
     log="${OUT:-/tmp}/fp8-tests.log"
     timeout 400 python -m pytest tests/kernels/test_triton_ops.py tests/kernels/test_triton_attention.py \
       tests/kernels/test_triton_kv_cache.py tests/models/test_quantization.py tests/engine/test_fp8_kv_cache.py \
-      tests/rl_api/test_memory_gpu.py -m gpu -k "fp8 or transposed or keys_first or rms or silu or slices" -q -rs \
+      tests/rl_api/test_memory_gpu.py -m gpu -k "fp8 or transposed or keys_first or rms or silu or slices" -v -rfEs \
       -p no:cacheprovider > "$log" 2>&1
-    grep -E "^(FAILED|ERROR)|passed|failed" "$log" | tail -12
+    grep -E "^(FAILED|ERROR)|passed|failed| FAILED " "$log" | tail -20
     ;;
   fp8-latency)
     fp8=(--set quant_config.quant_algo=FP8)
@@ -423,9 +423,9 @@ case "${1:-}" in
     # take minutes, so they run apart from the benchmark.
     log="${OUT:-/tmp}/lora-tests.log"
     timeout 280 python -m pytest tests/kernels/test_triton_lora.py tests/kernels/test_decode_step.py \
-      tests/kernels/test_pdl.py -k "lora or decode" -q -rs -p no:cacheprovider > "$log" 2>&1
-    timeout 280 python -m pytest tests/test_lora.py -m gpu -q -rs -p no:cacheprovider >> "$log" 2>&1
-    grep -E "^(FAILED|ERROR)|passed|failed" "$log" | tail -12
+      tests/kernels/test_pdl.py -k "lora or decode" -v -rfEs -p no:cacheprovider > "$log" 2>&1
+    timeout 280 python -m pytest tests/test_lora.py -m gpu -v -rfEs -p no:cacheprovider >> "$log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed| FAILED " "$log" | tail -20
     ;;
   lora|lora-beside)
     # The expand as a kernel of its own after the GEMV, shrink and products on a second stream beside (the default)
@@ -442,7 +442,7 @@ case "${1:-}" in
   gemv-prefetch|gemv-prefetch-b8)
     batch=1
     if [ "$1" = gemv-prefetch ]; then
-      timeout 150 python -m pytest tests/kernels/test_triton_gemv.py -m gpu -k l2 -q -rs -p no:cacheprovider 2>&1 \
+      timeout 150 python -m pytest tests/kernels/test_triton_gemv.py -m gpu -k l2 -q -rfEs -p no:cacheprovider 2>&1 \
         | tail -3
     else
       batch=8
@@ -464,7 +464,7 @@ case "${1:-}" in
     ;;
   speculative)
     # Verify rows: the Triton path and a captured decode graph against the torch path.
-    timeout 120 python -m pytest tests/kernels/test_decode_step.py -k verify -q -rs -p no:cacheprovider 2>&1 | tail -4
+    timeout 120 python -m pytest tests/kernels/test_decode_step.py -k verify -q -rfEs -p no:cacheprovider 2>&1 | tail -4
     watched 500 python benchmarks/speculative.py --model "${SMOLLM2_GGUF:-/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}" \
       --batch_sizes 1 2 4 8 16 32 64 --output_len 128 --num_iters 3 $(output_json speculative-smollm2-o128-cuda) \
       2>&1 | tail -10

@@ -126,7 +126,8 @@ class KernelConfig(StrictModel):
         default=0, ge=0, le=16384, description="Bytes of each weight row (0, or a power of two from 128) that each "
                                                "program of a decode GEMV asks the L2 for before it waits on the "
                                                "kernels before it (under PDL): its weights then stream in while the "
-                                               "small kernels between GEMVs run. 0: only its first tile.")
+                                               "small kernels between GEMVs run. 0 (the default): only its first tile; "
+                                               "4096 measured slower (docs/benchmarks.md).")
     pdl: Literal["auto", "off", "start", "after_wait", "exit", "tail"] = Field(
         default="auto", description="Programmatic dependent launch of the Triton decode kernels (compute capability "
                                     "9.0+): when a kernel lets the next one start. auto: 'tail' for models whose "
