@@ -51,10 +51,9 @@
 #   bash benchmarks/h200.sh fp8-throughput-kv  # the same with FP8 weights and KV cache, max batch 512    (~5 min)
 #   bash benchmarks/h200.sh fp8-throughput-kv-profile  # fp8-throughput-kv, its step profile, FP8 products' test (~9 min)
 #   bash benchmarks/h200.sh lora         # multi-LoRA: 8B batch 8, 8 random rank-16 adapters against no LoRA, the expand
-#                                        # as its own kernel after the GEMV, on a second stream beside it
-#                                        # (lora_expand=beside), before it (before), then in the GEMV's epilogue;
-#                                        # the time a new adapter takes to load (~7 min)
-#   bash benchmarks/h200.sh lora-beside  # the same, kernel, beside and beside_fused_mlp alone (~5 min)
+#                                        # as its own kernel after the GEMV, then on a second stream beside it
+#                                        # (lora_expand=beside, the default); the time a new adapter takes to load
+#                                        #                                                                (~4 min)
 #   bash benchmarks/h200.sh lora-tests   # the LoRA kernel, decode-graph and engine GPU tests (~8 min)
 #   bash benchmarks/h200.sh lora-profile # the step profile of 8B batch 8 with 8 adapters, lora_expand=beside or
 #                                        # $LORA_EXPAND (~2 min)
@@ -427,13 +426,10 @@ case "${1:-}" in
     timeout 280 python -m pytest tests/test_lora.py -m gpu -v -rfEs -p no:cacheprovider >> "$log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed| FAILED " "$log" | tail -20
     ;;
-  lora|lora-beside)
-    # The expand as a kernel of its own after the GEMV, shrink and products on a second stream beside (the default)
-    # the GEMV, as one before it whose products the GEMV's epilogue adds, then inside the GEMV's epilogue
-    # (kernel_config.lora_expand).
-    expands=(kernel beside beside_fused_mlp before epilogue)
-    [ "$1" = lora-beside ] && expands=(kernel beside beside_fused_mlp)
-    for expand in "${expands[@]}"; do
+  lora)
+    # The expand as a kernel of its own after the GEMV, then shrink and products on a second stream beside the GEMV
+    # (kernel_config.lora_expand; the default).
+    for expand in kernel beside; do
       watched 180 python benchmarks/lora.py --model "$llama" "${dummy[@]}" --batch_size 8 --rank 16 --input_len 32 \
         --output_len 128 --num_iters 3 --set kernel_config.lora_expand=$expand \
         $(output_json lora-llama-3.1-8b-b8-r16-$expand) 2>&1 | tail -6

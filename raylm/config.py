@@ -98,17 +98,12 @@ class KernelConfig(StrictModel):
                                        "'model_dtype' widens the weights to the activations' dtype; 'fp8' quantizes "
                                        "the activations per token (as prefill's FP8 matmul does) and multiplies FP8 "
                                        "by FP8.")
-    lora_expand: Literal["kernel", "epilogue", "before", "beside", "beside_fused_mlp"] = Field(
-        default="beside", description="Decode steps with LoRA adapters: 'kernel' adds the adapters' products to a "
-                                      "layer's output in a kernel after its GEMV; 'epilogue' computes them inside the "
-                                      "GEMV and adds them before rounding (one launch fewer per layer, slower on the "
-                                      "H200: docs/benchmarks.md); 'before' computes them in a kernel before the GEMV, "
-                                      "whose epilogue adds them before rounding (gate / up keep their fused SiLU-mul "
-                                      "GEMV); 'beside' (the default, fastest on the H200) computes them on a second "
-                                      "CUDA stream while the GEMV runs (a branch of the decode graph) and adds them "
-                                      "to its output after; "
-                                      "'beside_fused_mlp' does so but for gate / up, whose products are computed "
-                                      "before their fused SiLU-mul GEMV as with 'before'.")
+    lora_expand: Literal["kernel", "beside"] = Field(
+        default="beside", description="Decode steps with LoRA adapters: 'beside' (the default, fastest on the H200 "
+                                      "and the H100: docs/benchmarks.md) computes the adapters' products on a second "
+                                      "CUDA stream while the layer's GEMV runs (a branch of the decode graph) and "
+                                      "adds them to its output after; 'kernel' computes and adds them in kernels "
+                                      "after the GEMV.")
     fp8_attention: Literal["float16", "float16_slices", "fp8"] = Field(
         default="float16", description="Decode attention over an FP8 KV cache on the Triton backend: 'float16' widens "
                                        "the cached keys and values to float16 for the tensor cores; 'float16_slices' "

@@ -213,14 +213,11 @@ def test_bad_lora_requests_are_refused(fields, message):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(("dtype", "kernels"), [
-    ("float32", {}), ("bfloat16", {}),
-    # the decode GEMV (half precision only) with the products added in its epilogue, computed there or before it
-    ("bfloat16", {"decode_gemv": True, "lora_expand": "epilogue"}),
-    ("bfloat16", {"decode_gemv": True, "lora_expand": "before"}),
-    # ... or on a second stream beside the matmul (a branch of the graph), in float32 against PEFT too
-    ("float32", {"lora_expand": "beside"}), ("bfloat16", {"decode_gemv": True, "lora_expand": "beside"}),
-    # ... but gate / up's products computed before their fused SiLU-mul GEMV
-    ("bfloat16", {"decode_gemv": True, "lora_expand": "beside_fused_mlp"})], ids=str)
+    # the expand kernel after the matmul (with the decode GEMV: half precision only), then the products on a second
+    # stream beside it (a branch of the graph; the default); in float32 against PEFT too
+    ("float32", {"lora_expand": "kernel"}), ("bfloat16", {"lora_expand": "kernel"}),
+    ("bfloat16", {"decode_gemv": True, "lora_expand": "kernel"}),
+    ("float32", {}), ("bfloat16", {}), ("bfloat16", {"decode_gemv": True})], ids=str)
 def test_decode_graphs_give_the_eager_tokens_with_adapters_mixed_per_row(tiny_model_dirs, tiny_lora_dirs, dtype,
                                                                          kernels):
     """On CUDA the decode graphs of an engine with adapters are captured once and read each row's slot from a

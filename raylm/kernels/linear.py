@@ -15,19 +15,14 @@ def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor |
     """x @ weight.T + bias, through the Triton GEMV (kernels/triton_gemv.py) where policy.gemv_applies; an FP8
     weight comes with its per-row weight_scale and goes through the GEMV the same way (weights widened, x kept as
     it is), else through kernels/fp8.py (x quantized to FP8 too). lora: the rows' shrunk LoRA inputs
-    (kernels/triton_lora.py's LoraRows), whose products join the output: in the GEMV's epilogue where the policy
-    says so (lora_in_gemv; computed first where lora_products_first), else by the expand kernel after the matmul."""
+    (kernels/triton_lora.py's LoraRows), whose products the expand kernel adds to the output after the matmul."""
     if isinstance(x, Fp8Rows):  # quantized by the RMSNorm before: only the FP8 matmul takes them
         return fp8_linear(x, weight, weight_scale, bias)
     if policy.gemv_applies(x, weight):
         from raylm.kernels.triton_gemv import gemv
 
-        in_epilogue = lora is not None and policy.lora_in_gemv
         out = gemv(x, weight, bias, weight_scale=weight_scale, input_mode=policy.gemv_input_mode(weight_scale),
-                   pdl=policy.pdl, lora=policy.gemv_lora(lora) if in_epilogue else None, tiles=policy.gemv_tiles,
-                   prefetch=policy.gemv_prefetch)
-        if lora is None or in_epilogue:
-            return out
+                   pdl=policy.pdl, tiles=policy.gemv_tiles, prefetch=policy.gemv_prefetch)
     elif weight_scale is not None:
         out = fp8_linear(x, weight, weight_scale, bias)
     else:

@@ -55,10 +55,7 @@ class KernelPolicy:
     decode_gemv: bool = False
     pdl: int = 0
     fp8_gemv_input: str = "float16"  # how GEMVs on FP8 weights take their input (triton_gemv.INPUT_MODES)
-    lora_in_gemv: bool = False  # LoRA's products join the decode GEMV's sums in its epilogue, not after it
-    lora_products_first: bool = False  # with lora_in_gemv: computed by a kernel before the GEMV, not inside it
     lora_beside: bool = False  # LoRA's products computed on a second stream beside the GEMV, added after it
-    lora_gate_up_first: bool = False  # gate / up's products computed before their fused SiLU-mul GEMV, whatever else
     fp8_attention_dot: bool = False  # decode attention over an FP8 cache multiplies on FP8 tensor cores
     fp8_attention_slices: bool = False  # ... or widens, each tile in a slice of keys a warp (TileConfig.warp_split)
     gemv_tiles: str = "shipped"  # the GEMV's tiles: shipped for the GPU model where known, else tuned (triton_gemv)
@@ -72,16 +69,6 @@ class KernelPolicy:
         """How the GEMV takes its input for a weight (triton_gemv.INPUT_MODES): fp8_gemv_input for an FP8 weight
         (one with a weight_scale), as it is for any other."""
         return self.fp8_gemv_input if weight_scale is not None else "model_dtype"
-
-    def gemv_lora(self, lora, products_first: bool = False):
-        """What a decode GEMV takes of a layer's shrunk LoRA rows (kernels/triton_lora.py's LoraRows) to add their
-        products in its epilogue: the rows, or with lora_products_first (or products_first) the products computed
-        now."""
-        if not (self.lora_products_first or products_first):
-            return lora
-        from raylm.kernels.triton_lora import lora_products
-
-        return lora_products(lora, self.pdl)
 
     def gemv_applies(self, x, weight: torch.Tensor) -> bool:
         """Whether x @ weight.T goes to the Triton GEMV: a few rows of half-precision input on CUDA (a tensor, not
@@ -110,13 +97,11 @@ def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool =
                          gemv_prefetch: int = 0) -> KernelPolicy:
     """The policy for a model of `weight_bytes` per rank on `device`, from kernel_config's fields: Triton where
     asked for, on CUDA, and importable; the GEMV (decode_gemv None) and PDL (pdl "auto") for models that stream
-    weights; PDL only on compute capability 9.0+ and never interpreted; LoRA's products in the GEMV's epilogue where
-    lora_expand is "epilogue" (computed there) or "before" (computed by a kernel before the GEMV), on a second
-    stream beside the GEMV where it is "beside" ("beside_fused_mlp": but gate / up's, computed before their fused
-    SiLU-mul GEMV); FP8 products in
-    the decode attention over an FP8 cache where fp8_attention is "fp8", tiles in slices a warp where it is
-    "float16_slices"; the GEMV's tiles as gemv_tiles says (kernels/gemv_tiles.py); gemv_prefetch bytes of each
-    weight row asked of the L2 before a GEMV's PDL wait, where PDL is on."""
+    weights; PDL only on compute capability 9.0+ and never interpreted; LoRA's products on a second stream beside
+    the GEMV where lora_expand is "beside" (else by a kernel after it); FP8 products in the decode attention over
+    an FP8 cache where fp8_attention is "fp8", tiles in slices a warp where it is "float16_slices"; the GEMV's tiles
+    as gemv_tiles says (kernels/gemv_tiles.py); gemv_prefetch bytes of each weight row asked of the L2 before a
+    GEMV's PDL wait, where PDL is on."""
     if pdl != "auto" and pdl not in PDL_TRIGGERS:
         raise ValueError(f"kernel_config.pdl must be 'auto' or one of {sorted(PDL_TRIGGERS)}, got {pdl!r}")
     on_triton = triton and device.type == "cuda" and triton_available()
@@ -127,9 +112,7 @@ def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool =
     if mode and (triton_interpreted() or torch.cuda.get_device_capability(device) < _PDL_MIN_CAPABILITY):
         mode = 0
     return KernelPolicy(triton=True, decode_gemv=streaming if decode_gemv is None else decode_gemv, pdl=mode,
-                        fp8_gemv_input=fp8_gemv_input, lora_in_gemv=lora_expand in ("epilogue", "before"),
-                        lora_products_first=lora_expand == "before", lora_beside=lora_expand.startswith("beside"),
-                        lora_gate_up_first=lora_expand == "beside_fused_mlp",
+                        fp8_gemv_input=fp8_gemv_input, lora_beside=lora_expand == "beside",
                         fp8_attention_dot=fp8_attention == "fp8",
                         fp8_attention_slices=fp8_attention == "float16_slices", gemv_tiles=gemv_tiles,
                         gemv_prefetch=gemv_prefetch if mode else 0)

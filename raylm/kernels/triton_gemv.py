@@ -67,7 +67,6 @@ from raylm.kernels.gemv_tiles import (
 from raylm.kernels.pdl import launch_options, pdl_trigger_at_tail, pdl_wait
 from raylm.kernels.policy import GEMV_MAX_ROWS
 from raylm.kernels.triton_fp8 import quantize_rows_fp8
-from raylm.kernels.triton_lora import LoraProducts, LoraRows, lora_rows_product
 
 _BLOCK_M = 16  # tl.dot's smallest tile; rows past M are masked
 _FLOAT16_MAX = tl.constexpr(65504.0)
@@ -195,21 +194,16 @@ def _prefetch_rows(w_rows, k_start, k_end, FP8_W: tl.constexpr, BLOCK_K: tl.cons
 
 @triton.jit
 def _gemv_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_ptr, arrivals_ptr, M, N, K,
-                 stride_xm, stride_wn, stride_ym, lora_partial_ptr, lora_b_ptr, lora_slot_ptr, LORASPLITS,
-                 LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, HAS_BIAS: tl.constexpr,
-                 HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0, X_MODE: tl.constexpr = 0,
-                 LORA_PARTS: tl.constexpr = 0, LORA_BLOCK_RANK: tl.constexpr = 16, LORA_BLOCK_S: tl.constexpr = 1,
-                 SWAP_AB: tl.constexpr = 0, CORE: tl.constexpr = 0, CORE_AHEAD: tl.constexpr = 1,
-                 PREFETCH: tl.constexpr = 0):
+                 stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr = 1,
+                 USE_PDL: tl.constexpr = 0, X_MODE: tl.constexpr = 0, SWAP_AB: tl.constexpr = 0,
+                 CORE: tl.constexpr = 0, CORE_AHEAD: tl.constexpr = 1, PREFETCH: tl.constexpr = 0):
     """Program (i, s) computes output features [i BLOCK_N, (i + 1) BLOCK_N) over split s of K (the whole of K
     when SPLIT_K is 1); with SPLIT_K > 1, partial_ptr is a float32 workspace of at least [SPLIT_K, M, N] and
     arrivals_ptr one int32 counter per output tile, zero between calls. HAS_SCALE: W holds FP8 rows, each scaled by
-    its float32 scale_ptr[n]; X_MODE 2: so does x, by x_scale_ptr[m]. LORA_PARTS other than 0: the layer's LoRA
-    products (the lora_* arguments: a LoraRows or a LoraProducts of kernels/triton_lora.py, _lora_delta) join each
-    row's sum before it is rounded. CORE: one input row (BLOCK_M 1), multiplied on the CUDA cores (_core_sums, its
-    loads CORE_AHEAD tiles ahead). PREFETCH: bytes of each weight row the L2 is asked for before the PDL wait
-    (_prefetch_rows), 0 for none."""
+    its float32 scale_ptr[n]; X_MODE 2: so does x, by x_scale_ptr[m]. CORE: one input row (BLOCK_M 1), multiplied
+    on the CUDA cores (_core_sums, its loads CORE_AHEAD tiles ahead). PREFETCH: bytes of each weight row the L2 is
+    asked for before the PDL wait (_prefetch_rows), 0 for none."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -231,12 +225,6 @@ def _gemv_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_
         _prefetch_rows(w_rows, k_start, k_end, HAS_SCALE, BLOCK_K, PREFETCH)
     pdl_wait(USE_PDL, TRIGGER_AT_TAIL=True)
     x_scale = _x_scales(x_scale_ptr, rows, row_mask, BLOCK_M, X_MODE)
-    if SPLIT_K == 1:  # the LoRA products are read while the first weight tile streams in, not after the loop
-        lora = _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORASPLITS,
-                           LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, BLOCK_M,
-                           BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
-    else:
-        lora = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if CORE:
         acc = _core_sums(x_ptr, w_rows, w, ks, col_mask, k_start, k_end, BLOCK_N, BLOCK_K, X_MODE, CORE_AHEAD)
         pdl_trigger_at_tail(USE_PDL)
@@ -257,65 +245,35 @@ def _gemv_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_
             acc = tl.load(partial_ptr + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
             for other in tl.static_range(1, SPLIT_K):
                 acc += tl.load(partial_ptr + other * M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
-            lora = _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORASPLITS,
-                               LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, BLOCK_M,
-                               BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
             _gemv_store(acc, bias_ptr, scale_ptr, y_ptr, rows, cols, col_mask, out_mask, stride_ym, HAS_BIAS,
-                        HAS_SCALE, x_scale, X_MODE, lora, LORA_PARTS)
+                        HAS_SCALE, x_scale, X_MODE)
             tl.atomic_xchg(arrivals_ptr + pid, 0)  # ready for the next call
     else:
         _gemv_store(acc, bias_ptr, scale_ptr, y_ptr, rows, cols, col_mask, out_mask, stride_ym, HAS_BIAS, HAS_SCALE,
-                    x_scale, X_MODE, lora, LORA_PARTS)
-
-
-@triton.jit
-def _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORASPLITS, LORA_RANK,
-                LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, LORA_PARTS: tl.constexpr, LORA_BLOCK_RANK: tl.constexpr,
-                LORA_BLOCK_S: tl.constexpr):
-    """The rows' LoRA products at output features `cols` [BLOCK_M, BLOCK_N] (float32), or zeros without LoRA:
-    LORA_PARTS > 0 computes them from the shrunk rows (LoraRows); LORA_PARTS -1 loads them, computed before the
-    GEMV (LoraProducts: float32 rows at lora_partial_ptr, LORA_R_ALL apart)."""
-    if LORA_PARTS > 0:
-        return lora_rows_product(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORASPLITS,
-                                 LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row,
-                                 BLOCK_M, BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
-    elif LORA_PARTS < 0:
-        return tl.load(lora_partial_ptr + rows[:, None] * LORA_R_ALL + cols[None, :],
-                       mask=(rows[:, None] < M) & col_mask[None, :], other=0.0)
-    else:
-        return tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                    x_scale, X_MODE)
 
 
 @triton.jit
 def _gemv_store(acc, bias_ptr, scale_ptr, y_ptr, rows, cols, col_mask, out_mask, stride_ym, HAS_BIAS: tl.constexpr,
-                HAS_SCALE: tl.constexpr, x_scale, X_MODE: tl.constexpr, lora, LORA_PARTS: tl.constexpr):
-    """y = acc (* the input rows' scales) (* the weight rows' scales) (+ bias) (+ the LoRA products), rounded to
-    y's dtype."""
+                HAS_SCALE: tl.constexpr, x_scale, X_MODE: tl.constexpr):
+    """y = acc (* the input rows' scales) (* the weight rows' scales) (+ bias), rounded to y's dtype."""
     if X_MODE == 2:
         acc *= x_scale[:, None]
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + cols, mask=col_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    if LORA_PARTS != 0:
-        acc += lora
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
 def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, M, N, K, stride_xm, stride_wn,
-                          stride_ym, lora_partial_ptr, lora_b_ptr, lora_slot_ptr, LORASPLITS, LORA_RANK, LORA_R_ALL,
-                          LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, HAS_BIAS: tl.constexpr,
-                          HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0, X_MODE: tl.constexpr = 0,
-                          LORA_PARTS: tl.constexpr = 0, LORA_BLOCK_RANK: tl.constexpr = 16,
-                          LORA_BLOCK_S: tl.constexpr = 1, SWAP_AB: tl.constexpr = 0, PREFETCH: tl.constexpr = 0):
+                          stride_ym, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = 0,
+                          X_MODE: tl.constexpr = 0, SWAP_AB: tl.constexpr = 0, PREFETCH: tl.constexpr = 0):
     """silu(x W_gate^T) * (x W_up^T) for W = [W_gate; W_up] ([2N, K]): each program takes BLOCK_N gate rows and
     the matching up rows, and rounds as linear followed by silu_and_mul does (each projection to y's dtype,
-    then the activation, then the product). LORA_PARTS 2 (or -1, products computed before): each projection gains
-    its LoRA product first (gate's the first slice of the adapters' outputs, up's the second). PREFETCH as the
-    plain GEMV takes it, for the gate and the up rows."""
+    then the activation, then the product). PREFETCH as the plain GEMV takes it, for the gate and the up rows."""
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -332,13 +290,6 @@ def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr,
         _prefetch_rows(up_rows, 0, K, HAS_SCALE, BLOCK_K, PREFETCH)
     pdl_wait(USE_PDL, TRIGGER_AT_TAIL=True)
     x_scale = _x_scales(x_scale_ptr, rows, row_mask, BLOCK_M, X_MODE)
-    # The LoRA products (zeros without LoRA) are read while the first weight tiles stream in.
-    lora_gate = _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, cols, col_mask, M, LORASPLITS,
-                            LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, BLOCK_M,
-                            BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
-    lora_up = _lora_delta(lora_partial_ptr, lora_b_ptr, lora_slot_ptr, rows, N + cols, col_mask, M, LORASPLITS,
-                          LORA_RANK, LORA_R_ALL, LORA_END_0, LORA_END_1, stride_lb_slot, stride_lb_row, BLOCK_M,
-                          BLOCK_N, LORA_PARTS, LORA_BLOCK_RANK, LORA_BLOCK_S)
     x = _x_tile(x_rows, ks, row_mask, K)
     acc_gate = _dot(x, w_gate, _zero_sums(BLOCK_M, BLOCK_N, SWAP_AB), X_MODE, SWAP_AB)
     acc_up = _dot(x, w_up, _zero_sums(BLOCK_M, BLOCK_N, SWAP_AB), X_MODE, SWAP_AB)
@@ -359,9 +310,6 @@ def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr,
     if HAS_BIAS:
         acc_gate += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         acc_up += tl.load(bias_ptr + N + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    if LORA_PARTS != 0:
-        acc_gate += lora_gate
-        acc_up += lora_up
     gate = acc_gate.to(y_ptr.dtype.element_ty).to(tl.float32)
     up = acc_up.to(y_ptr.dtype.element_ty).to(tl.float32)
     activated = (gate / (1.0 + tl.exp(-gate))).to(y_ptr.dtype.element_ty)
@@ -484,36 +432,20 @@ def _quantized(rows: torch.Tensor, input_mode: str) -> tuple[torch.Tensor, torch
 def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             weight_scale: torch.Tensor | None, out: torch.Tensor, N: int, config: dict | None, pdl: int,
             workspace: tuple[torch.Tensor, torch.Tensor] | None = None, input_mode: int = 0,
-            lora: LoraRows | LoraProducts | None = None, x_scale: torch.Tensor | None = None,
-            tiles: str = "tune", prefetch: int = 0) -> None:
+            x_scale: torch.Tensor | None = None, tiles: str = "tune", prefetch: int = 0) -> None:
     """Runs a GEMV kernel over N output features of out [M, N]: tuned per (N, K) (`tuned`, by the variant: FP8
     weight, INPUT_MODES value; with tiles "shipped", the tiling gemv_tiles.json has for the GPU model, where it has
     one, without tuning), or with `config` (the interpreter's one configuration when none is given there);
     with PDL's trigger mode `pdl`. A kernel that may split K takes its (partials, arrivals) `workspace` after out;
-    `lora`, the layer's shrunk rows or its products computed before, adds the LoRA products in the epilogue;
     `x_scale`, FP8 rows' scales; `prefetch`, bytes of each weight row asked of the L2 before the PDL wait."""
     M, K = rows.shape
     if not M:
         return
     splittable = workspace is not None
-    if isinstance(lora, LoraProducts):
-        if tuple(lora.products.shape) != (M, weight.shape[0]) or lora.products.stride(1) != 1:
-            raise ValueError(f"LoRA products {list(lora.products.shape)} do not fit {M} rows of a weight "
-                             f"{list(weight.shape)}")
-        lora_args = (lora.products, out, out, 1, 1, lora.products.stride(0), 0, 0, 0, 0)
-        lora_flags = {"LORA_PARTS": -1}
-    elif lora is not None:
-        if lora.partial.shape[0] != M or lora.lora_b.shape[1] != weight.shape[0]:
-            raise ValueError(f"LoRA rows {list(lora.partial.shape)} with B {list(lora.lora_b.shape)} do not fit "
-                             f"{M} rows of a weight {list(weight.shape)}")
-        lora_args = (lora.partial, lora.lora_b, lora.row_slots, *lora.kernel_args())
-        lora_flags = {f"LORA_{name}": value for name, value in lora.kernel_flags().items()}
-    else:
-        lora_args, lora_flags = (out, out, out, 1, 1, 1, 0, 0, 0, 0), {}
     args = (rows, x_scale if x_scale is not None else weight, weight, bias if bias is not None else weight,
             weight_scale if weight_scale is not None else weight,
-            out, *(workspace or ()), M, N, K, rows.stride(0), weight.stride(0), out.stride(0), *lora_args)
-    if config is None and tiles == "shipped" and not lora_flags:
+            out, *(workspace or ()), M, N, K, rows.stride(0), weight.stride(0), out.stride(0))
+    if config is None and tiles == "shipped":
         core = kernel is _gemv_kernel and weight_scale is not None and M <= _CORE_ROWS
         config = _shipped_tiling(kernel, weight.dtype, rows.dtype, input_mode, core, rows.device, N, K)
     if _INTERPRETED and config is None:
@@ -524,7 +456,7 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
     if core and (M > _CORE_ROWS or kernel is not _gemv_kernel):
         raise ValueError(f"CORE multiplies at most {_CORE_ROWS} input row, in the plain GEMV; got M={M}")
     flags = {"HAS_BIAS": bias is not None, "HAS_SCALE": weight_scale is not None,
-             "BLOCK_M": _CORE_ROWS if core else _BLOCK_M, "X_MODE": input_mode, **lora_flags}
+             "BLOCK_M": _CORE_ROWS if core else _BLOCK_M, "X_MODE": input_mode}
     if prefetch and not _INTERPRETED:  # the interpreter runs no inline assembly
         flags["PREFETCH"] = _prefetch_bytes(prefetch)
     options = launch_options(pdl)
@@ -539,9 +471,8 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
         return
     autotuner = tuned[(weight_scale is not None, input_mode, core)]
     autotuner[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta.get("SPLIT_K", 1))](*args, **flags, **options)
-    if not lora_flags:
-        gemv_tiles.note(rows.device, _variant_name(kernel, weight.dtype, rows.dtype, input_mode, core), N, K,
-                        autotuner.best_config)
+    gemv_tiles.note(rows.device, _variant_name(kernel, weight.dtype, rows.dtype, input_mode, core), N, K,
+                    autotuner.best_config)
 
 
 def _prefetch_bytes(prefetch: int) -> int:
@@ -552,16 +483,13 @@ def _prefetch_bytes(prefetch: int) -> int:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          weight_scale: torch.Tensor | None = None, input_mode: str = "model_dtype", config: dict | None = None,
-         pdl: int = 0, lora: LoraRows | LoraProducts | None = None, tiles: str = "tune",
-         prefetch: int = 0) -> torch.Tensor:
+         pdl: int = 0, tiles: str = "tune", prefetch: int = 0) -> torch.Tensor:
     """F.linear(x, weight, bias) for x of at most GEMV_MAX_ROWS rows (any leading shape) and a half-precision
     weight [N, K] with contiguous rows, or an FP8 one with its float32 weight_scale [N] (F.linear of x and the
     dequantized weight; input_mode, an INPUT_MODES key, says how: with "fp8", F.linear of x quantized per row to
     FP8 and dequantized, as kernels/fp8.py's fp8_linear). `config` fixes the tiles ({"BLOCK_N", "BLOCK_K"[,
     "SPLIT_K"]}, and Triton's num_warps / num_stages) instead of tuning them: for tests and benchmarks. `pdl`: the
-    launch's trigger mode (kernels/pdl.py). `lora`: the layer's shrunk rows (kernels/triton_lora.py's lora_shrink),
-    or their products computed before (lora_products), which the epilogue adds before rounding (one pass over the
-    output fewer than lora_expand after the GEMV). `tiles`: "tune" times the candidate tilings at a layer shape's
+    launch's trigger mode (kernels/pdl.py). `tiles`: "tune" times the candidate tilings at a layer shape's
     first call; "shipped" takes gemv_tiles.json's tiling for the GPU model where it has one (TILE_SOURCES).
     `prefetch`: bytes of each weight row (0, or a power of two from 128) that each program asks the L2 for before
     its PDL wait, past its first tile (kernel_config.gemv_prefetch)."""
@@ -573,27 +501,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     workspace = _split_workspace(rows.device, N) if N <= MAX_SPLIT_N else (out, out)
     rows, x_scale = _quantized(rows, input_mode)
     _launch(_gemv_kernel, _gemv_tuned, rows, weight, bias, weight_scale, out, N, config, pdl, workspace,
-            INPUT_MODES[input_mode], lora, x_scale, tiles, prefetch)
+            INPUT_MODES[input_mode], x_scale, tiles, prefetch)
     return out.reshape(*x.shape[:-1], N)
 
 
 def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   weight_scale: torch.Tensor | None = None, input_mode: str = "model_dtype",
-                  config: dict | None = None, pdl: int = 0,
-                  lora: LoraRows | LoraProducts | None = None, tiles: str = "tune", prefetch: int = 0) -> torch.Tensor:
+                  config: dict | None = None, pdl: int = 0, tiles: str = "tune", prefetch: int = 0) -> torch.Tensor:
     """silu_and_mul(F.linear(x, weight, bias)) in one kernel, for x as gemv takes it and a merged gate / up
     weight [2I, K] (gate rows, then up rows; bias and an FP8 weight's weight_scale likewise): returns [..., I],
-    rounded as the two steps round. `input_mode`, `config`, `pdl`, `tiles`, `prefetch` and `lora` (with gate and up
-    slices) as gemv takes them, without SPLIT_K (the gate / up layer is wide enough not to need it)."""
+    rounded as the two steps round. `input_mode`, `config`, `pdl`, `tiles` and `prefetch` as gemv takes them,
+    without SPLIT_K (the gate / up layer is wide enough not to need it)."""
     tiles = _tile_source(tiles)
     rows = _input_rows(x, weight, weight_scale, "gemv_silu_mul", input_mode)
     if weight.shape[0] % 2:
         raise ValueError(f"gemv_silu_mul needs gate and up rows of one size, got {weight.shape[0]} rows")
     N = weight.shape[0] // 2
     out = torch.empty((rows.shape[0], N), dtype=x.dtype, device=x.device)
-    if isinstance(lora, LoraRows) and len(lora.slice_sizes) != 2:
-        raise ValueError(f"gemv_silu_mul takes LoRA rows of gate and up slices, got {lora.slice_sizes}")
     rows, x_scale = _quantized(rows, input_mode)
     _launch(_gemv_silu_mul_kernel, _gemv_silu_mul_tuned, rows, weight, bias, weight_scale, out, N, config, pdl,
-            input_mode=INPUT_MODES[input_mode], lora=lora, x_scale=x_scale, tiles=tiles, prefetch=prefetch)
+            input_mode=INPUT_MODES[input_mode], x_scale=x_scale, tiles=tiles, prefetch=prefetch)
     return out.reshape(*x.shape[:-1], N)

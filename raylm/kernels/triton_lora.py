@@ -81,27 +81,6 @@ def _row_product(partial_ptr, b_ptr, row, slot, cols, col_mask, SPLITS, RANK, R_
 
 
 @triton.jit
-def lora_rows_product(partial_ptr, b_ptr, slot_ptr, rows, cols, col_mask, M, SPLITS, RANK, R_ALL, END_0, END_1,
-                      stride_b_slot, stride_b_row, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      PARTS: tl.constexpr, BLOCK_RANK: tl.constexpr, BLOCK_S: tl.constexpr):
-    """The adapter products of input rows 0..M-1 (M <= BLOCK_M) at output features `cols`: [BLOCK_M, BLOCK_N]
-    float32, zero for rows of slot -1; for a GEMV's epilogue (kernels/triton_gemv.py), whose tile holds every row.
-    No branch depends on a loaded slot: a row without an adapter (or past M) masks its loads instead, so the
-    unrolled rows' loads can all be in flight at once rather than one row's chain of loads after another's."""
-    delta = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for m in tl.static_range(BLOCK_M):
-        slot = tl.load(slot_ptr + tl.minimum(m, M - 1))
-        slot = tl.where(m < M, slot, -1)
-        active = tl.where(slot >= 0, 1, 0)  # as integers: the masks below take no scalar booleans
-        row_cols = col_mask & ((cols * 0 + active) > 0)
-        product = _row_product(partial_ptr, b_ptr, m, tl.maximum(slot, 0), cols, row_cols, SPLITS, RANK, R_ALL,
-                               END_0, END_1, stride_b_slot, stride_b_row, PARTS, BLOCK_N, BLOCK_RANK, BLOCK_S,
-                               SPLITS * active)
-        delta = tl.where((rows[:, None] == m) & row_cols[None, :], product[None, :], delta)
-    return delta
-
-
-@triton.jit
 def _expand_kernel(partial_ptr, b_ptr, slot_ptr, out_ptr, N, SPLITS, RANK, R_ALL, END_0, END_1, stride_b_slot,
                    stride_b_row, stride_out, PARTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_RANK: tl.constexpr,
                    BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr = 0, STORE: tl.constexpr = 0):
@@ -126,9 +105,8 @@ def _expand_kernel(partial_ptr, b_ptr, slot_ptr, out_ptr, N, SPLITS, RANK, R_ALL
 
 @dataclass
 class LoraRows:
-    """A step's shrunk rows of one adapted layer (lora_shrink), ready for the expand: by lora_expand, or in the
-    epilogue of the GEMV that computes the layer's output (kernels/triton_gemv.py), which then adds each row's
-    product before rounding."""
+    """A step's shrunk rows of one adapted layer (lora_shrink), ready for the expand: lora_expand into the layer's
+    output, or lora_products into a buffer of their own."""
 
     partial: torch.Tensor  # [rows, splits, slices * rank] float32
     lora_b: torch.Tensor  # [slots, N, rank]
@@ -184,20 +162,10 @@ def lora_expand(out: torch.Tensor, lora: LoraRows, pdl: int = 0) -> torch.Tensor
     return out
 
 
-@dataclass
-class LoraProducts:
-    """A step's LoRA products of one adapted layer, computed ahead of its GEMV (lora_products): [rows, N] float32,
-    which the GEMV's epilogue adds to its sums before rounding, as it adds LoraRows' products, with one coalesced
-    load per tile instead of each row's partial sums and B."""
-
-    products: torch.Tensor
-
-
-def lora_products(lora: LoraRows, pdl: int = 0, out: torch.Tensor | None = None) -> LoraProducts:
+def lora_products(lora: LoraRows, pdl: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's product (zeros for a row without an adapter) into a float32 buffer of its own (`out` [rows, N]
-    where given): the expand needs only the shrink, not the layer's output, so it can run before the GEMV, whose
-    epilogue then adds the buffer (kernel_config.lora_expand 'before'; gate / up keep their fused SiLU-mul GEMV
-    that way), or beside it on another stream ('beside', models/lora.py)."""
+    where given), returned: the expand needs only the shrink, not the layer's output, so it can run beside the
+    layer's GEMV on another stream (kernel_config.lora_expand 'beside', models/lora.py)."""
     rows, N = lora.partial.shape[0], lora.lora_b.shape[1]
     products = out if out is not None else torch.empty(rows, N, dtype=torch.float32, device=lora.partial.device)
     if products.shape != (rows, N) or products.dtype != torch.float32 or not products.is_contiguous():
@@ -207,7 +175,7 @@ def lora_products(lora: LoraRows, pdl: int = 0, out: torch.Tensor | None = None)
         _expand_kernel[(rows, triton.cdiv(N, _BLOCK_N))](
             lora.partial, lora.lora_b, lora.row_slots, products, N, *lora.kernel_args(), products.stride(0),
             BLOCK_N=_BLOCK_N, **lora.kernel_flags(), **launch_options(pdl), STORE=1)
-    return LoraProducts(products)
+    return products
 
 
 def add_lora_rows(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,

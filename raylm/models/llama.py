@@ -89,24 +89,17 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, defer_reduce: bool = False) -> torch.Tensor | Unreduced:
         gate_up = self.gate_up_proj
-        # SiLU-mul in the GEMV's epilogue, after the adapters' products where the Triton kernels add them there
-        # (kernel_config.lora_expand 'epilogue' / 'before'; 'beside_fused_mlp' computes them before the GEMV too;
-        # otherwise the expand kernel, or torch's grouped products, join gate_up's output first and the SiLU-mul
-        # runs on its own)
+        # SiLU-mul in the GEMV's epilogue where no adapter adds to gate_up's output (an adapter's products join that
+        # output first, and the SiLU-mul runs on its own)
         adds = gate_up.lora is not None and gate_up.lora.adds()
-        first = self.kernels.lora_gate_up_first
-        if self.silu and self.kernels.gemv_applies(x, gate_up.weight) and (
-                not adds or self.kernels.lora_in_gemv or first):
-            lora = gate_up.lora.shrink(x) if adds else None
-            if lora is not None or not adds:
-                from raylm.kernels.triton_gemv import gemv_silu_mul
+        if self.silu and not adds and self.kernels.gemv_applies(x, gate_up.weight):
+            from raylm.kernels.triton_gemv import gemv_silu_mul
 
-                activated = gemv_silu_mul(x, gate_up.weight, gate_up.bias, weight_scale=gate_up.weight_scale,
-                                          input_mode=self.kernels.gemv_input_mode(gate_up.weight_scale),
-                                          pdl=self.kernels.pdl, tiles=self.kernels.gemv_tiles,
-                                          prefetch=self.kernels.gemv_prefetch,
-                                          lora=self.kernels.gemv_lora(lora, first) if lora is not None else None)
-                return self.down_proj(activated, defer_reduce)
+            activated = gemv_silu_mul(x, gate_up.weight, gate_up.bias, weight_scale=gate_up.weight_scale,
+                                      input_mode=self.kernels.gemv_input_mode(gate_up.weight_scale),
+                                      pdl=self.kernels.pdl, tiles=self.kernels.gemv_tiles,
+                                      prefetch=self.kernels.gemv_prefetch)
+            return self.down_proj(activated, defer_reduce)
         gate_up_out = gate_up(x)
         if self.silu and self.kernels.on_triton(gate_up_out):  # the down projection's input quantized where it can be
             from raylm.kernels import triton_ops

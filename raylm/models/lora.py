@@ -161,8 +161,7 @@ class LayerAdapters(nn.Module):
 
     def shrink(self, x: torch.Tensor):
         """Where the Triton kernels take this step's rows (triton_slots): launches the shrink and returns its
-        LoraRows, for the expand after the GEMV that computes the layer's output or in its epilogue
-        (kernels/linear.py); else None."""
+        LoraRows, for the expand after the GEMV that computes the layer's output (kernels/linear.py); else None."""
         slots = self.triton_slots(x)
         if slots is None:
             return None

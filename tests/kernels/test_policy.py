@@ -62,13 +62,8 @@ def test_kernel_config_overrides_the_defaults(hopper):
     assert choose_kernel_policy(GPU, SMALL, decode_gemv=True, pdl="exit", lora_expand="kernel") == KernelPolicy(
         True, True, 3)
     assert choose_kernel_policy(GPU, LARGE, triton=False) == KernelPolicy()  # the torch reference throughout
-    for lora_expand, in_gemv, first, beside, gate_up_first in (
-            ("kernel", False, False, False, False), ("epilogue", True, False, False, False),
-            ("before", True, True, False, False), ("beside", False, False, True, False),
-            ("beside_fused_mlp", False, False, True, True)):
-        chosen = choose_kernel_policy(GPU, LARGE, lora_expand=lora_expand)
-        assert (chosen.lora_in_gemv, chosen.lora_products_first, chosen.lora_beside,
-                chosen.lora_gate_up_first) == (in_gemv, first, beside, gate_up_first)
+    for lora_expand, beside in (("kernel", False), ("beside", True)):
+        assert choose_kernel_policy(GPU, LARGE, lora_expand=lora_expand).lora_beside == beside
     for fp8_attention, dot, slices in (("float16", False, False), ("float16_slices", False, True),
                                        ("fp8", True, False)):
         chosen = choose_kernel_policy(GPU, LARGE, fp8_attention=fp8_attention)

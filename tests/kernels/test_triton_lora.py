@@ -70,68 +70,23 @@ def test_a_row_s_product_does_not_depend_on_its_batch():
         assert torch.equal(alone, batched[row : row + 1])
 
 
-def test_the_products_computed_first_are_the_rows_products_and_zeros_without_an_adapter():
-    """lora_products: each row's product into a float32 buffer of its own, for the GEMV's epilogue to add."""
+def test_the_products_in_a_buffer_of_their_own_are_the_rows_products_and_zeros_without_an_adapter():
+    """lora_products: each row's product into a float32 buffer of its own, added to the layer's output once the
+    side stream that computed it beside the GEMV joins."""
     from raylm.kernels.triton_lora import lora_products, lora_shrink
 
     slices, row_slots = [40, 24], [0, 2, -1, 1, 0]
     out, x, lora_a, lora_b = _case(slices, 600, 8, torch.float32, row_slots)
     slots = torch.tensor(row_slots, dtype=torch.int32, device=DEVICE)
-    products = lora_products(lora_shrink(x, lora_a, lora_b, slices, slots)).products
+    products = lora_products(lora_shrink(x, lora_a, lora_b, slices, slots))
     expected = add_lora(torch.zeros_like(out), x, lora_a, lora_b, slices, _groups(row_slots))
     assert products.dtype == torch.float32 and torch.equal(products[2], torch.zeros_like(products[2]))
     torch.testing.assert_close(products, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=GPU_ONLY)])
-@pytest.mark.parametrize("config", [{"BLOCK_N": 16, "BLOCK_K": 128}, {"BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 2}],
-                         ids=["whole-k", "split-k"])
-@pytest.mark.parametrize("first", [False, True], ids=["rows", "products-first"])
-def test_the_gemv_epilogue_adds_the_rows_products_as_the_expand_does(dtype, config, first):
-    """gemv(lora=lora_shrink(...)) against the GEMV followed by the expand kernel: the products join the float32
-    sum before it is rounded (one rounding less), rows of three adapters and of none, a fused q / k / v layer;
-    computed in the epilogue from the shrunk rows, or before the GEMV (lora_products)."""
-    from raylm.kernels.triton_gemv import gemv
-    from raylm.kernels.triton_lora import lora_products, lora_shrink
-
-    slices, k, rank, row_slots = [32, 16, 16], 600, 8, [0, -1, 2, 1, 0]
-    out, x, lora_a, lora_b = _case(slices, k, rank, dtype, row_slots)
-    weight = (torch.randn(sum(slices), k, generator=torch.Generator().manual_seed(5)) / k**0.5).to(DEVICE, dtype)
-    slots = torch.tensor(row_slots, dtype=torch.int32, device=DEVICE)
-    expected = add_lora(gemv(x, weight, config=config).float(), x.float(), lora_a.float(), lora_b.float(), slices,
-                        _groups(row_slots))
-    lora = lora_shrink(x, lora_a, lora_b, slices, slots)
-    got = gemv(x, weight, config=config, lora=lora_products(lora) if first else lora)
-    tolerance = 2e-3 if dtype == torch.float16 else 1.6e-2
-    torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=GPU_ONLY)])
-def test_the_silu_mul_gemv_adds_gate_and_up_products_before_the_activation(dtype):
-    from raylm.kernels.triton_gemv import gemv, gemv_silu_mul
-    from raylm.kernels.triton_lora import lora_products, lora_shrink
-    from raylm.kernels.triton_ops import silu_and_mul
-
-    slices, k, rank, row_slots = [48, 48], 300, 8, [1, 0, -1]
-    out, x, lora_a, lora_b = _case(slices, k, rank, dtype, row_slots)
-    weight = (torch.randn(sum(slices), k, generator=torch.Generator().manual_seed(6)) / k**0.5).to(DEVICE, dtype)
-    slots = torch.tensor(row_slots, dtype=torch.int32, device=DEVICE)
-    config = {"BLOCK_N": 16, "BLOCK_K": 128}
-    gate_up = gemv(x, weight, config=config, lora=lora_shrink(x, lora_a, lora_b, slices, slots))
-    expected = silu_and_mul(gate_up, 0) if DEVICE.type == "cuda" else torch.nn.functional.silu(
-        gate_up[:, :48].float()).to(dtype).float() * gate_up[:, 48:].float()
-    got = gemv_silu_mul(x, weight, config=config, lora=lora_shrink(x, lora_a, lora_b, slices, slots))
-    tolerance = 2e-3 if dtype == torch.float16 else 1.6e-2
-    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
-    products = lora_products(lora_shrink(x, lora_a, lora_b, slices, slots))  # computed before the GEMV
-    assert torch.equal(gemv_silu_mul(x, weight, config=config, lora=products), got)
-    assert not torch.allclose(got, gemv_silu_mul(x, weight, config=config).to(got.dtype), atol=1e-2)
-
-
-@pytest.mark.parametrize("lora_expand", ["kernel", "epilogue", "before"])
-def test_linear_adds_the_products_where_kernel_config_lora_expand_says(lora_expand, monkeypatch):
-    """kernel_config.lora_expand: 'kernel' (faster on the H200 than the next two) runs the plain GEMV and then the
-    expand; 'epilogue' hands the shrunk rows to the GEMV, 'before' their products. All give the reference's sums."""
+def test_linear_runs_the_plain_gemv_then_the_expand_with_the_reference_sums(monkeypatch):
+    """kernel_config.lora_expand 'kernel': linear runs the layer's GEMV as without adapters, then the expand kernel
+    adds the rows' products to its output."""
     from raylm.kernels import triton_gemv
     from raylm.kernels.linear import linear
     from raylm.kernels.policy import KernelPolicy
@@ -146,12 +101,11 @@ def test_linear_adds_the_products_where_kernel_config_lora_expand_says(lora_expa
     weight = (torch.randn(sum(slices), k, generator=torch.Generator().manual_seed(7)) / k**0.5).to(DEVICE, x.dtype)
     slots = torch.tensor(row_slots, dtype=torch.int32, device=DEVICE)
     gemv, handed = triton_gemv.gemv, []
-    monkeypatch.setattr(triton_gemv, "gemv", lambda *args, **kwargs: handed.append(type(kwargs["lora"]).__name__)
+    monkeypatch.setattr(triton_gemv, "gemv", lambda *args, **kwargs: handed.append(args[1].shape)
                         or gemv(*args, **kwargs))
-    policy = DecodePolicy(triton=True, decode_gemv=True, lora_in_gemv=lora_expand != "kernel",
-                          lora_products_first=lora_expand == "before")
+    policy = DecodePolicy(triton=True, decode_gemv=True)
     got = linear(x, weight, None, policy, lora=lora_shrink(x, lora_a, lora_b, slices, slots))
-    assert handed == [{"kernel": "NoneType", "epilogue": "LoraRows", "before": "LoraProducts"}[lora_expand]]
+    assert handed == [weight.shape]
     expected = add_lora(x.float() @ weight.float().T, x.float(), lora_a.float(), lora_b.float(), slices,
                         _groups(row_slots))
     torch.testing.assert_close(got.float(), expected, atol=2e-3, rtol=2e-3)
@@ -206,10 +160,9 @@ def test_products_beside_the_gemv_fork_before_it_join_after_and_add_the_referenc
                                   out=torch.empty(4, sum(slices), device=DEVICE, dtype=torch.float16))
 
 
-def test_gate_up_products_computed_first_keep_the_fused_silu_mul_gemv(tiny_model_dirs, monkeypatch):
-    """kernel_config.lora_expand 'beside_fused_mlp': gate / up compute their products before the SiLU-mul GEMV,
-    which adds them in its epilogue (LoraProducts), where 'beside' runs a plain GEMV, the products beside it and
-    the SiLU-mul apart; both give the reference's sums."""
+def test_adapted_gate_up_leave_the_fused_silu_mul_gemv_for_the_reference_sums(tiny_model_dirs, monkeypatch):
+    """An MLP whose gate / up carry adapters runs their plain GEMV with the products beside it, then the SiLU-mul
+    apart (the fused SiLU-mul GEMV would round gate / up before their products join); the reference's sums."""
     from raylm.kernels import triton_gemv
     from raylm.kernels.policy import KernelPolicy
     from raylm.models.llama import MLP
@@ -245,16 +198,13 @@ def test_gate_up_products_computed_first_keep_the_fused_silu_mul_gemv(tiny_model
                        adapters.lora_b.float(), [size, size], _groups(row_slots))
     expected = (torch.nn.functional.silu(gate_up[:, :size]) * gate_up[:, size:]) @ mlp.down_proj.weight.float().T
     fused, handed = triton_gemv.gemv_silu_mul, []
-    monkeypatch.setattr(triton_gemv, "gemv_silu_mul", lambda *args, **kwargs: handed.append(
-        type(kwargs["lora"]).__name__) or fused(*args, **kwargs))
-    for lora_expand, launched in (("beside_fused_mlp", ["LoraProducts"]), ("beside", [])):
-        handed.clear()
-        policy = DecodePolicy(triton=True, decode_gemv=True, lora_beside=True,
-                              lora_gate_up_first=lora_expand == "beside_fused_mlp")
-        mlp.kernels = adapters.kernels = mlp.gate_up_proj.kernels = mlp.down_proj.kernels = policy
-        got = mlp(x)
-        assert handed == launched, lora_expand
-        torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+    monkeypatch.setattr(triton_gemv, "gemv_silu_mul", lambda *args, **kwargs: handed.append(args) or fused(
+        *args, **kwargs))
+    policy = DecodePolicy(triton=True, decode_gemv=True, lora_beside=True)
+    mlp.kernels = adapters.kernels = mlp.gate_up_proj.kernels = mlp.down_proj.kernels = policy
+    got = mlp(x)
+    assert handed == []
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
