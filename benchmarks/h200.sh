@@ -52,8 +52,7 @@
 #   bash benchmarks/h200.sh fp8-throughput-kv-profile  # fp8-throughput-kv, its step profile, FP8 products' test (~9 min)
 #   bash benchmarks/h200.sh lora         # multi-LoRA: 8B batch 8, 8 random rank-16 adapters against no LoRA, the expand
 #                                        # as its own kernel after the GEMV, then on a second stream beside it
-#                                        # (lora_expand=beside, the default); the time a new adapter takes to load
-#                                        #                                                                (~4 min)
+#                                        # (lora_expand=beside, the default); a new adapter's load time (~4 min)
 #   bash benchmarks/h200.sh lora-tests   # the LoRA kernel, decode-graph and engine GPU tests (~8 min)
 #   bash benchmarks/h200.sh lora-profile # the step profile of 8B batch 8 with 8 adapters, lora_expand=beside or
 #                                        # $LORA_EXPAND (~2 min)
@@ -418,7 +417,7 @@ case "${1:-}" in
     ;;
   lora-tests)
     # The LoRA kernels (with PDL too) and the decode graphs with adapters (captured once, each row's slot read in
-    # the graph); the whole pytest output goes to $OUT/lora-tests.log. Their Triton compiles (three expand modes)
+    # the graph); the whole pytest output goes to $OUT/lora-tests.log. Their Triton compiles (both expand modes)
     # take minutes, so they run apart from the benchmark.
     log="${OUT:-/tmp}/lora-tests.log"
     timeout 280 python -m pytest tests/kernels/test_triton_lora.py tests/kernels/test_decode_step.py \
