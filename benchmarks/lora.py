@@ -55,18 +55,23 @@ def write_random_adapter(directory: Path, hf_config, rank: int, seed: int) -> No
         "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM"}))
 
 
-def timed_runs(llm, prompts, output_len: int, lora_requests, iters: int) -> list[float]:
+def timed_runs(llm, prompts, output_len: int, lora_requests, iters: int) -> tuple[list[float], list[float]]:
+    """The batch's whole latency `iters` times, then its prefill's alone (one output token; the prefix cache is
+    off, so each run computes the prompts again)."""
     from raylm import SamplingParams, TokensPrompt
 
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-    llm.generate(inputs, params, use_tqdm=False, lora_request=lora_requests)  # warm-up (loads the adapters)
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        llm.generate(inputs, params, use_tqdm=False, lora_request=lora_requests)
-        times.append(time.perf_counter() - start)
-    return times
+    runs = []
+    for tokens in (output_len, 1):
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        llm.generate(inputs, params, use_tqdm=False, lora_request=lora_requests)  # warm-up (loads the adapters)
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            llm.generate(inputs, params, use_tqdm=False, lora_request=lora_requests)
+            times.append(time.perf_counter() - start)
+        runs.append(times)
+    return runs[0], runs[1]
 
 
 def progress(begin: float, text: str) -> None:
@@ -102,14 +107,14 @@ def main() -> None:
         progress(begin, "engine without LoRA started")
         prompts = random_prompts(args.batch_size, args.input_len, llm.info.vocab_size, args.seed)
         base = timed_runs(llm, prompts, args.output_len, None, args.num_iters)
-        progress(begin, f"engine without LoRA timed: {statistics.median(base):.3f} s")
+        progress(begin, f"engine without LoRA timed: {statistics.median(base[0]):.3f} s")
         llm.shutdown()
         llm = build_llm(args, max_seq_len=max_seq_len,
                         lora_config=LoraConfig(max_loras=args.batch_size, max_cpu_loras=args.batch_size + 1,
                                                max_lora_rank=args.rank))
         progress(begin, "engine with LoRA started")
         with_lora = timed_runs(llm, prompts, args.output_len, adapters[: args.batch_size], args.num_iters)
-        progress(begin, f"with {args.batch_size} adapters timed: {statistics.median(with_lora):.3f} s")
+        progress(begin, f"with {args.batch_size} adapters timed: {statistics.median(with_lora[0]):.3f} s")
         same_engine_base = timed_runs(llm, prompts, args.output_len, None, args.num_iters)
         # A new adapter: read from disk and copied into a slot (the LRU one), then one token.
         from raylm import SamplingParams, TokensPrompt
@@ -124,21 +129,28 @@ def main() -> None:
         fresh = time.perf_counter() - start
         llm.shutdown()
     tokens = args.output_len
-    for name, times in (("no_lora_engine", base), ("lora_engine_no_adapter", same_engine_base),
-                        ("lora_engine_adapters", with_lora)):
-        median = statistics.median(times)
-        result[name] = {"latency_s": times, "median_latency_s": median, "ms_per_token": 1000 * median / tokens}
+    for name, (times, prefills) in (("no_lora_engine", base), ("lora_engine_no_adapter", same_engine_base),
+                                    ("lora_engine_adapters", with_lora)):
+        median, prefill = statistics.median(times), statistics.median(prefills)
+        result[name] = {"latency_s": times, "median_latency_s": median, "ms_per_token": 1000 * median / tokens,
+                        "prefill_s": prefills, "median_prefill_s": prefill,
+                        "decode_ms_per_token": 1000 * (median - prefill) / max(1, tokens - 1)}
     result["slowdown"] = result["lora_engine_adapters"]["median_latency_s"] / result["no_lora_engine"][
         "median_latency_s"]
+    result["decode_slowdown"] = result["lora_engine_adapters"]["decode_ms_per_token"] / result["no_lora_engine"][
+        "decode_ms_per_token"]
     result["adapter_load_s"] = fresh - resident
     name = f"lora-{Path(args.model or 'smollm2').name}-b{args.batch_size}-r{args.rank}-{llm.info.device}" \
            f"{run_suffix(args)}"
     print(f"batch {args.batch_size}, {args.batch_size} adapters of rank {args.rank}, {args.input_len} in / "
           f"{args.output_len} out on {llm.info.device}")
+    print(f"{'':<26}{'latency':>12}{'per token':>15}{'prefill':>12}{'decode':>18}")
     for key in ("no_lora_engine", "lora_engine_no_adapter", "lora_engine_adapters"):
-        print(f"{key:<26}{result[key]['median_latency_s']:>10.3f} s{result[key]['ms_per_token']:>10.2f} ms/token")
-    print(f"with adapters / without: {result['slowdown']:.3f}x; a new adapter loads in "
-          f"{1000 * result['adapter_load_s']:.1f} ms")
+        entry = result[key]
+        print(f"{key:<26}{entry['median_latency_s']:>10.3f} s{entry['ms_per_token']:>10.2f} ms/t"
+              f"{1000 * entry['median_prefill_s']:>9.1f} ms{entry['decode_ms_per_token']:>10.2f} ms/token")
+    print(f"with adapters / without: {result['slowdown']:.3f}x, decode alone {result['decode_slowdown']:.3f}x; a new "
+          f"adapter loads in {1000 * result['adapter_load_s']:.1f} ms")
     print(f"wrote {write_result(name, args, result)}")
 
 

@@ -241,3 +241,16 @@ def test_decode_graphs_give_the_eager_tokens_with_adapters_mixed_per_row(tiny_mo
     if dtype == "float32":
         for (name, prompt_index), tokens in zip(rows, runs[True][0]):
             assert tokens == _reference(tiny_model_dirs, tiny_lora_dirs, name)[prompt_index], name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_prefill_of_many_rows_adds_each_prompt_s_adapter_in_segments(tiny_model_dirs, tiny_lora_dirs):
+    """A CUDA step of more rows than decode's (here six 21-token prompts in one prefill) adds the adapters in the
+    segment kernels, runs of each prompt's rows on the tensor cores: float32 tokens equal HF + PEFT's."""
+    names = ["r8", None, "qv", "r64", "r8", "qv"]
+    with LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, kv_cache_config=KV, max_seq_len=512,
+             dtype="float32", device="cuda", lora_config=LoraConfig(max_loras=3, max_lora_rank=64)) as llm:
+        outputs = _generate(llm, [PROMPTS[1]] * len(names), [_request(tiny_lora_dirs, n) for n in names])
+    for name, output in zip(names, outputs):
+        assert output.outputs[0].token_ids == _reference(tiny_model_dirs, tiny_lora_dirs, name)[1], name

@@ -186,3 +186,132 @@ def add_lora_rows(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora
     if out.shape[1] != sum(slice_sizes):
         raise ValueError(f"slices {slice_sizes} do not fit an output of {out.shape[1]}")
     return lora_expand(out, lora_shrink(x, lora_a, lora_b, slice_sizes, row_slots, pdl), pdl)
+
+
+# Steps of more rows than decode's (a prompt's prefill, chunked or not) run each linear layer's adapters in two
+# launches over segments: runs of consecutive rows of one slot (a request's tokens), cut into blocks of
+# SEGMENT_ROWS rows whose products go through the tensor cores together. Grouping rows by slot in torch instead
+# (add_lora) takes about five launches a slot and layer, which left the prefill of 8 requests with 8 adapters
+# bound by its launches on the host (~150 ms for 8 x 32 tokens of an 8B model).
+SEGMENT_ROWS = 32
+# The ranks of all a layer's slices (slices * rank) that the segment expand holds in one tile; wider layers group
+# their rows by slot in torch.
+SEGMENT_MAX_RANKS = 256
+# Output tiles one segment-expand program covers, after summing its rows' shrunk vectors once.
+_SEGMENT_N_TILES = 4
+_SEGMENT_BLOCK_N = 64
+_SEGMENT_BLOCK_K = 64
+
+
+def segment_blocks(row_slots, block_rows: int = SEGMENT_ROWS):
+    """The blocks of a step's rows for the segment kernels, as an int32 array [blocks, 3] of (first row, rows,
+    slot): each run of consecutive rows with the same adapter slot (>= 0) cut into blocks of at most block_rows."""
+    import numpy as np
+
+    slots = np.asarray(row_slots, dtype=np.int64)
+    if slots.size == 0:
+        return np.zeros((0, 3), dtype=np.int32)
+    starts = np.flatnonzero(np.concatenate(([True], slots[1:] != slots[:-1])))
+    ends = np.append(starts[1:], slots.size)
+    blocks = []
+    for start, end in zip(starts.tolist(), ends.tolist()):
+        slot = int(slots[start])
+        if slot >= 0:
+            blocks.extend((first, min(block_rows, end - first), slot) for first in range(start, end, block_rows))
+    return np.asarray(blocks, dtype=np.int32).reshape(-1, 3)
+
+
+@triton.jit
+def _segment_shrink_kernel(x_ptr, a_ptr, blocks_ptr, out_ptr, K, R_ALL, SPLITS, stride_x, stride_a_slot,
+                           stride_a_row, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                           SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """A block's rows times its slot's A over one SPLIT-wide chunk of the input: partial sums [rows, R] of its
+    ranks' tile, stored at out[row, split]."""
+    block = tl.program_id(0)
+    ranks = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    split = tl.program_id(2)
+    first = tl.load(blocks_ptr + block * 3)
+    count = tl.load(blocks_ptr + block * 3 + 1)
+    slot = tl.load(blocks_ptr + block * 3 + 2)
+    lines = tl.arange(0, BLOCK_M)
+    rows = (first + lines).to(tl.int64)
+    a_rows = a_ptr + slot.to(tl.int64) * stride_a_slot + ranks[:, None].to(tl.int64) * stride_a_row
+    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    for offset in range(0, SPLIT, BLOCK_K):
+        ks = split * SPLIT + offset + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=(lines < count)[:, None] & (ks < K)[None, :],
+                    other=0.0)
+        a = tl.load(a_rows + ks[None, :], mask=(ranks < R_ALL)[:, None] & (ks < K)[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(a), acc=acc, input_precision=DOT_PRECISION)
+    tl.store(out_ptr + (rows[:, None] * SPLITS + split) * R_ALL + ranks[None, :], acc,
+             mask=(lines < count)[:, None] & (ranks < R_ALL)[None, :])
+
+
+@triton.jit
+def _segment_expand_kernel(partial_ptr, b_ptr, blocks_ptr, out_ptr, N, SPLITS, RANK, R_ALL, END_0, END_1,
+                           stride_b_slot, stride_b_row, stride_out, BLOCK_M: tl.constexpr, BLOCK_RALL: tl.constexpr,
+                           BLOCK_N: tl.constexpr, N_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """A block's rows gain their products over N_TILES output tiles: the shrunk vectors (partial sums added in
+    split order) times the slot's B, held as a block-diagonal tile (rank k of the layer's slices multiplies only
+    the columns of its own slice), in one dot a tile."""
+    block = tl.program_id(0)
+    first = tl.load(blocks_ptr + block * 3)
+    count = tl.load(blocks_ptr + block * 3 + 1)
+    slot = tl.load(blocks_ptr + block * 3 + 2)
+    lines = tl.arange(0, BLOCK_M)
+    rows = (first + lines).to(tl.int64)
+    row_mask = lines < count
+    ks = tl.arange(0, BLOCK_RALL)
+    shrunk = tl.zeros([BLOCK_M, BLOCK_RALL], tl.float32)
+    for split in range(0, SPLITS):
+        shrunk += tl.load(partial_ptr + (rows[:, None] * SPLITS + split) * R_ALL + ks[None, :],
+                          mask=row_mask[:, None] & (ks < R_ALL)[None, :], other=0.0)
+    shrunk = shrunk.to(b_ptr.dtype.element_ty)
+    k_part = ks // RANK
+    b_slot = b_ptr + slot.to(tl.int64) * stride_b_slot + (ks - k_part * RANK)[:, None]
+    for tile in range(N_TILES):
+        cols = (tl.program_id(1) * N_TILES + tile) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_part = (cols >= END_0).to(tl.int32) + (cols >= END_1).to(tl.int32)
+        b = tl.load(b_slot + cols[None, :].to(tl.int64) * stride_b_row,
+                    mask=(ks < R_ALL)[:, None] & (k_part[:, None] == col_part[None, :]) & (cols < N)[None, :],
+                    other=0.0)
+        delta = tl.dot(shrunk, b, input_precision=DOT_PRECISION)
+        out = out_ptr + rows[:, None] * stride_out + cols[None, :]
+        mask = row_mask[:, None] & (cols < N)[None, :]
+        current = tl.load(out, mask=mask, other=0.0)
+        tl.store(out, (current.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_lora_segments(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                      slice_sizes: list[int], blocks: torch.Tensor) -> torch.Tensor:
+    """add_lora for a step's rows in segments (segment_blocks' blocks, int32 on x's device): out [T, N] gains each
+    block's rows' products in place, rounded once to out's dtype, and is returned. Rows in no block add nothing."""
+    rows, K = x.shape
+    rank = lora_b.shape[-1]
+    r_all = lora_a.shape[1]
+    if r_all != len(slice_sizes) * rank or sum(slice_sizes) != lora_b.shape[1] or out.shape != (rows, lora_b.shape[1]):
+        raise ValueError(f"lora_a of {r_all} ranks, slices {slice_sizes} and an output of {list(out.shape)} do not fit "
+                         f"a rank of {rank} and adapters of {lora_b.shape[1]} features")
+    if len(slice_sizes) > 3 or r_all > SEGMENT_MAX_RANKS:
+        raise ValueError(f"the segment kernels take at most 3 slices and {SEGMENT_MAX_RANKS} ranks, got "
+                         f"{len(slice_sizes)} slices of rank {rank}")
+    count = blocks.shape[0]
+    if not count:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    splits = triton.cdiv(K, SPLIT_K)
+    partial = torch.empty(rows, splits, r_all, dtype=torch.float32, device=x.device)
+    block_r = min(64, max(16, triton.next_power_of_2(r_all)))
+    _segment_shrink_kernel[(count, triton.cdiv(r_all, block_r), splits)](
+        x, lora_a, blocks, partial, K, r_all, splits, x.stride(0), lora_a.stride(0), lora_a.stride(1),
+        BLOCK_M=SEGMENT_ROWS, BLOCK_R=block_r, BLOCK_K=_SEGMENT_BLOCK_K, SPLIT=SPLIT_K, DOT_PRECISION=precision)
+    n = lora_b.shape[1]
+    ends = [sum(slice_sizes[: index + 1]) for index in range(len(slice_sizes))]
+    end_0 = ends[0] if len(ends) > 1 else n
+    end_1 = ends[1] if len(ends) > 2 else n
+    _segment_expand_kernel[(count, triton.cdiv(n, _SEGMENT_BLOCK_N * _SEGMENT_N_TILES))](
+        partial, lora_b, blocks, out, n, splits, rank, r_all, end_0, end_1, lora_b.stride(0), lora_b.stride(1),
+        out.stride(0), BLOCK_M=SEGMENT_ROWS, BLOCK_RALL=max(16, triton.next_power_of_2(r_all)),
+        BLOCK_N=_SEGMENT_BLOCK_N, N_TILES=_SEGMENT_N_TILES, DOT_PRECISION=precision)
+    return out

@@ -41,7 +41,8 @@ FUSED_TARGETS: dict[str, tuple[str, object]] = {
 
 
 # Steps of at most this many rows run the adapters' products in the Triton kernels where the kernel policy runs
-# Triton (one program per row: decode-sized steps); larger ones group rows by slot in torch, one matmul a slot.
+# Triton (one program per row: decode-sized steps); larger ones there in the segment kernels (runs of rows of one
+# slot in blocks, on the tensor cores), and elsewhere group rows by slot in torch, one matmul a slot.
 TRITON_MAX_ROWS = 64
 # Elsewhere, steps of at most BY_ROWS_MAX_ROWS rows with adapters, at most BY_ROWS_PER_ADAPTER of them an adapter on
 # average, gather each row's adapter (add_lora_by_rows: two batched matmuls); others group rows by slot (add_lora:
@@ -93,6 +94,10 @@ class LoraBatch:
         self.by_rows: tuple[torch.Tensor | None, torch.Tensor] | None = None
         # Each row's slot on the device, for the Triton kernels (a CUDA step of at most TRITON_MAX_ROWS rows).
         self.row_slots: torch.Tensor | None = None
+        # A larger CUDA step's runs of rows of one slot in blocks, on the device (kernels/triton_lora.py's
+        # segment_blocks), and the step's rows: the segment kernels' launches.
+        self.segments: torch.Tensor | None = None
+        self.segment_rows = 0
         # While a decode graph runs its forward (engine/cuda_graphs.py), captured or not: in_graph, and graph_slots,
         # the graph's own buffer of its rows' slots, which each replay refills (the layers then launch the Triton
         # kernels whatever the rows' adapters), or None in the graphs of steps whose rows have no adapter.
@@ -105,11 +110,17 @@ class LoraBatch:
         self.row_slots = None
         self.groups = []
         self.by_rows = None
+        self.segments = None
         if graphed:
             return
         slots = np.asarray(row_slots, dtype=np.int64)
         if device.type == "cuda" and 0 < len(row_slots) <= TRITON_MAX_ROWS:
             self.row_slots = torch.from_numpy(slots.astype(np.int32)).to(device, non_blocking=True)
+        elif device.type == "cuda" and (slots >= 0).any():
+            from raylm.kernels.triton_lora import segment_blocks
+
+            self.segments = torch.from_numpy(segment_blocks(slots)).to(device, non_blocking=True)
+            self.segment_rows = len(slots)
         for slot in np.unique(slots[slots >= 0]).tolist():
             rows = np.flatnonzero(slots == slot)
             self.groups.append((slot, None if len(rows) == len(slots) else torch.from_numpy(rows).to(device)))
@@ -198,18 +209,31 @@ class LayerAdapters(nn.Module):
         return PendingProducts(out, products)
 
     def forward(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """out plus each row's adapter product in torch (rows grouped by slot, or each row's adapter gathered:
-        LoraBatch.by_rows), where shrink gave nothing."""
+        """out plus each row's adapter product where shrink gave nothing: in the segment kernels (a larger CUDA
+        step), else in torch (rows grouped by slot, or each row's adapter gathered: LoraBatch.by_rows)."""
         if self.batch.in_graph and self.batch.graph_slots is None:  # the graphs of steps without adapters
             return out
         # (graphs run uncaptured on the CPU take the rows' groups, as an eager step does)
         groups = self.batch.groups
         if not groups:
             return out
+        if self._on_segments(x):
+            from raylm.kernels.triton_lora import add_lora_segments
+
+            return add_lora_segments(out, x, self.lora_a, self.lora_b, self.slice_sizes, self.batch.segments)
         if self.batch.by_rows is not None:
             rows, slots = self.batch.by_rows
             return add_lora_by_rows(out, x, self.lora_a, self.lora_b, self.slice_sizes, rows, slots)
         return add_lora(out, x, self.lora_a, self.lora_b, self.slice_sizes, groups)
+
+    def _on_segments(self, x: torch.Tensor) -> bool:
+        """Whether this step's products here go through the segment kernels: a CUDA step of more rows than
+        decode's, with the Triton kernels on, and the layer's ranks within their tile."""
+        if self.batch.segments is None or x.shape[0] != self.batch.segment_rows:
+            return False
+        from raylm.kernels.triton_lora import SEGMENT_MAX_RANKS
+
+        return self.lora_a.shape[1] <= SEGMENT_MAX_RANKS and self.kernels.on_triton(x)
 
     def clear(self, slot: int) -> None:
         self.lora_a[slot].zero_()

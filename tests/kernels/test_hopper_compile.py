@@ -125,6 +125,22 @@ def test_the_lora_kernels_compile_for_hopper():
                                                                                    "out_ptr": "*fp32"})
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_lora_segment_kernels_compile_for_hopper(dtype):
+    from raylm.kernels.triton_lora import _segment_expand_kernel, _segment_shrink_kernel
+
+    precision = "ieee" if dtype == "fp32" else "tf32"
+    marker = "mma" if dtype == "bf16" else ".target sm_90"  # float32 products stay exact, off the tensor cores
+    types = {"x_ptr": f"*{dtype}", "a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+             "blocks_ptr": "*i32"}
+    assert marker in compile_for_hopper(_segment_shrink_kernel, {"BLOCK_M": 32, "BLOCK_R": 64, "BLOCK_K": 64,
+                                                                "SPLIT": 256, "DOT_PRECISION": precision},
+                                       {**types, "out_ptr": "*fp32"})
+    assert marker in compile_for_hopper(_segment_expand_kernel, {"BLOCK_M": 32, "BLOCK_RALL": 256, "BLOCK_N": 64,
+                                                                "N_TILES": 4, "DOT_PRECISION": precision},
+                                       {**types, "partial_ptr": "*fp32"})
+
+
 ATTENTION = {"q_ptr": "*bf16", "block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "out_ptr": "*bf16",
              "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "k_ptr": "*bf16",
              "v_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_mapping_ptr": "*i64",

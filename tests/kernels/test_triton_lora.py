@@ -84,6 +84,48 @@ def test_the_products_in_a_buffer_of_their_own_are_the_rows_products_and_zeros_w
     torch.testing.assert_close(products, expected, atol=1e-5, rtol=1e-5)
 
 
+# ------------------------------------------------------------------ segments (steps of more rows than decode's)
+
+# Runs of rows of one slot as a prefill makes them: a run longer than a block, the base model's rows, a run of
+# the empty slot, one row alone, and a slot seen again after others.
+_SEGMENT_ROWS = [0] * 45 + [-1] * 5 + [2] * 20 + [1] * 3 + [2] + [0] * 2
+
+
+def test_segment_blocks_cut_runs_of_one_slot_into_blocks():
+    from raylm.kernels.triton_lora import segment_blocks
+
+    blocks = segment_blocks([0] * 5 + [-1] * 2 + [3] * 3 + [0], block_rows=4)
+    assert blocks.tolist() == [[0, 4, 0], [4, 1, 0], [7, 3, 3], [10, 1, 0]]
+    assert segment_blocks([-1, -1]).shape == (0, 3) and segment_blocks([]).shape == (0, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=GPU_ONLY)])
+@pytest.mark.parametrize(("slice_sizes", "k", "rank"),
+                         [([96], 80, 8), ([64, 32, 32], 64, 8), ([40, 24], 600, 8), ([70, 20, 30], 300, 64)], ids=str)
+def test_segments_add_each_run_s_adapter_as_the_reference_does(dtype, slice_sizes, k, rank):
+    """add_lora_segments: each block's rows times their slot's A and B on the tensor cores, in two launches; slices
+    whose ends fall inside an output tile, ranks padded to the slots' width, 3 x 64 ranks in one tile."""
+    from raylm.kernels.triton_lora import add_lora_segments, segment_blocks
+
+    out, x, lora_a, lora_b = _case(slice_sizes, k, rank, dtype, _SEGMENT_ROWS)
+    expected = add_lora(out.float().clone(), x.float(), lora_a.float(), lora_b.float(), slice_sizes,
+                        _groups(_SEGMENT_ROWS))
+    blocks = torch.from_numpy(segment_blocks(_SEGMENT_ROWS)).to(DEVICE)
+    got = add_lora_segments(out.clone(), x, lora_a, lora_b, slice_sizes, blocks)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected, atol=tolerance, rtol=tolerance)
+    assert torch.equal(got[45:50], out[45:50])  # the base model's rows are not written
+
+
+def test_segments_refuse_layers_wider_than_their_tile():
+    from raylm.kernels.triton_lora import SEGMENT_MAX_RANKS, add_lora_segments
+
+    rank = SEGMENT_MAX_RANKS // 2 + 16
+    out, x, lora_a, lora_b = _case([32, 32], 16, rank, torch.float32, [0])
+    with pytest.raises(ValueError, match="at most 3 slices and"):
+        add_lora_segments(out, x, lora_a, lora_b, [32, 32], torch.zeros(1, 3, dtype=torch.int32, device=DEVICE))
+
+
 def test_linear_runs_the_plain_gemv_then_the_expand_with_the_reference_sums(monkeypatch):
     """kernel_config.lora_expand 'kernel': linear runs the layer's GEMV as without adapters, then the expand kernel
     adds the rows' products to its output."""
