@@ -55,6 +55,7 @@
 #                                        # as its own kernel after the GEMV, then on a second stream beside it
 #                                        # (lora_expand=beside, the default); a new adapter's load time (~4 min)
 #   bash benchmarks/h200.sh lora-tests   # the LoRA kernel, decode-graph and engine GPU tests (~8 min)
+#   bash benchmarks/h200.sh lora-prefill # 8B batch 8 with 1024-token prompts and 8 adapters against no LoRA (~3 min)
 #   bash benchmarks/h200.sh lora-profile # the step profile of 8B batch 8 with 8 adapters, lora_expand=beside or
 #                                        # $LORA_EXPAND (~2 min)
 #   bash benchmarks/h200.sh speculative  # prompt lookup against plain decoding on SmolLM2's real weights, batch 1 to 64,
@@ -438,6 +439,12 @@ case "${1:-}" in
         --output_len 128 --num_iters 3 --set kernel_config.lora_expand=$expand \
         $(output_json lora-llama-3.1-8b-b8-r16-$expand) 2>&1 | tail -6
     done
+    ;;
+  lora-prefill)
+    # Long prompts with adapters: 8 x 1024 tokens, each request its own rank-16 adapter, against no LoRA; the prefill
+    # alone is lora.py's prefill column (the segment kernels' cost where prompts are long).
+    watched 200 python benchmarks/lora.py --model "$llama" "${dummy[@]}" --batch_size 8 --rank 16 --input_len 1024 \
+      --output_len 16 --num_iters 3 $(output_json lora-llama-3.1-8b-b8-r16-i1024) 2>&1 | tail -6
     ;;
   gemv-prefetch|gemv-prefetch-b8)
     batch=1
