@@ -197,6 +197,10 @@ SEGMENT_ROWS = 32
 # The ranks of all a layer's slices (slices * rank) that the segment expand holds in one tile; wider layers group
 # their rows by slot in torch.
 SEGMENT_MAX_RANKS = 256
+# The segment shrink's programs a launch aims at: its input chunks are 256 wide (SPLIT_K) for a step of few blocks,
+# and wider (by powers of two) where the blocks alone keep the GPU busy, so that the expand, which sums a block's
+# chunks once per program, reads fewer of them.
+SEGMENT_PROGRAMS = 512
 # Output tiles one segment-expand program covers, after summing its rows' shrunk vectors once.
 _SEGMENT_N_TILES = 4
 _SEGMENT_BLOCK_N = 64
@@ -300,12 +304,13 @@ def add_lora_segments(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, 
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    splits = triton.cdiv(K, SPLIT_K)
+    split = max(SPLIT_K, triton.next_power_of_2(triton.cdiv(K, triton.cdiv(SEGMENT_PROGRAMS, count))))
+    splits = triton.cdiv(K, split)
     partial = torch.empty(rows, splits, r_all, dtype=torch.float32, device=x.device)
     block_r = min(64, max(16, triton.next_power_of_2(r_all)))
     _segment_shrink_kernel[(count, triton.cdiv(r_all, block_r), splits)](
         x, lora_a, blocks, partial, K, r_all, splits, x.stride(0), lora_a.stride(0), lora_a.stride(1),
-        BLOCK_M=SEGMENT_ROWS, BLOCK_R=block_r, BLOCK_K=_SEGMENT_BLOCK_K, SPLIT=SPLIT_K, DOT_PRECISION=precision)
+        BLOCK_M=SEGMENT_ROWS, BLOCK_R=block_r, BLOCK_K=_SEGMENT_BLOCK_K, SPLIT=split, DOT_PRECISION=precision)
     n = lora_b.shape[1]
     ends = [sum(slice_sizes[: index + 1]) for index in range(len(slice_sizes))]
     end_0 = ends[0] if len(ends) > 1 else n

@@ -102,10 +102,15 @@ def test_segment_blocks_cut_runs_of_one_slot_into_blocks():
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=GPU_ONLY)])
 @pytest.mark.parametrize(("slice_sizes", "k", "rank"),
                          [([96], 80, 8), ([64, 32, 32], 64, 8), ([40, 24], 600, 8), ([70, 20, 30], 300, 64)], ids=str)
-def test_segments_add_each_run_s_adapter_as_the_reference_does(dtype, slice_sizes, k, rank):
+@pytest.mark.parametrize("programs", [512, 1], ids=["chunks_of_256", "one_chunk"])
+def test_segments_add_each_run_s_adapter_as_the_reference_does(dtype, slice_sizes, k, rank, programs, monkeypatch):
     """add_lora_segments: each block's rows times their slot's A and B on the tensor cores, in two launches; slices
-    whose ends fall inside an output tile, ranks padded to the slots' width, 3 x 64 ranks in one tile."""
+    whose ends fall inside an output tile, ranks padded to the slots' width, 3 x 64 ranks in one tile; the input in
+    256-wide chunks (few blocks), or in one (blocks enough to keep the GPU busy)."""
+    from raylm.kernels import triton_lora
     from raylm.kernels.triton_lora import add_lora_segments, segment_blocks
+
+    monkeypatch.setattr(triton_lora, "SEGMENT_PROGRAMS", programs)
 
     out, x, lora_a, lora_b = _case(slice_sizes, k, rank, dtype, _SEGMENT_ROWS)
     expected = add_lora(out.float().clone(), x.float(), lora_a.float(), lora_b.float(), slice_sizes,
