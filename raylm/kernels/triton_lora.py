@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -210,8 +211,6 @@ _SEGMENT_BLOCK_K = 64
 def segment_blocks(row_slots, block_rows: int = SEGMENT_ROWS):
     """The blocks of a step's rows for the segment kernels, as an int32 array [blocks, 3] of (first row, rows,
     slot): each run of consecutive rows with the same adapter slot (>= 0) cut into blocks of at most block_rows."""
-    import numpy as np
-
     slots = np.asarray(row_slots, dtype=np.int64)
     if slots.size == 0:
         return np.zeros((0, 3), dtype=np.int32)
