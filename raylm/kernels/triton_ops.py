@@ -232,24 +232,30 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 
 
 @triton.jit
-def _silu_mul_row(gate_up_ptr, row, cols, mask, size, stride_in):
+def _silu_mul_row(gate_up_ptr, row, cols, mask, size, stride_in, extra_ptr, stride_extra, HAS_EXTRA: tl.constexpr):
     """silu(gate) * up at `cols` of a row, in float32, rounded to gate_up's dtype where the reference rounds: the
-    activation before the product, as F.silu(gate) * up rounds it, and the product."""
+    activation before the product, as F.silu(gate) * up rounds it, and the product. HAS_EXTRA: gate and up first
+    gain the row's float32 values at extra_ptr (LoRA products left to add), rounded as gate_up.add_(extra) would."""
     dtype = gate_up_ptr.dtype.element_ty
-    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * stride_in + size + cols, mask=mask, other=0.0)
+    if HAS_EXTRA:
+        extra = extra_ptr + row * stride_extra + cols
+        gate = (gate.to(tl.float32) + tl.load(extra, mask=mask, other=0.0)).to(dtype)
+        up = (up.to(tl.float32) + tl.load(extra + size, mask=mask, other=0.0)).to(dtype)
+    gate = gate.to(tl.float32)
     activated = (gate / (1.0 + tl.exp(-gate))).to(dtype)
     return (activated.to(tl.float32) * up.to(tl.float32)).to(dtype).to(tl.float32)
 
 
 @triton.jit
 def _silu_and_mul_kernel(gate_up_ptr, out_ptr, size, stride_in, stride_out, BLOCK: tl.constexpr,
-                         USE_PDL: tl.constexpr = 0):
+                         USE_PDL: tl.constexpr = 0, extra_ptr=None, stride_extra=0, HAS_EXTRA: tl.constexpr = False):
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
-    out = _silu_mul_row(gate_up_ptr, row, cols, mask, size, stride_in)
+    out = _silu_mul_row(gate_up_ptr, row, cols, mask, size, stride_in, extra_ptr, stride_extra, HAS_EXTRA)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -266,7 +272,7 @@ def _silu_and_mul_fp8_kernel(gate_up_ptr, out_ptr, scale_ptr, size, stride_in, s
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < size
-    out = _silu_mul_row(gate_up_ptr, row, cols, mask, size, stride_in)
+    out = _silu_mul_row(gate_up_ptr, row, cols, mask, size, stride_in, gate_up_ptr, 0, False)
     scale = fp8_scale(tl.max(tl.abs(out), axis=0))
     tl.store(out_ptr + row * stride_out + cols, to_fp8(out, scale), mask=mask)
     tl.store(scale_ptr + row, scale)
@@ -293,19 +299,25 @@ def silu_and_mul_fp8(gate_up: torch.Tensor, pdl: int = 0) -> Fp8Rows:
     return Fp8Rows(out, scale, gate_up.dtype)
 
 
-def silu_and_mul(gate_up: torch.Tensor, pdl: int = 0) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, pdl: int = 0, extra: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up for gate_up [..., 2 * I] holding gate then up; returns [..., I] in gate_up's dtype,
-    as activation.gated_activation("silu")."""
+    as activation.gated_activation("silu"). extra: float32 of gate_up's shape that gate_up gains first, rounded to
+    its dtype (as gate_up.add_(extra) would), in the same pass: LoRA products left to add (models/lora.py)."""
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up's last dimension must be even (gate then up), got {gate_up.shape[-1]}")
+    if extra is not None and (extra.shape != gate_up.shape or extra.dtype != torch.float32 or extra.stride(-1) != 1):
+        raise ValueError(f"extra must be float32 [{', '.join(map(str, gate_up.shape))}] with contiguous rows, got "
+                         f"{extra.dtype} {list(extra.shape)}")
     size = gate_up.shape[-1] // 2
     rows = _rows(gate_up)
+    extra_rows = extra.reshape(-1, extra.shape[-1]) if extra is not None else None
     out = torch.empty(*gate_up.shape[:-1], size, dtype=gate_up.dtype, device=gate_up.device)
     out_rows = out.view(-1, size)
     if rows.shape[0] and size:
         block = min(triton.next_power_of_2(size), 1024)
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(size, block))](
             rows, out_rows, size, rows.stride(0), out_rows.stride(0), BLOCK=block, num_warps=4,
-            **launch_options(pdl),
+            **launch_options(pdl), extra_ptr=extra_rows,
+            stride_extra=extra_rows.stride(0) if extra_rows is not None else 0, HAS_EXTRA=extra is not None,
         )
     return out

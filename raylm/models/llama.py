@@ -100,14 +100,21 @@ class MLP(nn.Module):
                                       pdl=self.kernels.pdl, tiles=self.kernels.gemv_tiles,
                                       prefetch=self.kernels.gemv_prefetch)
             return self.down_proj(activated, defer_reduce)
-        gate_up_out = gate_up(x)
-        if self.silu and self.kernels.on_triton(gate_up_out):  # the down projection's input quantized where it can be
+        # LoRA products computed beside the GEMV may come back unadded (PendingProducts): the SiLU-mul adds them
+        gate_up_out = gate_up(x, defer_add=True) if adds and self.silu else gate_up(x)
+        pending = gate_up_out.products if hasattr(gate_up_out, "products") else None
+        out = gate_up_out.out if pending is not None else gate_up_out
+        if self.silu and self.kernels.on_triton(out):
             from raylm.kernels import triton_ops
 
-            size = gate_up_out.shape[-1] // 2
-            if size <= triton_ops.SILU_FP8_MAX_SIZE and self.down_proj.takes_fp8_rows(gate_up_out[..., :size]):
-                return self.down_proj(triton_ops.silu_and_mul_fp8(gate_up_out, self.kernels.pdl), defer_reduce)
-        return self.down_proj(self.act(gate_up_out, self.kernels), defer_reduce)
+            size = out.shape[-1] // 2  # the down projection's input quantized where it can be
+            if size <= triton_ops.SILU_FP8_MAX_SIZE and self.down_proj.takes_fp8_rows(out[..., :size]):
+                out = out if pending is None else gate_up_out.materialize()
+                return self.down_proj(triton_ops.silu_and_mul_fp8(out, self.kernels.pdl), defer_reduce)
+            return self.down_proj(triton_ops.silu_and_mul(out, self.kernels.pdl, extra=pending), defer_reduce)
+        if pending is not None:
+            out = gate_up_out.materialize()
+        return self.down_proj(self.act(out, self.kernels), defer_reduce)
 
 
 class DecoderLayer(nn.Module):

@@ -144,9 +144,11 @@ class ColumnParallelLinear(nn.Module):
         start = self.ctx.tp_rank * param.shape[0]
         param.data.copy_(loaded.narrow(0, start, param.shape[0]))
 
-    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows, defer_add: bool = False) -> torch.Tensor:
+        """defer_add: LoRA products computed beside the GEMV may come back unadded (models/lora.py's
+        PendingProducts), for the kernel after the layer to add (the SiLU-mul after gate / up)."""
         if self.lora is not None:
-            return self.lora.linear(x, self.weight, self.bias, self.weight_scale)
+            return self.lora.linear(x, self.weight, self.bias, self.weight_scale, defer_add=defer_add)
         return linear(x, self.weight, self.bias, self.kernels, self.weight_scale)
 
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:

@@ -253,3 +253,11 @@ def test_silu_and_mul_writing_fp8_rows_compiles_for_hopper():
     ptx = compile_for_hopper(_silu_and_mul_fp8_kernel, {"BLOCK": 16384},
                              {"gate_up_ptr": "*bf16", "out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}, num_warps=16)
     assert ".target sm_90" in ptx and "e4m3" in ptx
+
+
+def test_silu_and_mul_adding_lora_products_compiles_for_hopper():
+    from raylm.kernels.triton_ops import _silu_and_mul_kernel
+
+    ptx = compile_for_hopper(_silu_and_mul_kernel, {"BLOCK": 1024, "USE_PDL": 1, "HAS_EXTRA": True},
+                             {"gate_up_ptr": "*bf16", "out_ptr": "*bf16", "extra_ptr": "*fp32"})
+    assert ".target sm_90" in ptx and "griddepcontrol.wait" in ptx

@@ -4,6 +4,7 @@ and of none in one launch, plain and fused (q / k / v, gate / up) layers, ranks 
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -161,8 +162,6 @@ def test_linear_runs_the_plain_gemv_then_the_expand_with_the_reference_sums(monk
 def test_products_beside_the_gemv_fork_before_it_join_after_and_add_the_reference_sums(monkeypatch):
     """kernel_config.lora_expand 'beside': an adapted layer queues the shrink and the products on the side stream
     (between fork and join), the layer's matmul on its own stream, then adds the products once joined."""
-    from types import SimpleNamespace
-
     import raylm.models.lora as lora_module
     from raylm.kernels import triton_lora
     from raylm.kernels.policy import KernelPolicy
@@ -207,10 +206,12 @@ def test_products_beside_the_gemv_fork_before_it_join_after_and_add_the_referenc
                                   out=torch.empty(4, sum(slices), device=DEVICE, dtype=torch.float16))
 
 
-def test_adapted_gate_up_leave_the_fused_silu_mul_gemv_for_the_reference_sums(tiny_model_dirs, monkeypatch):
-    """An MLP whose gate / up carry adapters runs their plain GEMV with the products beside it, then the SiLU-mul
-    apart (the fused SiLU-mul GEMV would round gate / up before their products join); the reference's sums."""
-    from raylm.kernels import triton_gemv
+@pytest.mark.parametrize("beside", [False, True], ids=["expand_kernel", "beside"])
+def test_adapted_gate_up_leave_the_fused_silu_mul_gemv_for_the_reference_sums(tiny_model_dirs, monkeypatch, beside):
+    """An MLP whose gate / up carry adapters runs their plain GEMV, then the SiLU-mul apart (the fused SiLU-mul GEMV
+    would round gate / up before their products join): the expand kernel adds the products to the GEMV's output,
+    or, computed beside it, the SiLU-mul adds them in its own pass. The reference's sums either way."""
+    from raylm.kernels import triton_gemv, triton_ops
     from raylm.kernels.policy import KernelPolicy
     from raylm.models.llama import MLP
     from raylm.models.loader import load_hf_config
@@ -236,6 +237,8 @@ def test_adapted_gate_up_leave_the_fused_silu_mul_gemv_for_the_reference_sums(ti
     batch = LoraBatch()
     batch.in_graph = True
     batch.graph_slots = torch.tensor(row_slots, dtype=torch.int32, device=DEVICE)
+    if beside:
+        batch.side = SimpleNamespace(fork=contextlib.nullcontext, join=lambda: None)
     adapters = LayerAdapters(mlp.gate_up_proj, [0, 1], [size, size], False, batch, 2, rank, torch.float16)
     adapters.lora_a.copy_(torch.randn(adapters.lora_a.shape, generator=generator) / arch.hidden_size**0.5)
     adapters.lora_b.copy_(torch.randn(adapters.lora_b.shape, generator=generator) / rank)
@@ -247,10 +250,13 @@ def test_adapted_gate_up_leave_the_fused_silu_mul_gemv_for_the_reference_sums(ti
     fused, handed = triton_gemv.gemv_silu_mul, []
     monkeypatch.setattr(triton_gemv, "gemv_silu_mul", lambda *args, **kwargs: handed.append(args) or fused(
         *args, **kwargs))
-    policy = DecodePolicy(triton=True, decode_gemv=True, lora_beside=True)
+    silu_and_mul, extras = triton_ops.silu_and_mul, []
+    monkeypatch.setattr(triton_ops, "silu_and_mul", lambda *args, **kwargs: extras.append(
+        kwargs.get("extra") is not None) or silu_and_mul(*args, **kwargs))
+    policy = DecodePolicy(triton=True, decode_gemv=True, lora_beside=beside)
     mlp.kernels = adapters.kernels = mlp.gate_up_proj.kernels = mlp.down_proj.kernels = policy
     got = mlp(x)
-    assert handed == []
+    assert handed == [] and extras == [beside]
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
 
 

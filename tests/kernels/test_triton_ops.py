@@ -191,6 +191,19 @@ def test_silu_and_mul_matches_reference(device, dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 2), (5, 200), (2, 3, 3000)], ids=str)
+def test_silu_and_mul_adds_extra_values_first_as_an_add_would(device, dtype, shape):
+    """silu_and_mul(gate_up, extra=e): gate_up gains e (float32 LoRA products left to add) in the same pass, bit for
+    bit as gate_up.add_(e) followed by silu_and_mul."""
+    torch.manual_seed(8)
+    gate_up = torch.randn(shape, dtype=dtype, device=device) * 4
+    extra = torch.randn(shape, dtype=torch.float32, device=device)
+    assert torch.equal(silu_and_mul(gate_up, extra=extra), silu_and_mul(gate_up.clone().add_(extra)))
+    with pytest.raises(ValueError, match="extra must be float32"):
+        silu_and_mul(gate_up, extra=extra.to(dtype) if dtype != torch.float32 else extra[..., 1:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 64), (5, 2000), (2, 3, 14336 * 2)], ids=str)
 def test_fp8_rows_of_silu_and_mul_are_its_quantized_rows(device, dtype, shape):
     """silu_and_mul_fp8: silu_and_mul's rows quantized per token as quantize_fp8 quantizes them (bytes compared on
