@@ -99,7 +99,9 @@ fi
 # machine: a fresh machine otherwise spends minutes of an FP8 engine's start compiling and timing GEMV tilings
 # (190 s in the fourteenth session). With SAVE_TRITON_CACHE=1 the cache goes back under $OUT at the end, in parts
 # of 15 MB (triton-cache.tar.xz.part-aa, ...), and its tuning results alone (triton-tuning.tar.xz, a few KB: each
-# tuned kernel then compiles only its chosen tiling); copy either into .gpu-triton/ here and carry that folder.
+# tuned kernel then compiles only its chosen tiling); copy either into .gpu-triton/ here and carry that folder. The
+# parts, compressed fast on the device, may not fit a run's carry beside .gpu and .whl: recompress them here first
+# (`cat part-* | xz -d | xz -9e | split -b 15M - .gpu-triton/triton-cache.tar.xz.part-`: 333 MB of cache in 13 MB).
 triton_cache_dir="${TRITON_CACHE_DIR:-$HOME/.triton/cache}"
 restore_triton_cache() {  # archive...
   mkdir -p "$triton_cache_dir" && cat "$@" | tar xJf - -C "$triton_cache_dir" \
