@@ -429,7 +429,8 @@ case "${1:-}" in
     # take minutes, so they run apart from the benchmark.
     log="${OUT:-/tmp}/lora-tests.log"
     timeout 280 python -m pytest tests/kernels/test_triton_lora.py tests/kernels/test_decode_step.py \
-      tests/kernels/test_pdl.py -k "lora or decode" -v -rfEs -p no:cacheprovider > "$log" 2>&1
+      tests/kernels/test_pdl.py tests/kernels/test_triton_ops.py -k "lora or decode" -v -rfEs -p no:cacheprovider \
+      > "$log" 2>&1
     timeout 280 python -m pytest tests/test_lora.py -m gpu -v -rfEs -p no:cacheprovider >> "$log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed| FAILED " "$log" | tail -20
     ;;

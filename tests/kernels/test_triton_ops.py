@@ -192,7 +192,7 @@ def test_silu_and_mul_matches_reference(device, dtype, shape):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 2), (5, 200), (2, 3, 3000)], ids=str)
-def test_silu_and_mul_adds_extra_values_first_as_an_add_would(device, dtype, shape):
+def test_silu_and_mul_adds_lora_products_first_as_an_add_would(device, dtype, shape):
     """silu_and_mul(gate_up, extra=e): gate_up gains e (float32 LoRA products left to add) in the same pass, bit for
     bit as gate_up.add_(e) followed by silu_and_mul."""
     torch.manual_seed(8)
