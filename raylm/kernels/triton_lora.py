@@ -104,6 +104,13 @@ def _expand_kernel(partial_ptr, b_ptr, slot_ptr, out_ptr, N, SPLITS, RANK, R_ALL
         tl.store(out, (current.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
+def _slice_ends(slice_sizes: list[int]) -> tuple[int, int]:
+    """Where a fused layer's first two slices end (the whole width where it has fewer): the kernels' END_0, END_1."""
+    n = sum(slice_sizes)
+    ends = [sum(slice_sizes[: index + 1]) for index in range(len(slice_sizes))]
+    return ends[0] if len(ends) > 1 else n, ends[1] if len(ends) > 2 else n
+
+
 @dataclass
 class LoraRows:
     """A step's shrunk rows of one adapted layer (lora_shrink), ready for the expand: lora_expand into the layer's
@@ -118,11 +125,8 @@ class LoraRows:
         """The expand's runtime arguments after the partial sums, B and the slots: splits, rank, slices * rank, the
         first two slices' ends (N where there are fewer), B's strides."""
         splits, r_all = self.partial.shape[1], self.partial.shape[2]
-        n = sum(self.slice_sizes)
-        ends = [sum(self.slice_sizes[: index + 1]) for index in range(len(self.slice_sizes))]
-        end_0 = ends[0] if len(ends) > 1 else n
-        end_1 = ends[1] if len(ends) > 2 else n
-        return (splits, self.lora_b.shape[-1], r_all, end_0, end_1, self.lora_b.stride(0), self.lora_b.stride(1))
+        return (splits, self.lora_b.shape[-1], r_all, *_slice_ends(self.slice_sizes), self.lora_b.stride(0),
+                self.lora_b.stride(1))
 
     def kernel_flags(self) -> dict:
         return {"PARTS": len(self.slice_sizes), "BLOCK_RANK": triton.next_power_of_2(self.lora_b.shape[-1]),
@@ -225,6 +229,15 @@ def segment_blocks(row_slots, block_rows: int = SEGMENT_ROWS):
 
 
 @triton.jit
+def _segment_rows(blocks_ptr, block, BLOCK_M: tl.constexpr):
+    """A segment block's rows (int64, [BLOCK_M]), which of them it holds, and its slot."""
+    first = tl.load(blocks_ptr + block * 3)
+    count = tl.load(blocks_ptr + block * 3 + 1)
+    lines = tl.arange(0, BLOCK_M)
+    return (first + lines).to(tl.int64), lines < count, tl.load(blocks_ptr + block * 3 + 2)
+
+
+@triton.jit
 def _segment_shrink_kernel(x_ptr, a_ptr, blocks_ptr, out_ptr, K, R_ALL, SPLITS, stride_x, stride_a_slot,
                            stride_a_row, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                            SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -233,21 +246,17 @@ def _segment_shrink_kernel(x_ptr, a_ptr, blocks_ptr, out_ptr, K, R_ALL, SPLITS, 
     block = tl.program_id(0)
     ranks = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     split = tl.program_id(2)
-    first = tl.load(blocks_ptr + block * 3)
-    count = tl.load(blocks_ptr + block * 3 + 1)
-    slot = tl.load(blocks_ptr + block * 3 + 2)
-    lines = tl.arange(0, BLOCK_M)
-    rows = (first + lines).to(tl.int64)
+    rows, row_mask, slot = _segment_rows(blocks_ptr, block, BLOCK_M)
     a_rows = a_ptr + slot.to(tl.int64) * stride_a_slot + ranks[:, None].to(tl.int64) * stride_a_row
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
     for offset in range(0, SPLIT, BLOCK_K):
         ks = split * SPLIT + offset + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=(lines < count)[:, None] & (ks < K)[None, :],
+        x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & (ks < K)[None, :],
                     other=0.0)
         a = tl.load(a_rows + ks[None, :], mask=(ranks < R_ALL)[:, None] & (ks < K)[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(a), acc=acc, input_precision=DOT_PRECISION)
     tl.store(out_ptr + (rows[:, None] * SPLITS + split) * R_ALL + ranks[None, :], acc,
-             mask=(lines < count)[:, None] & (ranks < R_ALL)[None, :])
+             mask=row_mask[:, None] & (ranks < R_ALL)[None, :])
 
 
 @triton.jit
@@ -257,13 +266,7 @@ def _segment_expand_kernel(partial_ptr, b_ptr, blocks_ptr, out_ptr, N, SPLITS, R
     """A block's rows gain their products over N_TILES output tiles: the shrunk vectors (partial sums added in
     split order) times the slot's B, held as a block-diagonal tile (rank k of the layer's slices multiplies only
     the columns of its own slice), in one dot a tile."""
-    block = tl.program_id(0)
-    first = tl.load(blocks_ptr + block * 3)
-    count = tl.load(blocks_ptr + block * 3 + 1)
-    slot = tl.load(blocks_ptr + block * 3 + 2)
-    lines = tl.arange(0, BLOCK_M)
-    rows = (first + lines).to(tl.int64)
-    row_mask = lines < count
+    rows, row_mask, slot = _segment_rows(blocks_ptr, tl.program_id(0), BLOCK_M)
     ks = tl.arange(0, BLOCK_RALL)
     shrunk = tl.zeros([BLOCK_M, BLOCK_RALL], tl.float32)
     for split in range(0, SPLITS):
@@ -311,11 +314,8 @@ def add_lora_segments(out: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, 
         x, lora_a, blocks, partial, K, r_all, splits, x.stride(0), lora_a.stride(0), lora_a.stride(1),
         BLOCK_M=SEGMENT_ROWS, BLOCK_R=block_r, BLOCK_K=_SEGMENT_BLOCK_K, SPLIT=split, DOT_PRECISION=precision)
     n = lora_b.shape[1]
-    ends = [sum(slice_sizes[: index + 1]) for index in range(len(slice_sizes))]
-    end_0 = ends[0] if len(ends) > 1 else n
-    end_1 = ends[1] if len(ends) > 2 else n
     _segment_expand_kernel[(count, triton.cdiv(n, _SEGMENT_BLOCK_N * _SEGMENT_N_TILES))](
-        partial, lora_b, blocks, out, n, splits, rank, r_all, end_0, end_1, lora_b.stride(0), lora_b.stride(1),
-        out.stride(0), BLOCK_M=SEGMENT_ROWS, BLOCK_RALL=max(16, triton.next_power_of_2(r_all)),
+        partial, lora_b, blocks, out, n, splits, rank, r_all, *_slice_ends(slice_sizes), lora_b.stride(0),
+        lora_b.stride(1), out.stride(0), BLOCK_M=SEGMENT_ROWS, BLOCK_RALL=max(16, triton.next_power_of_2(r_all)),
         BLOCK_N=_SEGMENT_BLOCK_N, N_TILES=_SEGMENT_N_TILES, DOT_PRECISION=precision)
     return out
