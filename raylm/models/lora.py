@@ -88,10 +88,14 @@ class LoraBatch:
 
     def __init__(self) -> None:
         self.side: SideStream | None = None  # on CUDA (LoraRuntime), for kernel_config.lora_expand 'beside'
-        self.groups: list[SlotRows] = []
-        # Where the step gathers each row's adapter (add_lora_by_rows): the rows with one (None: every row) and
-        # their slots; else None.
-        self.by_rows: tuple[torch.Tensor | None, torch.Tensor] | None = None
+        self.has_adapters = False  # some row of the step (outside a decode graph) uses an adapter
+        # The step's rows' slots on the host, and their device: the torch paths' groups and by_rows, built from them
+        # on first use (a step the Triton kernels take never builds them, nor copies their indices to the device).
+        self._host_slots = np.zeros(0, dtype=np.int64)
+        self._device = torch.device("cpu")
+        self._groups: list[SlotRows] | None = []  # None: not built yet
+        self._by_rows: tuple[torch.Tensor | None, torch.Tensor] | None = None
+        self._by_rows_built = True
         # Each row's slot on the device, for the Triton kernels (a CUDA step of at most TRITON_MAX_ROWS rows).
         self.row_slots: torch.Tensor | None = None
         # A larger CUDA step's runs of rows of one slot in blocks, on the device (kernels/triton_lora.py's
@@ -108,27 +112,54 @@ class LoraBatch:
         """row_slots: each row's slot, -1 for the base model (empty: no row has an adapter). graphed: the step
         replays a captured decode graph, which reads the slots from its own buffer."""
         self.row_slots = None
-        self.groups = []
-        self.by_rows = None
         self.segments = None
+        self.has_adapters = False
+        self._groups, self._by_rows, self._by_rows_built = [], None, True
         if graphed:
             return
         slots = np.asarray(row_slots, dtype=np.int64)
+        self.has_adapters = bool((slots >= 0).any())
+        # Host-to-device copies without a stream sync: the step's launches queue behind the previous step's.
         if device.type == "cuda" and 0 < len(row_slots) <= TRITON_MAX_ROWS:
             self.row_slots = torch.from_numpy(slots.astype(np.int32)).to(device, non_blocking=True)
-        elif device.type == "cuda" and (slots >= 0).any():
+        elif device.type == "cuda" and self.has_adapters:
             from raylm.kernels.triton_lora import segment_blocks
 
             self.segments = torch.from_numpy(segment_blocks(slots)).to(device, non_blocking=True)
             self.segment_rows = len(slots)
-        for slot in np.unique(slots[slots >= 0]).tolist():
-            rows = np.flatnonzero(slots == slot)
-            self.groups.append((slot, None if len(rows) == len(slots) else torch.from_numpy(rows).to(device)))
-        with_adapter = np.flatnonzero(slots >= 0)
-        if (self.row_slots is None and len(self.groups) > 1 and len(with_adapter) <= BY_ROWS_MAX_ROWS
-                and len(with_adapter) <= BY_ROWS_PER_ADAPTER * len(self.groups)):
-            rows = None if len(with_adapter) == len(slots) else torch.from_numpy(with_adapter).to(device)
-            self.by_rows = (rows, torch.from_numpy(slots[with_adapter]).to(device))
+        if self.has_adapters:
+            self._host_slots, self._device = slots, device
+            self._groups, self._by_rows_built = None, False
+
+    @property
+    def groups(self) -> list[SlotRows]:
+        """The rows of each slot the step uses (add_lora), built on first use."""
+        if self._groups is None:
+            slots = self._host_slots
+            self._groups = []
+            for slot in np.unique(slots[slots >= 0]).tolist():
+                rows = np.flatnonzero(slots == slot)
+                indices = None if len(rows) == len(slots) else self._to_device(rows)
+                self._groups.append((slot, indices))
+        return self._groups
+
+    @property
+    def by_rows(self) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """Where the step gathers each row's adapter (add_lora_by_rows): the rows with one (None: every row) and
+        their slots; else None. Built on first use."""
+        if not self._by_rows_built:
+            self._by_rows_built = True
+            slots = self._host_slots
+            with_adapter = np.flatnonzero(slots >= 0)
+            adapters = len(np.unique(slots[with_adapter]))
+            if (self.row_slots is None and adapters > 1 and len(with_adapter) <= BY_ROWS_MAX_ROWS
+                    and len(with_adapter) <= BY_ROWS_PER_ADAPTER * adapters):
+                rows = None if len(with_adapter) == len(slots) else self._to_device(with_adapter)
+                self._by_rows = (rows, self._to_device(slots[with_adapter]))
+        return self._by_rows
+
+    def _to_device(self, indices: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(indices).to(self._device, non_blocking=True)
 
 
 class LayerAdapters(nn.Module):
@@ -155,7 +186,7 @@ class LayerAdapters(nn.Module):
     def adds(self) -> bool:
         """Whether the step adds any adapter's product here: in a decode graph, one with the LoRA kernels; else a
         step with a row of an adapter."""
-        return self.batch.graph_slots is not None if self.batch.in_graph else bool(self.batch.groups)
+        return self.batch.graph_slots is not None if self.batch.in_graph else self.batch.has_adapters
 
     def triton_slots(self, x: torch.Tensor) -> torch.Tensor | None:
         """Each row's slot where the Triton kernels take this step's rows (a decode graph with adapters: the same
@@ -167,7 +198,7 @@ class LayerAdapters(nn.Module):
         if batch.in_graph:
             slots = batch.graph_slots[: x.shape[0]] if batch.graph_slots is not None else None
         else:
-            slots = batch.row_slots if batch.groups and batch.row_slots is not None else None
+            slots = batch.row_slots if batch.has_adapters else None
         return slots if slots is not None and slots.shape[0] == x.shape[0] else None
 
     def shrink(self, x: torch.Tensor):
@@ -214,8 +245,7 @@ class LayerAdapters(nn.Module):
         if self.batch.in_graph and self.batch.graph_slots is None:  # the graphs of steps without adapters
             return out
         # (graphs run uncaptured on the CPU take the rows' groups, as an eager step does)
-        groups = self.batch.groups
-        if not groups:
+        if not self.batch.has_adapters:
             return out
         if self._on_segments(x):
             from raylm.kernels.triton_lora import add_lora_segments
@@ -224,7 +254,7 @@ class LayerAdapters(nn.Module):
         if self.batch.by_rows is not None:
             rows, slots = self.batch.by_rows
             return add_lora_by_rows(out, x, self.lora_a, self.lora_b, self.slice_sizes, rows, slots)
-        return add_lora(out, x, self.lora_a, self.lora_b, self.slice_sizes, groups)
+        return add_lora(out, x, self.lora_a, self.lora_b, self.slice_sizes, self.batch.groups)
 
     def _on_segments(self, x: torch.Tensor) -> bool:
         """Whether this step's products here go through the segment kernels: a CUDA step of more rows than

@@ -76,3 +76,36 @@ def test_a_step_of_few_rows_an_adapter_gathers_and_one_of_many_groups():
     assert batch.by_rows is None and len(batch.groups) == 2
     batch.set_rows([2, 2, 2], torch.device("cpu"))  # one adapter: one matmul pair either way
     assert batch.by_rows is None
+
+
+def _count_copies(batch: LoraBatch, monkeypatch) -> list:
+    """The row indices the batch copies to the device, recorded as it makes them."""
+    copies = []
+    to_device = batch._to_device
+    monkeypatch.setattr(batch, "_to_device", lambda indices: copies.append(indices.tolist()) or to_device(indices))
+    return copies
+
+
+def test_a_step_copies_the_row_groups_it_uses_and_no_others(monkeypatch):
+    batch = LoraBatch()
+    copies = _count_copies(batch, monkeypatch)
+    batch.set_rows([0, 1, 2, -1, 3], torch.device("cpu"))
+    assert batch.has_adapters and copies == []  # nothing copied before a layer asks
+    assert batch.by_rows is not None and copies == [[0, 1, 2, 4], [0, 1, 2, 3]]
+    batch.set_rows([0] * 9 + [-1] + [1] * 9, torch.device("cpu"))
+    copies.clear()
+    assert batch.by_rows is None and copies == []  # deciding against gathering copies nothing
+    assert [slot for slot, _ in batch.groups] == [0, 1] and copies == [list(range(9)), list(range(10, 19))]
+    assert len(batch.groups) == 2 and len(copies) == 2  # built once a step
+    batch.set_rows([-1, -1], torch.device("cpu"))
+    assert not batch.has_adapters and batch.groups == [] and batch.by_rows is None and len(copies) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_step_the_segment_kernels_take_copies_no_row_groups(monkeypatch):
+    batch = LoraBatch()
+    copies = _count_copies(batch, monkeypatch)
+    batch.set_rows([0] * 40 + [-1] * 10 + [1] * 40, torch.device("cuda"))
+    assert batch.segments is not None and batch.segments.shape == (4, 3) and copies == []
+    assert [slot for slot, _ in batch.groups] == [0, 1] and len(copies) == 2  # the torch fallback's, when asked
