@@ -37,6 +37,7 @@
 #   bash benchmarks/h200.sh fp8-one-row  # one row on FP8 weights on the CUDA cores: GPU tests, the 8B layers against
 #                                        # the tensor-core GEMV, 8B batch 1 bf16 / FP8, the FP8 step profile (~8 min)
 #   bash benchmarks/h200.sh fp8-b1       # the same without the tests and the layers                 (~4 min)
+#   bash benchmarks/h200.sh launch-cost  # host against GPU time per eager call of a short prefill's kernels (~1 min)
 #   bash benchmarks/h200.sh fp8-throughput-profile  # the step profile of 512 x (1024, 256), FP8 weights and KV (~3 min)
 #   bash benchmarks/h200.sh fp8-attention  # FP8 decode attention alone (tiles swept), the FP8 cache's GPU tests (~4 min)
 #   bash benchmarks/h200.sh fp8-values-by-slots  # the FP8 cache's values by slots: GPU tests, the kernel alone, the
@@ -274,6 +275,11 @@ case "${1:-}" in
   fp8-b1)
     # 8B batch 1 latency with FP8 weights and in bf16, then the FP8 step profile (fp8-one-row without its tests).
     fp8_batch_1
+    ;;
+  launch-cost)
+    # Host against GPU time per eager call of a short prefill's kernels (F.linear, _scaled_mm, the quantizer, the
+    # norms) at 8 / 32 / 128 rows: which of them leave the GPU idle in the batch-1 FP8 prefill.
+    watched 120 python benchmarks/launch_cost.py --rows 8 32 128 $(output_json launch-cost-8b) 2>&1 | tail -30
     ;;
   fp8-throughput-profile)
     # Where a step of the FP8 throughput workload goes: 512 x (1024, 256) with FP8 weights and the FP8 KV cache.

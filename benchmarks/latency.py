@@ -1,5 +1,6 @@
 """Latency of one batch, like `vllm bench latency`: batch B of random prompts of I tokens, O tokens out
-(EOS ignored, greedy), mean and median end-to-end seconds over iterations; also start-up time to the first token.
+(EOS ignored, greedy), mean and median end-to-end seconds over iterations; the prefill alone (one output token),
+so the decode steps' ms/token apart from it; also start-up time to the first token.
 
     python benchmarks/latency.py --batch_size 1 --input_len 32 --output_len 128 --peer hf
     python benchmarks/latency.py --model benchmarks/configs/llama-3.1-8b --load_format dummy --batch_size 8
@@ -96,6 +97,11 @@ def main() -> None:
     if args.peer == "hf":
         runners["hf"] = hf_runner(hf_peer(args, llm.info), prompts, args.output_len, llm.info.device)
     times = measure(runners, args.num_iters, args.num_iters_warmup)
+    # The prompts' prefill alone (one output token; the prefix cache is off, so each run computes them again): what
+    # of the latency is the prefill, and what the decode steps.
+    prefill = raylm_runner(llm, prompts, 1)
+    prefill()
+    prefills = [prefill() for _ in range(args.num_iters)]
     llm.shutdown()
     tokens = args.batch_size * args.output_len
     result = {}
@@ -104,7 +110,10 @@ def main() -> None:
         result[name] = {"latency_s": latencies, "mean_latency_s": mean, "median_latency_s": median,
                         "ms_per_output_token": 1000 * mean / args.output_len, "output_tokens_per_s": tokens / mean,
                         "median_ms_per_output_token": 1000 * median / args.output_len}
-    result["raylm"].update(startup_s=startup, startup_to_first_token_s=first_token)
+    median_prefill = statistics.median(prefills)
+    decode_ms = 1000 * (result["raylm"]["median_latency_s"] - median_prefill) / max(1, args.output_len - 1)
+    result["raylm"].update(startup_s=startup, startup_to_first_token_s=first_token, prefill_s=prefills,
+                           median_prefill_s=median_prefill, decode_ms_per_token=decode_ms)
     if "hf" in times:
         result["speedup_vs_hf"] = result["hf"]["mean_latency_s"] / result["raylm"]["mean_latency_s"]
     rows = [(name if name == "raylm" else "hf transformers", result[name]["mean_latency_s"],
@@ -120,6 +129,8 @@ def main() -> None:
     for label, latency, median in rows:
         print(f"{label:<18}{latency:>14.3f}{1000 * latency / args.output_len:>12.2f}{tokens / latency:>12.1f}"
               f"{median:>16.3f}{1000 * median / args.output_len:>10.2f}")
+    print(f"raylm's prefill alone (median): {1000 * median_prefill:.1f} ms; the decode steps after it: "
+          f"{decode_ms:.2f} ms/token")
     if "speedup_vs_hf" in result:
         print(f"raylm / hf speed ratio: {result['speedup_vs_hf']:.2f}x")
     print(f"wrote {path}")
