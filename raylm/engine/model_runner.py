@@ -314,8 +314,8 @@ class ModelRunner:
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
-        sources = torch.tensor([src for src, _ in copies], device=self.device)
-        targets = torch.tensor([dst for _, dst in copies], device=self.device)
+        sources = to_device([src for src, _ in copies], self.device)
+        targets = to_device([dst for _, dst in copies], self.device)
         for layer in self.kv_caches:
             for tensor in layer:
                 tensor[targets] = tensor[sources]

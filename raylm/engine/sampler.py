@@ -108,13 +108,13 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
     """In place on one row. Repetition penalty over prompt and output; presence/frequency over output."""
     device = logits.device
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=device)
+        seen = to_device(sorted(set(prompt_ids) | set(output_ids)), device)
         if seen.numel():
             values = logits[seen]
             logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
                                        values * params.repetition_penalty)
     if output_ids and (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0):
-        ids = torch.tensor(output_ids, dtype=torch.long, device=device)
+        ids = to_device(output_ids, device)
         counts = torch.zeros_like(logits).index_add_(0, ids, torch.ones_like(ids, dtype=logits.dtype))
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
 
