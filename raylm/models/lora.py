@@ -12,6 +12,7 @@ this rank's input columns of A and B whole, and its product joins the partial su
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -93,9 +94,6 @@ class LoraBatch:
         # on first use (a step the Triton kernels take never builds them, nor copies their indices to the device).
         self._host_slots = np.zeros(0, dtype=np.int64)
         self._device = torch.device("cpu")
-        self._groups: list[SlotRows] | None = []  # None: not built yet
-        self._by_rows: tuple[torch.Tensor | None, torch.Tensor] | None = None
-        self._by_rows_built = True
         # Each row's slot on the device, for the Triton kernels (a CUDA step of at most TRITON_MAX_ROWS rows).
         self.row_slots: torch.Tensor | None = None
         # A larger CUDA step's runs of rows of one slot in blocks, on the device (kernels/triton_lora.py's
@@ -114,7 +112,9 @@ class LoraBatch:
         self.row_slots = None
         self.segments = None
         self.has_adapters = False
-        self._groups, self._by_rows, self._by_rows_built = [], None, True
+        self._host_slots = np.zeros(0, dtype=np.int64)
+        self.__dict__.pop("groups", None)  # the last step's, cached by the properties below
+        self.__dict__.pop("by_rows", None)
         if graphed:
             return
         slots = np.asarray(row_slots, dtype=np.int64)
@@ -129,34 +129,29 @@ class LoraBatch:
             self.segment_rows = len(slots)
         if self.has_adapters:
             self._host_slots, self._device = slots, device
-            self._groups, self._by_rows_built = None, False
 
-    @property
+    @functools.cached_property
     def groups(self) -> list[SlotRows]:
         """The rows of each slot the step uses (add_lora), built on first use."""
-        if self._groups is None:
-            slots = self._host_slots
-            self._groups = []
-            for slot in np.unique(slots[slots >= 0]).tolist():
-                rows = np.flatnonzero(slots == slot)
-                indices = None if len(rows) == len(slots) else self._to_device(rows)
-                self._groups.append((slot, indices))
-        return self._groups
+        slots = self._host_slots
+        groups = []
+        for slot in np.unique(slots[slots >= 0]).tolist():
+            rows = np.flatnonzero(slots == slot)
+            groups.append((slot, None if len(rows) == len(slots) else self._to_device(rows)))
+        return groups
 
-    @property
+    @functools.cached_property
     def by_rows(self) -> tuple[torch.Tensor | None, torch.Tensor] | None:
         """Where the step gathers each row's adapter (add_lora_by_rows): the rows with one (None: every row) and
         their slots; else None. Built on first use."""
-        if not self._by_rows_built:
-            self._by_rows_built = True
-            slots = self._host_slots
-            with_adapter = np.flatnonzero(slots >= 0)
-            adapters = len(np.unique(slots[with_adapter]))
-            if (self.row_slots is None and adapters > 1 and len(with_adapter) <= BY_ROWS_MAX_ROWS
-                    and len(with_adapter) <= BY_ROWS_PER_ADAPTER * adapters):
-                rows = None if len(with_adapter) == len(slots) else self._to_device(with_adapter)
-                self._by_rows = (rows, self._to_device(slots[with_adapter]))
-        return self._by_rows
+        slots = self._host_slots
+        with_adapter = np.flatnonzero(slots >= 0)
+        adapters = len(np.unique(slots[with_adapter]))
+        if (self.row_slots is not None or adapters < 2 or len(with_adapter) > BY_ROWS_MAX_ROWS
+                or len(with_adapter) > BY_ROWS_PER_ADAPTER * adapters):
+            return None
+        rows = None if len(with_adapter) == len(slots) else self._to_device(with_adapter)
+        return rows, self._to_device(slots[with_adapter])
 
     def _to_device(self, indices: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(indices).to(self._device, non_blocking=True)
