@@ -37,6 +37,8 @@
 #   bash benchmarks/h200.sh fp8-one-row  # one row on FP8 weights on the CUDA cores: GPU tests, the 8B layers against
 #                                        # the tensor-core GEMV, 8B batch 1 bf16 / FP8, the FP8 step profile (~8 min)
 #   bash benchmarks/h200.sh fp8-b1       # the same without the tests and the layers                 (~4 min)
+#   bash benchmarks/h200.sh prefill-graphs  # short prefills' graphs against eager prefills: GPU tests, 8B batch 1
+#                                        # (FP8 weights, bf16) and batch 8 (bf16), without then with  (~6 min)
 #   bash benchmarks/h200.sh launch-cost  # host against GPU time per eager call of a short prefill's kernels (~1 min)
 #   bash benchmarks/h200.sh fp8-throughput-profile  # the step profile of 512 x (1024, 256), FP8 weights and KV (~3 min)
 #   bash benchmarks/h200.sh fp8-attention  # FP8 decode attention alone (tiles swept), the FP8 cache's GPU tests (~4 min)
@@ -275,6 +277,18 @@ case "${1:-}" in
   fp8-b1)
     # 8B batch 1 latency with FP8 weights and in bf16, then the FP8 step profile (fp8-one-row without its tests).
     fp8_batch_1
+    ;;
+  prefill-graphs)
+    # Short prefills replaying graphs (cuda_graph_config.prefill_max_tokens, 256 by default) against eager ones
+    # (0): their GPU tests, then 8B batch 1 with FP8 weights and in bf16, and batch 8 in bf16, each without then with.
+    timeout 120 python -m pytest tests/kernels/test_decode_step.py -q -rfEs -p no:cacheprovider \
+      -k "prefill_graph or verify_rows or graph_buffers" 2>&1 | tail -3
+    for spec in "fp8 1 --set quant_config.quant_algo=FP8" "bf16 1" "bf16 8"; do
+      set -- $spec
+      name=$1 batch=$2; shift 2
+      latency latency-8b-b$batch-$name-eager-prefill "$llama" "$batch" "$@" --set cuda_graph_config.prefill_max_tokens=0
+      latency latency-8b-b$batch-$name-prefill-graphs "$llama" "$batch" "$@"
+    done
     ;;
   launch-cost)
     # Host against GPU time per eager call of a short prefill's kernels (F.linear, _scaled_mm, the quantizer, the

@@ -50,7 +50,7 @@ class SchedulerConfig(StrictModel):
 
 
 class CudaGraphConfig(StrictModel):
-    """CUDA graphs for decode steps (GPU only)."""
+    """CUDA graphs for decode steps and short prefills (GPU only)."""
 
     batch_sizes: list[int] | None = Field(default=None, description="Batch sizes to capture (default: a ladder).")
     max_batch_size: int | None = Field(
@@ -59,6 +59,11 @@ class CudaGraphConfig(StrictModel):
     capture_logits: bool = Field(
         default=True, description="Decode graphs also compute the logits and, for greedy requests, the draws; "
                                   "false launches them eagerly after the graph.")
+    prefill_max_tokens: int = Field(
+        default=256, ge=0,
+        description="Steps with prompt tokens of at most this many rows in all (their decodes included) replay "
+                    "graphs of their own, each prompt token a row that attends to its prefix as a decode does "
+                    "(Triton attention only); 0: such steps run eagerly.")
 
     @field_validator("batch_sizes")
     @classmethod

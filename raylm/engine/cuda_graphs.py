@@ -10,6 +10,12 @@ steps whose rows all draw greedily a second, small graph of each size the greedy
 log-probability (sampler.greedy_draws): what the host otherwise launches after every step, one eager operation
 at a time (at TP=2 on the H200 that host work, not the GPU, bounded a batch-1 step). Other steps sample from the
 logits, and pay nothing for the greedy graph.
+
+Short prefills (cuda_graph_config.prefill_max_tokens) replay a second ladder of the same graphs, captured to store
+every row's key and value before any row attends: a prompt's tokens are then rows of their own, each attending to
+its prefix as a decode row does (step_plan.plan_step's graph_rows). Eager, a short prefill is bound by the host's
+launches (each of an 8B model's layers takes several eager operations a linear layer); a replay is one launch.
+Those graphs leave the logits to the step (only the prompts' last rows need them).
 """
 
 from __future__ import annotations
@@ -37,6 +43,16 @@ def default_batch_sizes(max_batch_size: int) -> list[int]:
             size += step
             sizes.append(size)
     return sorted({s for s in sizes if s <= max_batch_size} | {max_batch_size})
+
+
+def prefill_row_sizes(max_rows: int) -> list[int]:
+    """The prefill graphs' sizes: 16, 32, 64, ... up to max_rows, and max_rows itself (none for 0)."""
+    sizes = []
+    size = 16
+    while size < max_rows:
+        sizes.append(size)
+        size *= 2
+    return sizes + [max_rows] if max_rows > 0 else []
 
 
 class BlockTableStaging:

@@ -132,6 +132,7 @@ class ModelRunner:
         self.num_kv_heads = model.local_layers[0].self_attn.num_kv_heads
         self.num_local_layers = model.num_local_layers
         self.graphs = None
+        self.prefill_graphs = None  # graphs of short prefills' rows (cuda_graph_config.prefill_max_tokens)
         self._side_stream = None  # _capture_stream's
         # The last decode graph replay's outputs (cuda_graphs.DecodeOutputs), for the compute_outputs and _draw
         # of the same step: its logits and greedy draws are already queued.
@@ -275,15 +276,24 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def capture_graphs(self, batch_sizes: list[int], max_seq_len: int, pp_size: int, verify_rows: bool = False
-                       ) -> None:
+    def capture_graphs(self, batch_sizes: list[int], max_seq_len: int, pp_size: int, verify_rows: bool = False,
+                       prefill_sizes: list[int] = ()) -> None:
         """Captures decode CUDA graphs (when the device, the kernels and the model allow them); with verify_rows
-        (speculative decoding) graphs that also take a drafted sequence's positions as rows of their own."""
+        (speculative decoding) graphs that also take a drafted sequence's positions as rows of their own. With
+        prefill_sizes, on the Triton kernels, a second ladder for short prefills (their prompt tokens as rows of
+        their own, no logits: a prompt needs only its last row's)."""
         from raylm.engine.cuda_graphs import DecodeGraphs
 
         if not self.graphs_fit(pp_size):
             return
         max_blocks = -(-max_seq_len // self.block_size)
+        lora = self.lora.batch if self.lora is not None else None
+        if prefill_sizes and self.attention_backend == "triton":
+            prefill_graphs = DecodeGraphs(self.model, self.kv_caches, list(prefill_sizes), max_blocks,
+                                          self.arch.hidden_size, self.dtype, self.device, self.arch.sliding_window,
+                                          stream=self._capture_stream(), lora=lora, decode_write_first=True)
+            prefill_graphs.capture()
+            self.prefill_graphs = prefill_graphs
         flashinfer = None
         if self.attention_backend == "flashinfer":
             from raylm.kernels.flashinfer_backend import FlashInferDecodeGraphs
@@ -292,8 +302,7 @@ class ModelRunner:
                                                 self.arch.sliding_window, self.device)
         graphs = DecodeGraphs(self.model, self.kv_caches, batch_sizes, max_blocks, self.arch.hidden_size,
                               self.dtype, self.device, self.arch.sliding_window, flashinfer, logits=self.graph_logits,
-                              stream=self._capture_stream(), lora=self.lora.batch if self.lora is not None else None,
-                              decode_write_first=verify_rows)
+                              stream=self._capture_stream(), lora=lora, decode_write_first=verify_rows)
         graphs.capture()
         self.graphs = graphs
 
@@ -306,9 +315,10 @@ class ModelRunner:
     def drop_graphs(self) -> None:
         """Frees the decode graphs (AsyncLLM.release): they read the weights and the KV cache at the addresses
         they had, so new ones are captured once those are back."""
-        if self.graphs is not None:
-            self.graphs.free()
-        self.graphs = None
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.free()
+        self.graphs = self.prefill_graphs = None
         self._graphed = None  # views into the graphs' pool
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -329,15 +339,12 @@ class ModelRunner:
         is sampling."""
         self._copy_blocks(plan.block_copies)
         self._graphed = None
-        graphed = (self.graphs is not None and intermediate is None and not plan.prefill_chunks
-                   and (not plan.verify_rows or self.graphs.takes_verify_rows)
-                   and self.graphs.fits(len(plan.decode_contexts), max(len(b) for b, _ in plan.decode_contexts)))
+        graphs = self._step_graphs(plan) if intermediate is None else None
         if self.lora is not None:
-            self.lora.prepare(plan.lora_loads, plan.lora_slots, graphed and self.graphs.captured)
-        if graphed:
-            self._graphed = self.graphs.run_step(plan.input_ids, plan.positions, plan.slot_mapping,
-                                                 plan.decode_contexts, feed, greedy=plan.greedy,
-                                                 lora_slots=plan.lora_slots)
+            self.lora.prepare(plan.lora_loads, plan.lora_slots, graphs is not None and graphs.captured)
+        if graphs is not None:
+            self._graphed = graphs.run_step(plan.input_ids, plan.positions, plan.slot_mapping, plan.decode_contexts,
+                                            feed, greedy=plan.greedy, lora_slots=plan.lora_slots)
             return self._graphed.hidden
         meta = self.build_metadata(
             decode_contexts=plan.decode_contexts,
@@ -359,6 +366,24 @@ class ModelRunner:
             meta,
             intermediate,
         )
+
+    def _step_graphs(self, plan: StepPlan):
+        """The graphs that replay this step: the decode graphs, else (verify rows) the prefill graphs, where the
+        step's rows and block lists fit; None: the step runs eagerly."""
+        if plan.prefill_chunks or not plan.decode_contexts:
+            return None
+        rows, width = len(plan.decode_contexts), max(len(blocks) for blocks, _ in plan.decode_contexts)
+        for graphs in (self.graphs, self.prefill_graphs):
+            if (graphs is not None and (not plan.verify_rows or graphs.takes_verify_rows)
+                    and graphs.fits(rows, width)):
+                return graphs
+        return None
+
+    @property
+    def graph_prefill_rows(self) -> int:
+        """The most rows of a step whose prompt tokens plan_step gives as rows of their own: the largest prefill
+        graph's (0: prompts run eagerly, as prefill chunks)."""
+        return self.prefill_graphs.max_batch if self.prefill_graphs is not None else 0
 
     @torch.inference_mode()
     def compute_outputs(self, plan: StepPlan, hidden: torch.Tensor
@@ -475,7 +500,7 @@ class ModelRunner:
         that are placeholders come from `previous`, the step still in flight that samples them."""
         if previous is not None:
             self.draw_waiting(previous)  # before this step's forward overwrites the graphs' logits
-        plan = plan_step(out, self.block_size)
+        plan = plan_step(out, self.block_size, self.graph_prefill_rows)
         return self.launch_planned(out, plan, self.feed_tokens(out, plan, previous))
 
     def collect(self, launched: LaunchedStep) -> ModelOutput:

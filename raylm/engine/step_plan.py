@@ -46,9 +46,9 @@ class StepPlan:
     # base model), empty when no row has an adapter.
     lora_loads: list[tuple] = field(default_factory=list)
     lora_slots: list[int] = field(default_factory=list)
-    # Speculative decoding's verify rows: a drafted sequence's last token and drafts are decode rows of their own,
-    # one per position (each attending to its prefix), so that the step can replay a decode graph. Their keys and
-    # values must all be stored before any row attends.
+    # Verify rows: several positions of one sequence as decode rows of their own, each attending to its prefix, so
+    # that the step can replay a graph: speculative decoding's drafted sequences (the last token and the drafts),
+    # and short prompts (plan_step's graph_rows). Their keys and values must all be stored before any row attends.
     verify_rows: bool = False
 
     @property
@@ -56,9 +56,11 @@ class StepPlan:
         return len(self.input_ids)
 
 
-def plan_step(out: SchedulerOutput, block_size: int) -> StepPlan:
+def plan_step(out: SchedulerOutput, block_size: int, graph_rows: int = 0) -> StepPlan:
     """Flattens a schedule (decodes first, then prefill chunks) into a StepPlan, changing nothing: runs on rank 0,
-    where the requests live (Progress.launched then moves their prompt log-probabilities past this step's)."""
+    where the requests live (Progress.launched then moves their prompt log-probabilities past this step's).
+    graph_rows: the most rows of a step whose prompt tokens become decode rows of their own (verify rows), for the
+    runner's prefill graphs to replay (0: prompts stay prefill chunks)."""
     plan = StepPlan(block_copies=list(out.block_copies))
     input_ids, positions, slots = plan.input_ids, plan.positions, plan.slot_mapping
     sample_rows, decode_contexts, feed_rows = plan.sample_rows, plan.decode_contexts, plan.feed_rows
@@ -97,7 +99,8 @@ def plan_step(out: SchedulerOutput, block_size: int) -> StepPlan:
             decode_contexts.append((blocks, position + 1))
             rows.append(offset)
             offset += 1
-    plan.verify_rows = bool(drafted)
+    as_rows = bool(chunks) and offset + sum(item.num_tokens for item in chunks) <= graph_rows
+    plan.verify_rows = bool(drafted) or as_rows
     plan.greedy = greedy and not chunks and offset > 0
     for item in chunks:
         first_row = offset
@@ -107,7 +110,10 @@ def plan_step(out: SchedulerOutput, block_size: int) -> StepPlan:
         positions.extend(span)
         slots.extend(blocks[pos // block_size] * block_size + pos % block_size for pos in span)
         offset += item.num_tokens
-        plan.prefill_chunks.append((blocks, item.start, item.num_tokens))
+        if as_rows:
+            decode_contexts.extend((blocks, pos + 1) for pos in span)
+        else:
+            plan.prefill_chunks.append((blocks, item.start, item.num_tokens))
         if item.completes:
             if drafted:
                 item_rows[id(item)] = [offset - 1]

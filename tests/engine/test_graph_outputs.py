@@ -5,6 +5,9 @@ and returns what a replay returns."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
 from raylm import LLM, KvCacheConfig, SamplingParams, TokensPrompt
@@ -144,3 +147,66 @@ def test_kv_capacity_leaves_room_for_the_graphs_logits(tiny_model_dirs, monkeypa
     assert runner.graph_logits_bytes(64, pp_size=2) == 0  # pipeline stages run eagerly
     runner.capture_logits = False  # cuda_graph_config.capture_logits
     assert runner.graph_logits_bytes(64, pp_size=1) == 0
+
+
+class _EagerPrefillGraphs:
+    """The prefill graphs' interface over the runner's eager forward: steps of at most `max_batch` rows whose
+    prompt tokens come as rows of their own (verify rows), hidden states only."""
+
+    captured = False
+    takes_verify_rows = True
+
+    def __init__(self, runner, max_batch: int):
+        self.runner = runner
+        self.max_batch = max_batch
+        self.rows: list[int] = []  # each step's rows
+
+    def fits(self, num_seqs: int, max_blocks: int) -> bool:
+        return num_seqs <= self.max_batch
+
+    def free(self) -> None:
+        self.runner = None
+
+    def run_step(self, input_ids, positions, slot_mapping, contexts, feed=None, greedy=False,
+                 lora_slots=None) -> DecodeOutputs:
+        self.rows.append(len(input_ids))
+        runner, self.runner.prefill_graphs = self.runner, None
+        try:
+            plan = StepPlan(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+                            decode_contexts=contexts, verify_rows=True)
+            return DecodeOutputs(runner.forward(plan, feed=feed))
+        finally:
+            runner.prefill_graphs = self
+
+
+def test_short_prompts_through_the_prefill_graphs_give_the_eager_outputs(tiny_model_dirs):
+    """Prompts as rows of their own (plan_step's graph_rows), alone and beside decodes of requests admitted
+    earlier (three at a time), with mixed sampling settings and prompt log-probabilities: the same tokens, stops
+    and log-probabilities as their prefill chunks give; a step of more rows than the largest graph stays eager."""
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
+
+    def run(prefill_graphs: bool):
+        kv = KvCacheConfig(max_tokens=2048, tokens_per_block=4, enable_block_reuse=False)
+        with LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, kv_cache_config=kv, max_seq_len=256,
+                 max_batch_size=3) as llm:
+            runner = llm._executor.worker.runner
+            graphs = runner.prefill_graphs = _EagerPrefillGraphs(runner, 40) if prefill_graphs else None
+            eos = llm.info.vocab_size - 1
+            params = [dataclasses.replace(p, prompt_logprobs=1) for p in _mixed_params(eos)]
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        return outputs, graphs
+
+    eager, _ = run(False)
+    graphed, graphs = run(True)
+    assert max(graphs.rows) > 3 and max(graphs.rows) <= 40  # prompts' rows went through the stand-in
+    for got, expected in zip(graphed, eager):
+        for got_logprob, expected_logprob in zip(got.prompt_logprobs[1:], expected.prompt_logprobs[1:]):
+            [(token, entry)] = [(t, e) for t, e in expected_logprob.items() if t in got_logprob][:1]
+            assert got_logprob[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
+        for got_choice, expected_choice in zip(got.outputs, expected.outputs):
+            assert (got_choice.token_ids, got_choice.finish_reason) == (expected_choice.token_ids,
+                                                                        expected_choice.finish_reason)
+            for got_step, expected_step in zip(got_choice.logprobs or [], expected_choice.logprobs or []):
+                assert got_step.keys() == expected_step.keys()
+                for token, entry in expected_step.items():
+                    assert got_step[token].logprob == pytest.approx(entry.logprob, abs=1e-4)

@@ -49,3 +49,19 @@ def test_launching_moves_prompt_logprobs_past_the_planned_positions():
     assert out.scheduled[0].request.prompt_logprobs_next == 5
     second = plan_step(scheduler.schedule(), BLOCK)
     assert [spec.targets for spec in second.prompt_logprobs] == [[6, 7, 8, 9]]
+
+
+def test_short_prompts_become_rows_of_their_own_where_the_prefill_graphs_hold_them():
+    """graph_rows: a step of at most that many rows gives each prompt token a decode row of its own (verify rows,
+    each attending to its prefix, for the prefill graphs), with the same tokens, slots, sampled rows and prompt
+    log-probabilities as the chunks it replaces; a step of more rows keeps its prefill chunks."""
+    _, out = _scheduled([1, 2, 3, 4, 5, 6], [7, 8, 9], prompt_logprobs=1)
+    chunks = plan_step(out, BLOCK)
+    rows = plan_step(out, BLOCK, graph_rows=9)
+    assert chunks.prefill_chunks and not chunks.decode_contexts and not chunks.verify_rows
+    assert not rows.prefill_chunks and rows.verify_rows and not rows.greedy
+    blocks = [item.seq.block_ids for item in out.scheduled]
+    assert rows.decode_contexts == [(blocks[0], p + 1) for p in range(6)] + [(blocks[1], p + 1) for p in range(3)]
+    for field in ("input_ids", "positions", "slot_mapping", "sample_rows", "prompt_logprobs"):
+        assert getattr(rows, field) == getattr(chunks, field), field
+    assert plan_step(out, BLOCK, graph_rows=8) == chunks

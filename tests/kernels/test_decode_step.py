@@ -176,3 +176,34 @@ def test_verify_rows_of_one_sequence_attend_to_each_other_s_keys(tiny_model_dirs
     if DEVICE.type == "cuda":
         graphs.capture()
     torch.testing.assert_close(_verify_step_hidden(runner, cache, graphs), torch_path, atol=1e-4, rtol=1e-4)
+
+
+def test_a_prompt_as_rows_of_a_prefill_graph_gives_its_prefill_chunk(tiny_model_dirs):
+    """A short prompt (after a cached prefix) as rows of their own in a write-first graph (the prefill graphs of
+    cuda_graph_config.prefill_max_tokens; captured on CUDA) against the same tokens as a prefill chunk: the same
+    hidden states and the same keys and values in the cache."""
+    from raylm.engine.cuda_graphs import DecodeGraphs
+    from raylm.kernels.triton_backend import build_triton_metadata
+
+    runner, loaded = tiny_runner(tiny_model_dirs["llama"], torch.float32, DEVICE)
+    runner.build_metadata = build_triton_metadata
+    generator = torch.Generator().manual_seed(5)
+    cache = [tuple(torch.randn(t.shape, generator=generator).to(DEVICE) for t in pair) for pair in runner.kv_caches]
+    blocks, start, count = [2, 1, 3], 7, 21  # 7 cached positions, then 21 prompt tokens
+    positions = list(range(start, start + count))
+    tokens = torch.randint(0, loaded.arch.vocab_size, (count,), generator=generator).tolist()
+    slots = [blocks[p // 16] * 16 + p % 16 for p in positions]
+    runner.kv_caches = [(k.clone(), v.clone()) for k, v in cache]
+    chunk = runner.forward(StepPlan(input_ids=tokens, positions=positions, slot_mapping=slots,
+                                    prefill_chunks=[(blocks, start, count)], sample_rows=[count - 1])).float()
+    chunk_cache = runner.kv_caches
+    graphs = DecodeGraphs(loaded.model, [(k.clone(), v.clone()) for k, v in cache], [16, 32], 4,
+                          loaded.arch.hidden_size, torch.float32, DEVICE, None, decode_write_first=True)
+    if DEVICE.type == "cuda":
+        graphs.capture()
+        graphs.kv_caches[:] = [(k.copy_(k0), v.copy_(v0)) for (k, v), (k0, v0) in zip(graphs.kv_caches, cache)]
+    step = graphs.run_step(tokens, positions, slots, [(blocks, p + 1) for p in positions])
+    torch.testing.assert_close(step.hidden.float(), chunk, atol=1e-4, rtol=1e-4)
+    for (k, v), (k_ref, v_ref) in zip(graphs.kv_caches, chunk_cache):
+        torch.testing.assert_close(k, k_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v, v_ref, atol=1e-5, rtol=1e-5)
