@@ -75,7 +75,8 @@ class BlockTableStaging:
             length = len(blocks)
             held = rows[row]
             if held is None or held[0] is not blocks or length < held[1]:
-                table[row, :length] = blocks
+                # a prompt's rows share one list: the row before is already current (a row copy, no list read)
+                table[row, :length] = table[row - 1, :length] if row and contexts[row - 1][0] is blocks else blocks
                 rows[row] = (blocks, length)
             elif length > held[1]:
                 table[row, held[1] : length] = blocks[held[1] :]

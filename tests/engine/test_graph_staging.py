@@ -10,6 +10,7 @@ from raylm.engine.cuda_graphs import BlockTableStaging
 
 
 def test_block_table_rows_kept_across_steps_equal_fresh_rows():
+    """Sequences grow, copy their last block, leave and change places; some take several rows in a row."""
     rng = random.Random(0)
     staging = BlockTableStaging(np.zeros((16, 64), dtype=np.int32))
     sequences = [[rng.randrange(1, 1000)] for _ in range(12)]
@@ -24,9 +25,11 @@ def test_block_table_rows_kept_across_steps_equal_fresh_rows():
                 sequences[index] = [rng.randrange(1, 1000) for _ in range(rng.randrange(1, 8))]
         if step % 7 == 0:
             rng.shuffle(sequences)  # the batch's order changes
-        count = rng.randrange(1, len(sequences) + 1)
+        # a sequence's positions as rows of their own (a prompt in a prefill graph) share its list
+        contexts = [(blocks, 16 * len(blocks)) for blocks in sequences for _ in range(rng.choice((1, 1, 2, 5)))]
+        count = rng.randrange(1, 16)
+        contexts = contexts[:count]
         batch = min(16, count + rng.randrange(0, 3))
-        contexts = [(blocks, 16 * len(blocks)) for blocks in sequences[:count]]
         width = staging.fill(contexts, batch)
         assert width == max(len(blocks) for blocks, _ in contexts)
         for row, (blocks, _) in enumerate(contexts):
