@@ -279,15 +279,17 @@ case "${1:-}" in
     fp8_batch_1
     ;;
   prefill-graphs)
-    # Short prefills replaying graphs (cuda_graph_config.prefill_max_tokens, 256 by default) against eager ones
-    # (0): their GPU tests, then 8B batch 1 with FP8 weights and in bf16, and batch 8 in bf16, each without then with.
+    # Short prefills replaying graphs (cuda_graph_config.prefill_max_tokens=256) against eager ones (0): their GPU
+    # tests, then 8B batch 1 with FP8 weights and in bf16, and batch 8 in bf16, each without then with.
     timeout 120 python -m pytest tests/kernels/test_decode_step.py -q -rfEs -p no:cacheprovider \
       -k "prefill_graph or verify_rows or graph_buffers" 2>&1 | tail -3
+    timeout 150 python -m pytest tests/engine/test_gpu.py -q -rfEs -p no:cacheprovider \
+      -k "short_prefills or fp32_greedy_tokens or no_kernel_compiles" 2>&1 | tail -3
     for spec in "fp8 1 --set quant_config.quant_algo=FP8" "bf16 1" "bf16 8"; do
       set -- $spec
       name=$1 batch=$2; shift 2
       latency latency-8b-b$batch-$name-eager-prefill "$llama" "$batch" "$@" --set cuda_graph_config.prefill_max_tokens=0
-      latency latency-8b-b$batch-$name-prefill-graphs "$llama" "$batch" "$@"
+      latency latency-8b-b$batch-$name-prefill-graphs "$llama" "$batch" "$@" --set cuda_graph_config.prefill_max_tokens=256
     done
     ;;
   launch-cost)

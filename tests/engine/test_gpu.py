@@ -199,3 +199,42 @@ def test_graphs_reach_the_engine_max_batch_size_by_default(tiny_model_dirs):
     with _llm(tiny_model_dirs["llama"], dtype="bfloat16", max_batch_size=320,
               cuda_graph_config={"max_batch_size": 64}) as llm:
         assert llm._executor.worker.runner.graphs.max_batch == 64
+
+
+def test_short_prefills_replay_their_graphs_and_match_eager_prefills(tiny_model_dirs):
+    """cuda_graph_config.prefill_max_tokens: steps of at most that many rows replay the prefill graphs (prompts
+    admitted beside running decodes too, two requests at a time), with the tokens and log-probabilities of eager
+    prefill chunks (0: none captured)."""
+    path = tiny_model_dirs["llama"]
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    runs = []
+    for rows in (0, 128):
+        with _llm(path, dtype="float32", max_batch_size=2, cuda_graph_config={"prefill_max_tokens": rows}) as llm:
+            runner = llm._executor.worker.runner
+            if not rows:
+                assert runner.prefill_graphs is None and runner.graph_prefill_rows == 0
+                runs.append(_run(llm, params))
+                continue
+            assert runner.prefill_graphs.batch_sizes == [16, 32, 64, 128] and runner.graph_prefill_rows == 128
+            replays = _count_rows(runner.prefill_graphs)
+            runs.append(_run(llm, params))
+    assert len(replays) >= 3 and max(replays) > 2  # every prompt as rows, some beside decodes
+    for eager, graphed in zip(*runs):
+        assert graphed.outputs[0].token_ids == eager.outputs[0].token_ids
+        assert graphed.outputs[0].cumulative_logprob == pytest.approx(eager.outputs[0].cumulative_logprob, abs=1e-3)
+        for got, expected in zip(graphed.prompt_logprobs[1:], eager.prompt_logprobs[1:]):
+            token = next(iter(expected))
+            assert got[token].logprob == pytest.approx(expected[token].logprob, abs=1e-3)
+
+
+def _count_rows(graphs) -> list[int]:
+    """Each replay's rows, as graphs.run_step is called from now on."""
+    rows: list[int] = []
+    run_step = graphs.run_step
+
+    def counted(input_ids, *args, **kwargs):
+        rows.append(len(input_ids))
+        return run_step(input_ids, *args, **kwargs)
+
+    graphs.run_step = counted
+    return rows
