@@ -368,8 +368,8 @@ class ModelRunner:
         )
 
     def _step_graphs(self, plan: StepPlan):
-        """The graphs that replay this step: the decode graphs, else (verify rows) the prefill graphs, where the
-        step's rows and block lists fit; None: the step runs eagerly."""
+        """The graphs that replay this step: the decode graphs where they take its rows (verify rows only where
+        they store keys first), else the prefill graphs; None where neither fits: the step runs eagerly."""
         if plan.prefill_chunks or not plan.decode_contexts:
             return None
         rows, width = len(plan.decode_contexts), max(len(blocks) for blocks, _ in plan.decode_contexts)
