@@ -182,7 +182,8 @@ class _EagerPrefillGraphs:
 def test_short_prompts_through_the_prefill_graphs_give_the_eager_outputs(tiny_model_dirs):
     """Prompts as rows of their own (plan_step's graph_rows), alone and beside decodes of requests admitted
     earlier (three at a time), with mixed sampling settings and prompt log-probabilities: the same tokens, stops
-    and log-probabilities as their prefill chunks give; a step of more rows than the largest graph stays eager."""
+    and log-probabilities as their prefill chunks give; steps of more rows than the largest graph (the first: 43
+    prompt tokens) stay eager, never reaching the graphs."""
     prompts = [TokensPrompt(prompt_token_ids=p) for p in PROMPTS]
 
     def run(prefill_graphs: bool):
@@ -201,7 +202,7 @@ def test_short_prompts_through_the_prefill_graphs_give_the_eager_outputs(tiny_mo
     assert max(graphs.rows) > 3 and max(graphs.rows) <= 40  # prompts' rows went through the stand-in
     for got, expected in zip(graphed, eager):
         for got_logprob, expected_logprob in zip(got.prompt_logprobs[1:], expected.prompt_logprobs[1:]):
-            [(token, entry)] = [(t, e) for t, e in expected_logprob.items() if t in got_logprob][:1]
+            token, entry = next(iter(expected_logprob.items()))  # the prompt's own token
             assert got_logprob[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
         for got_choice, expected_choice in zip(got.outputs, expected.outputs):
             assert (got_choice.token_ids, got_choice.finish_reason) == (expected_choice.token_ids,
