@@ -123,7 +123,7 @@ class DistributedRunner:
     def launch(self, out: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep | PipelinedStep:
         if isinstance(previous, LaunchedStep):
             self.runner.draw_waiting(previous)  # before this step's forward overwrites the graphs' logits
-        plan = plan_step(out, self.runner.block_size, 0 if self.pipelined else self.runner.graph_prefill_rows)
+        plan = plan_step(out, self.runner.block_size, self.runner.graph_prefill_rows)  # 0 for pipeline stages
         if self.pipelined:
             return self._launch_pipelined(out, plan)
         fed = self.runner.feed_tokens(out, plan, previous)

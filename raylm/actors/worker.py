@@ -173,11 +173,15 @@ class Worker:
         return self._memory
 
     def _capture_graphs(self) -> None:
+        from raylm.engine.cuda_graphs import prefill_row_sizes
+
         sizes = self._graph_batch_sizes()
-        if sizes:
+        if sizes:  # cuda_graph_config is set, on CUDA
+            args = self.spec.args
+            prefill_rows = min(args.cuda_graph_config.prefill_max_tokens, args.max_num_tokens)
             self.runner.capture_graphs(sizes, self.spec.max_seq_len, self.ctx.pp_size,
-                                       verify_rows=self.spec.args.speculative_config is not None,
-                                       prefill_sizes=self._prefill_graph_sizes())
+                                       verify_rows=args.speculative_config is not None,
+                                       prefill_sizes=prefill_row_sizes(prefill_rows))
 
     def _require_resident(self, tag: str, what: str) -> None:
         if self._memory is not None and tag in self._memory.released:
@@ -344,15 +348,6 @@ class Worker:
             return []
         limit = min(graph_config.max_batch_size or args.max_batch_size, args.max_batch_size)
         return graph_config.batch_sizes or default_batch_sizes(limit)
-
-    def _prefill_graph_sizes(self) -> list[int]:
-        """The prefill graphs' rows (cuda_graph_config.prefill_max_tokens, within max_num_tokens)."""
-        from raylm.engine.cuda_graphs import prefill_row_sizes
-
-        args = self.spec.args
-        if args.cuda_graph_config is None or self.device.type != "cuda":
-            return []
-        return prefill_row_sizes(min(args.cuda_graph_config.prefill_max_tokens, args.max_num_tokens))
 
     def _num_blocks(self, kv_dtype: torch.dtype) -> int:
         kv_config = self.spec.args.kv_cache_config

@@ -18,17 +18,23 @@ from tests.engine.test_overlap import PROMPTS, _mixed_params, _summary
 
 
 class _EagerGraphs:
-    """DecodeGraphs' interface over the runner's eager decode: every decode step fits."""
+    """DecodeGraphs' interface over the runner's eager forward. As the runner's decode graphs (`graphs`): every
+    decode step fits, with its logits and greedy draws. As its prefill graphs (`prefill_graphs`): steps of at most
+    `max_batch` rows whose prompt tokens come as rows of their own (verify rows), hidden states only."""
 
     captured = False  # steps prepare their LoRA rows as eager ones do
 
-    def __init__(self, runner):
+    def __init__(self, runner, attribute: str = "graphs", max_batch: int | None = None):
         self.runner = runner
+        self.attribute = attribute
+        self.max_batch = max_batch
+        self.takes_verify_rows = attribute == "prefill_graphs"
         self.steps = 0
         self.greedy_steps = 0
+        self.rows: list[int] = []  # each step's rows
 
     def fits(self, num_seqs: int, max_blocks: int) -> bool:
-        return True
+        return self.max_batch is None or num_seqs <= self.max_batch
 
     def free(self) -> None:  # nothing of its own on a device
         self.runner = None
@@ -37,13 +43,17 @@ class _EagerGraphs:
                  lora_slots=None) -> DecodeOutputs:
         self.steps += 1
         self.greedy_steps += greedy
-        runner, self.runner.graphs = self.runner, None
+        self.rows.append(len(input_ids))
+        runner = self.runner
+        setattr(runner, self.attribute, None)
         try:
             plan = StepPlan(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
-                            decode_contexts=contexts)
+                            decode_contexts=contexts, verify_rows=self.takes_verify_rows)
             hidden = runner.forward(plan, feed=feed)
         finally:
-            runner.graphs = self
+            setattr(runner, self.attribute, self)
+        if self.takes_verify_rows:
+            return DecodeOutputs(hidden)
         logits = runner.model.compute_logits(hidden)
         return DecodeOutputs(hidden, logits, greedy_draws(logits) if greedy else None)
 
@@ -149,36 +159,6 @@ def test_kv_capacity_leaves_room_for_the_graphs_logits(tiny_model_dirs, monkeypa
     assert runner.graph_logits_bytes(64, pp_size=1) == 0
 
 
-class _EagerPrefillGraphs:
-    """The prefill graphs' interface over the runner's eager forward: steps of at most `max_batch` rows whose
-    prompt tokens come as rows of their own (verify rows), hidden states only."""
-
-    captured = False
-    takes_verify_rows = True
-
-    def __init__(self, runner, max_batch: int):
-        self.runner = runner
-        self.max_batch = max_batch
-        self.rows: list[int] = []  # each step's rows
-
-    def fits(self, num_seqs: int, max_blocks: int) -> bool:
-        return num_seqs <= self.max_batch
-
-    def free(self) -> None:
-        self.runner = None
-
-    def run_step(self, input_ids, positions, slot_mapping, contexts, feed=None, greedy=False,
-                 lora_slots=None) -> DecodeOutputs:
-        self.rows.append(len(input_ids))
-        runner, self.runner.prefill_graphs = self.runner, None
-        try:
-            plan = StepPlan(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
-                            decode_contexts=contexts, verify_rows=True)
-            return DecodeOutputs(runner.forward(plan, feed=feed))
-        finally:
-            runner.prefill_graphs = self
-
-
 def test_short_prompts_through_the_prefill_graphs_give_the_eager_outputs(tiny_model_dirs):
     """Prompts as rows of their own (plan_step's graph_rows), alone and beside decodes of requests admitted
     earlier (three at a time), with mixed sampling settings and prompt log-probabilities: the same tokens, stops
@@ -191,7 +171,7 @@ def test_short_prompts_through_the_prefill_graphs_give_the_eager_outputs(tiny_mo
         with LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, kv_cache_config=kv, max_seq_len=256,
                  max_batch_size=3) as llm:
             runner = llm._executor.worker.runner
-            graphs = runner.prefill_graphs = _EagerPrefillGraphs(runner, 40) if prefill_graphs else None
+            graphs = runner.prefill_graphs = _EagerGraphs(runner, "prefill_graphs", 40) if prefill_graphs else None
             eos = llm.info.vocab_size - 1
             params = [dataclasses.replace(p, prompt_logprobs=1) for p in _mixed_params(eos)]
             outputs = llm.generate(prompts, params, use_tqdm=False)
