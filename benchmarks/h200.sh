@@ -58,6 +58,8 @@
 #                                        # as its own kernel after the GEMV, then on a second stream beside it
 #                                        # (lora_expand=beside, the default); a new adapter's load time (~4 min)
 #   bash benchmarks/h200.sh lora-tests   # the LoRA kernel, decode-graph and engine GPU tests (~8 min)
+#   bash benchmarks/h200.sh engine-tests # the GPU tests that build engines (the engine's defaults: graphs, prefill
+#                                        # graphs, LoRA, FP8, release), log in $OUT/engine-tests.log (~8 min)
 #   bash benchmarks/h200.sh lora-prefill # 8B batch 8 with 1024-token prompts and 8 adapters against no LoRA (~3 min)
 #   bash benchmarks/h200.sh lora-profile # the step profile of 8B batch 8 with 8 adapters, lora_expand=beside or
 #                                        # $LORA_EXPAND (~2 min)
@@ -444,6 +446,15 @@ case "${1:-}" in
       --set kv_cache_config.dtype=fp8 $(output_json step-profile-8b-b512-fp8-kv) 2>&1 | tail -10
     timeout 60 python -m pytest tests/engine/test_fp8_kv_cache.py -m gpu -k products -q -p no:cacheprovider 2>&1 \
       | tail -3
+    ;;
+  engine-tests)
+    # Every GPU test that starts an engine on its defaults (kernel tests build no engine: `check` runs them).
+    log="${OUT:-/tmp}/engine-tests.log"
+    timeout 560 python -m pytest tests/engine/test_gpu.py tests/engine/test_fp8_kv_cache.py \
+      tests/engine/test_flashinfer.py tests/test_lora.py tests/models/test_quantization.py \
+      tests/kernels/test_lora.py tests/rl_api/test_memory_gpu.py tests/rl_api/test_weight_transfer.py -m gpu -v -rfEs \
+      -p no:cacheprovider --durations=8 > "$log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed| FAILED |s call " "$log" | tail -24
     ;;
   lora-tests)
     # The LoRA kernels (with PDL too) and the decode graphs with adapters (captured once, each row's slot read in
