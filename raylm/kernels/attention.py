@@ -42,6 +42,7 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None = None  # [num_decodes, max_context] cache slots, padded
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_context] bool
     prefills: list[PrefillChunk] = field(default_factory=list)
+    adds_qkv_products = False  # attend takes no LoRA products to add (TritonAttentionMetadata's do)
 
     def attend(self, q, k, v, k_cache, v_cache, scale: float,
                rope: tuple[torch.Tensor, torch.Tensor] | None = None,

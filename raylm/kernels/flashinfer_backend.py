@@ -65,6 +65,7 @@ class FlashInferAttentionMetadata:
     num_decodes: int = 0
     decode: Any = None  # a planned BatchDecodeWithPagedKVCacheWrapper, for the first num_decodes tokens
     prefill: Any = None  # a planned BatchPrefillWithPagedKVCacheWrapper, for the tokens after them
+    adds_qkv_products = False  # attend takes no LoRA products to add (TritonAttentionMetadata's do)
 
     def attend(self, q, k, v, k_cache, v_cache, scale: float,
                rope: tuple[torch.Tensor, torch.Tensor] | None = None,

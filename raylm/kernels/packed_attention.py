@@ -29,6 +29,7 @@ class PackedAttention:
     padded_rows: torch.Tensor | None  # [T] row of each token in the padded [B * max_len] layout; None: no padding
     key_mask: torch.Tensor | None  # [B, 1, 1, max_len] real keys, for bidirectional attention over padded rows
     rows_padded: bool = False  # the model pads its rows at its input: q, k and v come in the padded layout
+    adds_qkv_products = False  # attend takes no LoRA products to add (TritonAttentionMetadata's do)
 
     @classmethod
     def build(cls, seq_lens: list[int], causal: bool, device: torch.device,

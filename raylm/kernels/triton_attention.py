@@ -40,7 +40,7 @@ from raylm.kernels.triton_kv_cache import (
     store_rows,
     value_strides,
 )
-from raylm.kernels.triton_ops import cos_sin_row, rope_rows, rotated_rows
+from raylm.kernels.triton_ops import cos_sin_row, rope_rows, rotated_rows, rows_plus
 
 # Split-K: each split should own at least this many keys, and there are never more splits than this.
 _MIN_KEYS_PER_SPLIT = 256
@@ -68,14 +68,16 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ROPE: tl.constexpr = False, KV_FP8: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
     V_BY_SLOTS: tl.constexpr = False, V_RUN: tl.constexpr = 16, FP8_DOT: tl.constexpr = False,
-    KEYS_FIRST: tl.constexpr = False, WARP_SPLIT: tl.constexpr = 0,
+    KEYS_FIRST: tl.constexpr = False, WARP_SPLIT: tl.constexpr = 0, q_add_ptr=None, k_add_ptr=None, v_add_ptr=None,
+    ADD: tl.constexpr = False,
 ):
     """One (sequence, KV head, split): attends the group's query heads over the split's range of keys.
 
     With ROPE, q holds the step's unrotated queries, and the kernel does what rotary_write_kv_cache does
     before it: it rotates the group's queries and, in the program whose split holds the newest key, stores
     the rotated key and the value (k, v) at the sequence's slot (none for a negative slot), then reads them
-    back from the cache like every other key, after a barrier of the program's threads."""
+    back from the cache like every other key, after a barrier of the program's threads. With ADD, float32 addends
+    laid out as q, k and v (a LoRA qkv layer's products: models/lora.py) join them as they load (rows_plus)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -97,7 +99,7 @@ def _decode_split_kernel(
     if ROPE:
         half = head_dim // 2
         cos, sin = cos_sin_row(cos_ptr, sin_ptr, seq.to(tl.int64), stride_cos, stride_sin, dims, dim_mask)
-        q = rotated_rows(q_ptr, q_offsets, dims, q_mask, cos, sin, half).to(q_ptr.dtype.element_ty)
+        q = rotated_rows(q_ptr, q_offsets, dims, q_mask, cos, sin, half, q_add_ptr, ADD).to(q_ptr.dtype.element_ty)
         newest = context_len - 1
         slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
         if (newest >= split_start) & (newest < split_end) & (slot >= 0):
@@ -110,11 +112,11 @@ def _decode_split_kernel(
             scale_row = ((slot // PAGE_SIZE) * stride_scale_block + (slot % PAGE_SIZE) * stride_scale_slot
                          + kv_head * stride_scale_head + tl.zeros([1, 1], tl.int64))
             key = rotated_rows(k_ptr, seq.to(tl.int64) * stride_kt + kv_head * stride_kh, dims, kv_mask, cos, sin,
-                               half)
+                               half, k_add_ptr, ADD)
             store_rows(k_cache_ptr, k_scale_ptr, key.to(k_ptr.dtype.element_ty), cache_row, scale_row, dims,
                        kv_mask, row_mask, 1, KV_FP8)
-            value = tl.load(v_ptr + seq.to(tl.int64) * stride_vt + kv_head * stride_vh + dims[None, :], mask=kv_mask,
-                            other=0.0)
+            value = rows_plus(v_ptr, v_add_ptr, seq.to(tl.int64) * stride_vt + kv_head * stride_vh + dims[None, :],
+                              kv_mask, ADD).to(v_ptr.dtype.element_ty)
             store_rows(v_cache_ptr, v_scale_ptr, value, value_row, scale_row, dims, kv_mask, row_mask, stride_v_dim,
                        KV_FP8)
         tl.debug_barrier()
@@ -306,11 +308,14 @@ def rotary_decode_attention(
     kv_scales: tuple[torch.Tensor, ...] = (),
     fp8_dot: bool = False,
     warp_split: bool = False,
+    addends: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """rotary_write_kv_cache then paged_decode_attention in one kernel launch (two with split-K): q, k [B, H, D]
     are the step's unrotated queries and keys, v its values, cos / sin one row per sequence; the rotated keys
     and the values are stored at slot_mapping's slots (not for negative slots), and the result is the
-    attention of the rotated queries over the contexts, the new keys included."""
+    attention of the rotated queries over the contexts, the new keys included. addends: float32 tensors of q, k
+    and v's shapes and strides (a LoRA qkv layer's products) added to them first, each sum rounded to their dtype
+    as q.add_(addends[0]) would leave it, so that the layer needs no add of its own."""
     batch, _, head_dim = q.shape
     num_kv_heads = k.shape[1]
     cos_rows, sin_rows = rope_rows(q, k, cos, sin)
@@ -319,7 +324,13 @@ def rotary_decode_attention(
         raise ValueError("k and v must be contiguous in their last dimension")
     if k_cache.shape[2] != num_kv_heads:
         raise ValueError(f"k has {num_kv_heads} heads, the cache {k_cache.shape[2]}")
-    rope = (k, v, cos_rows, sin_rows, slot_mapping)
+    if addends is not None:
+        for name, tensor, addend in zip("qkv", (q, k, v), addends):
+            if addend.dtype != torch.float32 or addend.shape != tensor.shape or addend.stride() != tensor.stride():
+                raise ValueError(f"the addends of {name} must be float32 of its shape {list(tensor.shape)} and "
+                                 f"strides {tensor.stride()}, got {addend.dtype} {list(addend.shape)} "
+                                 f"{addend.stride()}")
+    rope = (k, v, cos_rows, sin_rows, slot_mapping, addends)
     return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope, pdl,
                    kv_scales, None, fp8_dot, warp_split)
 
@@ -327,7 +338,7 @@ def rotary_decode_attention(
 def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope, pdl,
             kv_scales, config=None, fp8_dot=False, warp_split=False):
     """The decode attention launch of paged_decode_attention, and of rotary_decode_attention with rope =
-    (k, v, cos_rows, sin_rows, slot_mapping)."""
+    (k, v, cos_rows, sin_rows, slot_mapping, addends or None)."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     check_cache("k_cache", k_cache, num_kv_heads, head_dim)
@@ -380,9 +391,9 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
         part_max = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
     if rope is None:  # the rotation's arguments are unused: any tensors
-        k, v, cos, sin, slots = q, q, q, q, context_lens
+        k, v, cos, sin, slots, addends = q, q, q, q, context_lens, None
     else:
-        k, v, cos, sin, slots = rope
+        k, v, cos, sin, slots, addends = rope
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_max, part_sum,
         scale * _LOG2_E, window, num_q_heads, num_splits, head_dim,
@@ -393,7 +404,9 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
         GROUP=group, BLOCK_G=max(8 if keys_first else config.block_m, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=config.block_n, PAGE_SIZE=page_size, DIRECT_OUTPUT=direct, DOT_PRECISION=_dot_precision(q.dtype),
         ROPE=rope is not None, KV_FP8=fp8, V_BY_SLOTS=values_by_slots, V_RUN=run, FP8_DOT=fp8_dot,
-        KEYS_FIRST=keys_first, WARP_SPLIT=config.num_warps if config.warp_split else 0, num_warps=config.num_warps,
+        KEYS_FIRST=keys_first, WARP_SPLIT=config.num_warps if config.warp_split else 0,
+        q_add_ptr=q if addends is None else addends[0], k_add_ptr=k if addends is None else addends[1],
+        v_add_ptr=v if addends is None else addends[2], ADD=addends is not None, num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(pdl),
     )

@@ -30,13 +30,22 @@ class TritonAttentionMetadata:
     # row's key and value is stored before any row attends, instead of by each row's own attention kernel.
     decode_write_first: bool = False
 
+    @property
+    def adds_qkv_products(self) -> bool:
+        """Whether attend takes a LoRA qkv layer's products unadded (qkv_addends): a step of decodes alone, each
+        rotated and stored by its own attention kernel, which adds them as it loads q, k and v."""
+        return self.num_decodes > 0 and self.prefill_block_tables is None and not self.decode_write_first
+
     def attend(self, q, k, v, k_cache, v_cache, scale: float,
                rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-               kernels: KernelPolicy = KernelPolicy(), kv_scales: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+               kernels: KernelPolicy = KernelPolicy(), kv_scales: tuple[torch.Tensor, ...] = (),
+               qkv_addends: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Attention of q over the cache after storing k and v at their slots; with rope = (cos, sin), q and k
         are rotated first, in the kernel that stores them: for decode tokens, their attention kernel. The
         kernels launch with the policy's PDL trigger mode (kernels/pdl.py). kv_scales: an FP8 cache's (k_scale,
-        v_scale)."""
+        v_scale). qkv_addends: float32 products to add to q, k and v first, where adds_qkv_products."""
+        if qkv_addends is not None and not (rope is not None and self.adds_qkv_products):
+            raise ValueError("qkv_addends need a step of decodes alone, rotated by their attention kernel")
         pdl = kernels.pdl
         fp8 = {"kv_scales": kv_scales} if kv_scales else {}
         # FP8 products (kernel_config.fp8_attention) need the values by slots, as the engine stores an FP8 cache's,
@@ -76,7 +85,7 @@ class TritonAttentionMetadata:
                 decoded = rotary_decode_attention(q[head], k[head], v[head], rope[0][head], rope[1][head], k_cache,
                                                   v_cache, self.slot_mapping[head], self.decode_block_tables,
                                                   self.decode_context_lens, scale, self.sliding_window, pdl=pdl,
-                                                  **decode_fp8)
+                                                  addends=qkv_addends, **decode_fp8)
             if self.prefill_block_tables is None:
                 return decoded
         prefilled = paged_prefill_attention(prefill_queries, k_cache, v_cache, self.prefill_block_tables,

@@ -147,15 +147,25 @@ def cos_sin_row(cos_ptr, sin_ptr, token, stride_cos, stride_sin, dims, dim_mask)
 
 
 @triton.jit
-def rotated_rows(x_ptr, offsets, dims, mask, cos, sin, half):
+def rows_plus(x_ptr, add_ptr, offsets, mask, ADD: tl.constexpr = False):
+    """x's values at `offsets` in float32; with ADD, plus float32 addends at the same offsets of add_ptr (a LoRA
+    layer's products laid out as x), the sum rounded to x's dtype first, as x.add_(addends) would store it."""
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
+    if ADD:
+        x = (x.to(tl.float32) + tl.load(add_ptr + offsets, mask=mask, other=0.0)).to(x_ptr.dtype.element_ty)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def rotated_rows(x_ptr, offsets, dims, mask, cos, sin, half, add_ptr=None, ADD: tl.constexpr = False):
     """NeoX rotate-half of the rows of x at `offsets` ([R, 1]; each row D values along `dims`), in float32:
     x[d] cos[d] - x[d + half] sin[d] for d < half, x[d] cos[d] + x[d - half] sin[d] beyond. Every kernel that
     rotates (here, the cache write, the decode attention) goes through this one expression, so that they all
-    round alike."""
+    round alike. With ADD, x is first the sum of x and add_ptr's addends (rows_plus)."""
     lower = dims < half
     partner = tl.where(lower, dims + half, dims - half)
-    x = tl.load(x_ptr + offsets + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-    other = tl.load(x_ptr + offsets + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = rows_plus(x_ptr, add_ptr, offsets + dims[None, :], mask, ADD)
+    other = rows_plus(x_ptr, add_ptr, offsets + partner[None, :], mask, ADD)
     return tl.where(lower[None, :], x * cos - other * sin, x * cos + other * sin)
 
 

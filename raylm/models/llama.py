@@ -63,16 +63,22 @@ class Attention(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, defer_reduce: bool = False) -> torch.Tensor | Unreduced:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden, defer_add=self.q_norm is None and meta.adds_qkv_products)
+        # An FP8 cache carries its scales after the keys and values (the torch backend's attend takes them).
+        extra = {"kv_scales": kv_cache[2:]} if len(kv_cache) > 2 else {}
+        if hasattr(qkv, "products"):  # LoRA products (models/lora.py's PendingProducts): the decode kernel adds them
+            qkv, extra["qkv_addends"] = qkv.out, self._heads(qkv.products)
+        q, k, v = self._heads(qkv)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        # An FP8 cache carries its scales after the keys and values (the torch backend's attend takes them).
-        scales = {"kv_scales": kv_cache[2:]} if len(kv_cache) > 2 else {}
-        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, rope=rope, kernels=self.kernels, **scales)
+        out = meta.attend(q, k, v, kv_cache[0], kv_cache[1], self.scale, rope=rope, kernels=self.kernels, **extra)
         return self.o_proj(out.view(-1, self.num_heads * self.head_dim), defer_reduce)
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k and v [T, H_kv, D]: views of the qkv layer's output."""
+        q, k, v = self.qkv_proj.split(qkv)
+        return (q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
+                v.view(-1, self.num_kv_heads, self.head_dim))
 
 
 class MLP(nn.Module):

@@ -324,6 +324,54 @@ def test_rotary_decode_attention_equals_rotary_write_then_decode(device, dtype, 
     assert got.is_contiguous()
 
 
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_rotary_decode_attention_adds_the_addends_as_an_add_before_it_would(device, dtype, num_splits):
+    """A LoRA qkv layer's float32 products given as addends: the cache and the output are bit for bit those of
+    q, k and v with the products added first (q.add_(products), rounded to their dtype); padded rows too."""
+    from raylm.kernels.rotary import RotaryEmbedding, rope_inv_freq
+
+    torch.manual_seed(11)
+    page, kv_heads, group, head_dim = 16, 2, 4, 64
+    q_heads = kv_heads * group
+    lengths = [1, 40, 300]
+    counts = [_cdiv(length, page) for length in lengths]
+    ids = (torch.randperm(sum(counts)) + 1).tolist()
+    tables = []
+    for count in counts:
+        tables.append(ids[:count] + [0] * (max(counts) - count))
+        ids = ids[count:]
+    table = torch.tensor(tables, dtype=torch.int32, device=device)
+    slots = [tables[seq][(length - 1) // page] * page + (length - 1) % page for seq, length in enumerate(lengths)]
+    slots[0] = -1
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+    context_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    batch, sizes = len(lengths), [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+
+    def heads(qkv):
+        return tuple(t.view(batch, -1, head_dim) for t in qkv.split(sizes, dim=-1))
+
+    qkv = torch.randn(batch, sum(sizes), device=device).to(dtype)
+    products = torch.randn(batch, sum(sizes), device=device) / 8
+    cos, sin = RotaryEmbedding(head_dim, 512, rope_inv_freq(head_dim, 10000.0)).to(device).cos_sin(
+        context_lens.long() - 1, dtype)
+    base = torch.randn(sum(counts) + 1, page, kv_heads, head_dim).to(device, dtype)
+    base[0] = 0
+    caches = [base.clone() for _ in range(4)]
+
+    expected = rotary_decode_attention(*heads(qkv.clone().add_(products)), cos, sin, caches[0], caches[1],
+                                       slot_mapping, table, context_lens, head_dim**-0.5, num_splits=num_splits)
+    got = rotary_decode_attention(*heads(qkv), cos, sin, caches[2], caches[3], slot_mapping, table, context_lens,
+                                  head_dim**-0.5, num_splits=num_splits, addends=heads(products))
+
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="addends of q must be float32"):
+        rotary_decode_attention(*heads(qkv), cos, sin, caches[2], caches[3], slot_mapping, table, context_lens,
+                                head_dim**-0.5, addends=heads(products.to(dtype) if dtype != torch.float32
+                                                              else products.double()))
+
+
 # ------------------------------------------------------------------------------------------ prefill
 
 PREFILL_SHAPES = [Shape(16, 2, 4, 64), Shape(32, 1, 8, 128), Shape(64, 2, 1, 32), Shape(16, 1, 7, 80),
