@@ -60,10 +60,11 @@ class CudaGraphConfig(StrictModel):
         default=True, description="Decode graphs also compute the logits and, for greedy requests, the draws; "
                                   "false launches them eagerly after the graph.")
     prefill_max_tokens: int = Field(
-        default=0, ge=0,
+        default=256, ge=0,
         description="Steps with prompt tokens of at most this many rows in all (their decodes included) replay "
                     "graphs of their own, each prompt token a row that attends to its prefix as a decode does "
-                    "(Triton attention only); 0 (the default until measured on a GPU): such steps run eagerly.")
+                    "(Triton attention only): a short prompt's prefill without the host's launches; 0: such steps "
+                    "run eagerly.")
 
     @field_validator("batch_sizes")
     @classmethod
