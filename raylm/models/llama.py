@@ -63,7 +63,8 @@ class Attention(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, defer_reduce: bool = False) -> torch.Tensor | Unreduced:
-        qkv = self.qkv_proj(hidden, defer_add=self.q_norm is None and meta.adds_qkv_products)
+        adds = self.q_norm is None and meta.adds_qkv_products
+        qkv = self.qkv_proj(hidden, defer_add=True) if adds else self.qkv_proj(hidden)
         # An FP8 cache carries its scales after the keys and values (the torch backend's attend takes them).
         extra = {"kv_scales": kv_cache[2:]} if len(kv_cache) > 2 else {}
         if hasattr(qkv, "products"):  # LoRA products (models/lora.py's PendingProducts): the decode kernel adds them
