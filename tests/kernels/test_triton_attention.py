@@ -277,6 +277,21 @@ def test_decode_matches_reference_over_a_large_batch(device, dtype):
     lengths = torch.randint(1, 4097, (64,)).tolist()
     _run_step(device, dtype, Shape(16, 8, 4, 128), decode_lens=lengths, prefill_chunks=[])
 
+def _decode_step_tables(device, lengths, page, padded):
+    """A decode step over sequences of these lengths: shuffled block tables (block 0 the null block), each
+    sequence's newest slot (negative for row `padded`, as graph padding), the lengths, and the blocks in use."""
+    counts = [_cdiv(length, page) for length in lengths]
+    ids = (torch.randperm(sum(counts)) + 1).tolist()
+    tables = []
+    for count in counts:
+        tables.append(ids[:count] + [0] * (max(counts) - count))
+        ids = ids[count:]
+    slots = [tables[seq][(length - 1) // page] * page + (length - 1) % page for seq, length in enumerate(lengths)]
+    slots[padded] = -1
+    return (torch.tensor(tables, dtype=torch.int32, device=device),
+            torch.tensor(slots, dtype=torch.int64, device=device),
+            torch.tensor(lengths, dtype=torch.int32, device=device), sum(counts))
+
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("shape", [Shape(16, 2, 4, 64), Shape(16, 2, 7, 80), Shape(32, 1, 8, 128)], ids=str)
@@ -291,24 +306,14 @@ def test_rotary_decode_attention_equals_rotary_write_then_decode(device, dtype, 
     page, kv_heads, head_dim = shape.page_size, shape.num_kv_heads, shape.head_dim
     q_heads = kv_heads * shape.group
     lengths = [1, 17, 300, 64]
-    counts = [_cdiv(length, page) for length in lengths]
-    ids = (torch.randperm(sum(counts)) + 1).tolist()
-    tables = []
-    for count in counts:
-        tables.append(ids[:count] + [0] * (max(counts) - count))
-        ids = ids[count:]
-    table = torch.tensor(tables, dtype=torch.int32, device=device)
-    slots = [tables[seq][(length - 1) // page] * page + (length - 1) % page for seq, length in enumerate(lengths)]
-    slots[1] = -1
-    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
-    context_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    table, slot_mapping, context_lens, num_blocks = _decode_step_tables(device, lengths, page, padded=1)
     batch = len(lengths)
     qkv = torch.randn(batch, (q_heads + 2 * kv_heads) * head_dim, device=device).to(dtype)
     q, k, v = (t.view(batch, -1, head_dim) for t in qkv.split([q_heads * head_dim, kv_heads * head_dim,
                                                                kv_heads * head_dim], dim=-1))
     cos, sin = RotaryEmbedding(head_dim, 512, rope_inv_freq(head_dim, 10000.0)).to(device).cos_sin(
         context_lens.long() - 1, dtype)
-    base = torch.randn(sum(counts) + 1, page, kv_heads, head_dim).to(device, dtype)
+    base = torch.randn(num_blocks + 1, page, kv_heads, head_dim).to(device, dtype)
     base[0] = 0  # the null block
     caches = [base.clone() for _ in range(4)]
 
@@ -335,17 +340,7 @@ def test_rotary_decode_attention_adds_the_addends_as_an_add_before_it_would(devi
     page, kv_heads, group, head_dim = 16, 2, 4, 64
     q_heads = kv_heads * group
     lengths = [1, 40, 300]
-    counts = [_cdiv(length, page) for length in lengths]
-    ids = (torch.randperm(sum(counts)) + 1).tolist()
-    tables = []
-    for count in counts:
-        tables.append(ids[:count] + [0] * (max(counts) - count))
-        ids = ids[count:]
-    table = torch.tensor(tables, dtype=torch.int32, device=device)
-    slots = [tables[seq][(length - 1) // page] * page + (length - 1) % page for seq, length in enumerate(lengths)]
-    slots[0] = -1
-    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
-    context_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    table, slot_mapping, context_lens, num_blocks = _decode_step_tables(device, lengths, page, padded=0)
     batch, sizes = len(lengths), [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
 
     def heads(qkv):
@@ -355,7 +350,7 @@ def test_rotary_decode_attention_adds_the_addends_as_an_add_before_it_would(devi
     products = torch.randn(batch, sum(sizes), device=device) / 8
     cos, sin = RotaryEmbedding(head_dim, 512, rope_inv_freq(head_dim, 10000.0)).to(device).cos_sin(
         context_lens.long() - 1, dtype)
-    base = torch.randn(sum(counts) + 1, page, kv_heads, head_dim).to(device, dtype)
+    base = torch.randn(num_blocks + 1, page, kv_heads, head_dim).to(device, dtype)
     base[0] = 0
     caches = [base.clone() for _ in range(4)]
 
