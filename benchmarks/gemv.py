@@ -9,6 +9,10 @@ gemv_silu_mul, which applies SiLU-mul in its epilogue.
                                             # in fp16; input quantized to FP8) against torch._scaled_mm
     python benchmarks/gemv.py --fp8 --rows 1 --impls triton_fp16 triton_fp16_dot
                                             # one row: the CUDA-core GEMV against the tensor-core one (in fp16)
+    python benchmarks/gemv.py --fp8 --rows 1 --sweep
+                                            # every tiling the tuning offers and deeper ones (whole slices of K
+                                            # in registers, more pipeline stages) on qkv / o / down, fp16 input,
+                                            # without and under PDL (`tail`): the fastest of each
 
 Each timing replays a CUDA graph of calls over enough copies of the weight (≥ 1 GiB in all) that no call
 finds its weight in L2, as in a real step, where every weight is read once.
@@ -92,6 +96,69 @@ def time_gate_up_silu(rows: int, tp: int, dtype: torch.dtype) -> dict:
     return entry
 
 
+def sweep_configs(rows: int) -> list[dict]:
+    """The tilings --sweep times at `rows` rows on FP8 weights: those the tuning offers, and deeper ones: on the CUDA
+    cores (one row) whole slices of K loaded at once (before the PDL wait), on the tensor cores more stages."""
+    from raylm.kernels.gemv_tiles import candidates, core_candidates, tiling
+
+    offered = [tiling(config) for config in (core_candidates(split=True) if rows == 1 else [])
+               + candidates(split=True, fp8=True)]
+    deeper = []
+    if rows == 1:
+        deeper += [{"BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "CORE": 1, "CORE_AHEAD": 1,
+                    "num_warps": warps, "num_stages": 1}
+                   for block_n, block_k, warps in ((16, 1024, 4), (16, 1024, 8), (16, 2048, 8), (32, 1024, 8))
+                   for split_k in (1, 2, 4)]
+    deeper += [{"BLOCK_N": block_n, "BLOCK_K": block_k, "SWAP_AB": swap, "num_warps": 4, "num_stages": stages}
+               for block_n, block_k in ((16, 512), (32, 512), (16, 1024)) for swap in (0, 1) for stages in (5, 6, 8)
+               if not (swap and block_n == 16)]
+    deeper += [{"BLOCK_N": 16, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4, "num_stages": stages}
+               for block_k in (512, 1024) for split_k in (2, 4) for stages in (5, 6)]
+    return offered + deeper
+
+
+def sweep(rows: int, layers: list[str], pdls: list[int]) -> dict:
+    """Times every sweep_configs tiling of the FP8 GEMV (fp16 input) on each layer, without PDL and under each of
+    `pdls` (a graph of back-to-back calls, each one's first tile requested before it waits for the one before)."""
+    from raylm.kernels.fp8 import dequantize_fp8, quantize_fp8
+    from raylm.kernels.triton_gemv import gemv
+
+    result: dict = {}
+    for name in layers:
+        n, k, _ = LLAMA_8B[name]
+        copies = max(2, math.ceil(2**30 / (n * k)))
+        weights = [quantize_fp8(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+                   for _ in range(copies)]
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        expected = F.linear(x.float(), dequantize_fp8(*weights[0])).to(x.dtype)
+        timings = []
+        for config in sweep_configs(rows):
+            if config.get("SPLIT_K", 1) > 1 and k // config["SPLIT_K"] < config["BLOCK_K"]:
+                continue
+            entry = {"config": config}
+            for pdl in pdls:
+                def call(x, w, pdl=pdl, config=config):
+                    return gemv(x, w[0], weight_scale=w[1], input_mode="float16", config=config, pdl=pdl)
+                try:
+                    torch.testing.assert_close(call(x, weights[0]), expected, atol=5e-2, rtol=2e-2)
+                    micros = time_calls(call, x, weights)
+                except Exception as error:  # noqa: BLE001 - a tiling that does not compile or fit is reported
+                    entry[f"pdl{pdl}"] = repr(error)[:200]
+                    continue
+                entry[f"pdl{pdl}"] = {"us": micros, "tb_per_s": n * k / micros / 1e6}
+            timings.append(entry)
+        result[name] = timings
+        for pdl in pdls:
+            ranked = sorted((e for e in timings if isinstance(e.get(f"pdl{pdl}"), dict)),
+                            key=lambda e: e[f"pdl{pdl}"]["us"])
+            for entry in ranked[:4]:
+                print(f"rows {rows} {name:<5} pdl {pdl}: {entry[f'pdl{pdl}']['us']:.2f} us "
+                      f"({entry[f'pdl{pdl}']['tb_per_s']:.2f} TB/s) {entry['config']}", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -101,10 +168,20 @@ def main() -> None:
                         help="time only these (with --fp8: scaled_mm, triton, triton_fp16, triton_fp16_dot, "
                              "triton_fp8_input; triton_fp16_dot, one row on the tensor cores too, is not timed "
                              "by default)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="with --fp8: time every tiling (sweep_configs) on --layers instead of the tuned ones")
+    parser.add_argument("--layers", nargs="+", default=["qkv", "o", "down"], help="the layers --sweep times")
+    parser.add_argument("--pdl", type=int, nargs="+", default=[0, 4], help="PDL trigger modes --sweep times under")
     parser.add_argument("--output_json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/gemv.py times CUDA kernels: it needs a GPU")
+    if args.sweep:
+        if not args.fp8:
+            parser.error("--sweep times FP8 weights: add --fp8")
+        result = {str(rows): sweep(rows, args.layers, args.pdl) for rows in args.rows}
+        print(f"wrote {write_result('gemv-sweep-llama-3.1-8b-fp8', args, result)}")
+        return
     from raylm.kernels import triton_gemv
     from raylm.kernels.fp8 import dequantize_fp8, fp8_linear, quantize_fp8
     from raylm.kernels.triton_gemv import gemv

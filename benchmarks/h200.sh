@@ -51,6 +51,9 @@
 #                                        # then the GEMV's other input modes (kernel_config.fp8_gemv_input)  (~6 min)
 #   bash benchmarks/h200.sh fp8-prefill  # 8B prefill alone, 256 x (2048, 1), bf16 then FP8 weights   (~4 min)
 #   bash benchmarks/h200.sh fp8-prefill-512  # the same for 256 x (512, 1), three runs each        (~3 min)
+#   bash benchmarks/h200.sh gemv-sweep   # every tiling of the one-row FP8 GEMV and deeper ones on qkv / o / down (~6 min)
+#   bash benchmarks/h200.sh fp8-figures  # the FP8 GEMV tiles tuned into gemv_tiles.json, 8B batch 1 and 8 with FP8
+#                                        # weights and in bf16, then fp8-prefill-512                 (~9 min)
 #   bash benchmarks/h200.sh fp8-throughput  # 8B 1000 x (1024, 1024) in bf16, then with FP8 weights   (~9 min)
 #   bash benchmarks/h200.sh fp8-throughput-kv  # the same with FP8 weights and KV cache, max batch 512    (~5 min)
 #   bash benchmarks/h200.sh fp8-throughput-kv-profile  # fp8-throughput-kv, its step profile, FP8 products' test (~9 min)
@@ -363,6 +366,25 @@ case "${1:-}" in
       --set kv_cache_config.dtype=fp8 --set kernel_config.fp8_attention=fp8
     timeout 90 python benchmarks/attention.py $(output_json attention-decode-8b-b512-l1024-kinds) 2>&1 \
       | grep -E "^(B |bf16|fp8)"
+    ;;
+  gemv-sweep)
+    # Every tiling of the one-row FP8 GEMV (and deeper ones) on the 8B qkv / o / down layers, without and under PDL.
+    timeout 560 python benchmarks/gemv.py --fp8 --rows 1 --sweep $(output_json gemv-sweep-8b-fp8-b1) 2>&1 \
+      | grep -E "^rows|wrote|Error"
+    ;;
+  fp8-figures)
+    # The FP8 issue's figures in one call on a fresh machine: the FP8 GEMV tiles tuned once (into gemv_tiles.json,
+    # back under $OUT: commit it), then 8B batch 1 and 8 latency with FP8 weights and in bf16, then the prefill of
+    # 256 x (512, 128) alone, 256 x (512, 1), bf16 then FP8 weights.
+    TRITON_CACHE_AUTOTUNING=1 timeout 240 python benchmarks/tune_gemv.py --model "$llama" "${dummy[@]}" \
+      --max_batch_size 8 --set quant_config.quant_algo=FP8 $(output_json tune-gemv-8b-fp8) 2>&1 | grep -E "started|wrote"
+    cp raylm/kernels/gemv_tiles.json "${OUT:-/tmp}/gemv_tiles.json"
+    for batch in 1 8; do
+      latency "latency-8b-b$batch-fp8" "$llama" "$batch" --set quant_config.quant_algo=FP8
+      latency "latency-8b-b$batch" "$llama" "$batch"
+    done
+    throughput throughput-8b-prefill-512 "$llama" 256 512 1 256 80 --num_iters 3
+    throughput throughput-8b-prefill-512-fp8 "$llama" 256 512 1 256 80 --num_iters 3 --set quant_config.quant_algo=FP8
     ;;
   tune-gemv)
     # The decode GEMV's tiles for the 8B shapes, bf16 then FP8 weights, each tuned on a cold Triton cache and merged
