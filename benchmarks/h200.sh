@@ -368,8 +368,9 @@ case "${1:-}" in
       | grep -E "^(B |bf16|fp8)"
     ;;
   gemv-sweep)
-    # Every tiling of the one-row FP8 GEMV (and deeper ones) on the 8B qkv / o / down layers, without and under PDL.
-    timeout 560 python benchmarks/gemv.py --fp8 --rows 1 --sweep $(output_json gemv-sweep-8b-fp8-b1) 2>&1 \
+    # Every tiling of the FP8 GEMV (and deeper ones) on the 8B qkv / o / down layers at 1 and 8 rows, without and
+    # under PDL.
+    timeout 560 python benchmarks/gemv.py --fp8 --rows 1 8 --sweep $(output_json gemv-sweep-8b-fp8) 2>&1 \
       | grep -E "^rows|wrote|Error"
     ;;
   fp8-figures)
