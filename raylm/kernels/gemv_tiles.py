@@ -9,12 +9,17 @@ compiles only it (kernel_config.gemv_tiles="shipped", the default; "tune" times 
 `benchmarks/tune_gemv.py` writes the table: it starts an engine that tunes, then merges the tiles each variant's
 tuning chose (chosen(), noted by the GEMV as it tunes) into the file. A shipped tiling that is no longer among the
 GEMV's candidates is ignored, so the table cannot launch a tiling the kernel no longer offers.
+
+Where a shape is tuned, compiling the candidates costs most of the time (each takes ~1 s of Triton's compiler, timing
+it a few ms); autotune() compiles them in threads before it times them, as Triton's compiler leaves the GIL.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -65,6 +70,58 @@ def core_candidates(split: bool = False) -> list[triton.Config]:
                     for block_n, block_k in shapes for split_k in SPLITS for ahead in (1, 2)
                     if ahead == 1 or split_k == 2]
     return configs
+
+
+class _ThreadedAutotuner(triton.runtime.Autotuner):
+    """Triton's autotuner, which compiles the configurations it is about to time in threads first, so that the
+    timing finds each one compiled. Only where it times: a shape whose timings Triton's cache holds (cache_results)
+    compiles just its chosen configuration, as before."""
+
+    _call: tuple[tuple, dict] | None = None  # the arguments of the run in progress
+
+    def run(self, *args, **kwargs):
+        self._call = (args, kwargs)
+        try:
+            return super().run(*args, **kwargs)
+        finally:
+            self._call = None
+
+    def check_disk_cache(self, tuning_key, configs, bench_fn):
+        def compile_then_time() -> None:
+            compile_in_threads(self.fn, configs, *self._call)
+            bench_fn()
+
+        return super().check_disk_cache(tuning_key, configs, compile_then_time)
+
+
+def autotune(kernel, configs: list[triton.Config], prune_configs_by: dict | None = None) -> triton.runtime.Autotuner:
+    """triton.autotune(configs, key=["N", "K"], cache_results=True) of `kernel`, compiling its configurations in
+    threads before it times them (_ThreadedAutotuner). The tuning results go to Triton's cache directory too, so
+    an engine's later starts on the machine take the same tiles without timing them again."""
+    return _ThreadedAutotuner(kernel, kernel.arg_names, configs, ["N", "K"], None, None,
+                              prune_configs_by=prune_configs_by, cache_results=True)
+
+
+def compile_in_threads(kernel, configs: list[triton.Config], args: tuple, kwargs: dict) -> None:
+    """Compiles `kernel` for each configuration as a launch with args / kwargs would (Triton's warm-up: nothing
+    runs on the device), the first in this thread, which sets up the kernel's per-device caches, the rest in up to
+    one thread per CPU this process may use. A configuration that fails to compile is left to the tuning, which
+    meets the same error and skips it as it always has."""
+    if len(configs) < 2:
+        return
+    device = torch.cuda.current_device()
+    warm_up = {**kwargs, "warmup": True}
+
+    def compile_one(config: triton.Config) -> None:
+        torch.cuda.set_device(device)  # a thread's current device starts at 0
+        try:
+            kernel.run(*args, **warm_up, **config.all_kwargs())
+        except Exception:  # noqa: BLE001 - the tuning compiles it again and handles the error as Triton does
+            pass
+
+    compile_one(configs[0])
+    with ThreadPoolExecutor(min(len(configs) - 1, len(os.sched_getaffinity(0)))) as pool:
+        list(pool.map(compile_one, configs[1:]))
 
 
 def without_splits_for_wide_layers(configs: list[triton.Config], named_args: dict, **_) -> list[triton.Config]:

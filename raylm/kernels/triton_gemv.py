@@ -321,9 +321,7 @@ def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr,
 def _tuned(kernel, split: bool, fp8: bool, core: bool):
     prune = {"early_config_prune": without_splits_for_wide_layers} if split else None
     configs = core_candidates(split) if core else candidates(split, fp8)
-    # The tuning results go to Triton's cache directory too: an engine's later starts on the machine take the same
-    # tiles without timing them again (an FP8 8B engine's first start times about 170 tilings).
-    return triton.autotune(configs=configs, key=["N", "K"], prune_configs_by=prune, cache_results=True)(kernel)
+    return gemv_tiles.autotune(kernel, configs, prune)
 
 
 # How a GEMV on FP8 weights takes its input (X_MODE): "model_dtype" widens the weight to the input's dtype, "float16"

@@ -169,3 +169,71 @@ def test_a_gemv_with_shipped_tiles_launches_them_without_tuning(gemv_module, mon
     got = gemv_module.gemv(x, weight, tiles="shipped")
     torch.testing.assert_close(got, F.linear(x.float(), weight.float()).half(), atol=2e-3, rtol=2e-3)
     assert launches == [((4, 2), {"BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 2})]
+
+
+class _Warming:
+    """A kernel as compile_in_threads calls it: records each warm-up's configuration and thread; one fails."""
+
+    def __init__(self, failing: int):
+        self.failing = failing
+        self.calls: list[tuple[int, bool, int, tuple]] = []
+
+    def run(self, *args, grid, warmup, **kwargs):
+        import threading
+
+        self.calls.append((kwargs["BLOCK_N"], warmup, threading.get_ident(), args))
+        if kwargs["BLOCK_N"] == self.failing:
+            raise RuntimeError("out of resources")
+
+
+def test_compile_in_threads_warms_up_every_configuration_and_leaves_failures_to_the_tuning(monkeypatch):
+    import threading
+
+    triton = pytest.importorskip("triton")
+    devices = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", devices.append)
+    configs = [triton.Config({"BLOCK_N": block_n}, num_warps=4) for block_n in (16, 32, 64, 128)]
+    kernel = _Warming(failing=64)
+    gemv_tiles.compile_in_threads(kernel, configs, ("x", "w"), {"grid": (1,), "warmup": False, "HAS_BIAS": False})
+    assert sorted(block_n for block_n, *_ in kernel.calls) == [16, 32, 64, 128]
+    assert all(warmup and args == ("x", "w") for _, warmup, _, args in kernel.calls)  # compiled, never launched
+    first = next(call for call in kernel.calls if call[0] == 16)
+    assert first[2] == threading.get_ident()  # the first sets up the kernel's caches in the caller's thread
+    assert devices == [3] * 4  # each on the caller's device
+    kernel.calls.clear()
+    gemv_tiles.compile_in_threads(kernel, configs[:1], (), {"grid": (1,), "warmup": False})
+    assert kernel.calls == []  # one configuration is not timed: nothing to compile ahead
+
+
+def test_the_autotuner_compiles_ahead_only_where_it_times(monkeypatch):
+    triton = pytest.importorskip("triton")
+
+    @triton.jit
+    def kernel(x_ptr, N, K, BLOCK_N: triton.language.constexpr):
+        pass
+
+    configs = [triton.Config({"BLOCK_N": block_n}) for block_n in (16, 32)]
+    tuner = gemv_tiles.autotune(kernel, configs)
+    events = []
+    monkeypatch.setattr(gemv_tiles, "compile_in_threads",
+                        lambda fn, tried, args, kwargs: events.append(("compile", fn, len(tried), args, kwargs)))
+
+    def cached(hit):
+        def check_disk_cache(self, tuning_key, tried, bench_fn):
+            if not hit:
+                bench_fn()
+            return hit
+        return check_disk_cache
+
+    for hit in (False, True):
+        events.clear()
+        monkeypatch.setattr(triton.runtime.Autotuner, "check_disk_cache", cached(hit))
+        tuner._call = (("x",), {"grid": (1,)})
+        assert tuner.check_disk_cache((4096, 4096), configs, lambda: events.append("time")) is hit
+        expected = [] if hit else [("compile", kernel, 2, ("x",), {"grid": (1,)}), "time"]
+        assert events == expected
+    calls = []
+    monkeypatch.setattr(triton.runtime.Autotuner, "run", lambda self, *args, **kwargs: calls.append(self._call))
+    tuner.run("x", 4096, 4096, grid=(1,), warmup=False)
+    assert calls == [(("x", 4096, 4096), {"grid": (1,), "warmup": False})] and tuner._call is None
