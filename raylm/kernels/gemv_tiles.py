@@ -105,21 +105,23 @@ def autotune(kernel, configs: list[triton.Config], prune_configs_by: dict | None
 def compile_in_threads(kernel, configs: list[triton.Config], args: tuple, kwargs: dict) -> None:
     """Compiles `kernel` for each configuration as a launch with args / kwargs would (Triton's warm-up: nothing
     runs on the device), the first in this thread, which sets up the kernel's per-device caches, the rest in up to
-    one thread per CPU this process may use. A configuration that fails to compile is left to the tuning, which
-    meets the same error and skips it as it always has."""
+    one thread per CPU this process may use (none if the first failed). A configuration that fails to compile is
+    left to the tuning, which meets the same error and skips it as it always has."""
     if len(configs) < 2:
         return
     device = torch.cuda.current_device()
     warm_up = {**kwargs, "warmup": True}
 
-    def compile_one(config: triton.Config) -> None:
+    def compile_one(config: triton.Config) -> bool:
         torch.cuda.set_device(device)  # a thread's current device starts at 0
         try:
             kernel.run(*args, **warm_up, **config.all_kwargs())
         except Exception:  # noqa: BLE001 - the tuning compiles it again and handles the error as Triton does
-            pass
+            return False
+        return True
 
-    compile_one(configs[0])
+    if not compile_one(configs[0]):
+        return  # whatever failed would likely fail every thread: the tuning compiles one by one as it times
     with ThreadPoolExecutor(min(len(configs) - 1, len(os.sched_getaffinity(0)))) as pool:
         list(pool.map(compile_one, configs[1:]))
 

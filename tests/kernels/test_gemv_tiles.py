@@ -204,6 +204,9 @@ def test_compile_in_threads_warms_up_every_configuration_and_leaves_failures_to_
     kernel.calls.clear()
     gemv_tiles.compile_in_threads(kernel, configs[:1], (), {"grid": (1,), "warmup": False})
     assert kernel.calls == []  # one configuration is not timed: nothing to compile ahead
+    failing_first = _Warming(failing=16)
+    gemv_tiles.compile_in_threads(failing_first, configs, (), {"grid": (1,), "warmup": False})
+    assert [block_n for block_n, *_ in failing_first.calls] == [16]  # no threads after the first one failed
 
 
 def test_the_autotuner_compiles_ahead_only_where_it_times(monkeypatch):
