@@ -10,8 +10,8 @@ compiles only it (kernel_config.gemv_tiles="shipped", the default; "tune" times 
 tuning chose (chosen(), noted by the GEMV as it tunes) into the file. A shipped tiling that is no longer among the
 GEMV's candidates is ignored, so the table cannot launch a tiling the kernel no longer offers.
 
-Where a shape is tuned, compiling the candidates costs most of the time (each takes ~1 s of Triton's compiler, timing
-it a few ms); autotune() compiles them in threads before it times them, as Triton's compiler leaves the GIL.
+Where a shape is tuned, compiling the candidates costs most of the time (seconds each, timing one a few ms); autotune()
+compiles them in threads before it times them: Triton's compiler leaves the GIL (docs/benchmarks.md).
 """
 
 from __future__ import annotations
