@@ -199,6 +199,47 @@ def test_tuned_fp8_gemv_is_linear_of_the_dequantized_weight(dtype):
                                atol=tolerance * expected.abs().max().item(), rtol=tolerance)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device")
+def test_the_tuning_compiles_every_tiling_in_threads_before_it_times_one(monkeypatch, tmp_path):
+    """gemv_tiles.autotune: with nothing compiled or tuned (an empty Triton cache, the kernel's compiled tilings set
+    aside), every tiling of a shape compiles before the first one is timed, in more than one thread, and the
+    tiling chosen gives F.linear's result."""
+    import collections
+    import os
+    import threading
+
+    import triton
+
+    kernel = triton_gemv._gemv_kernel
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path))
+    monkeypatch.setattr(kernel, "device_caches", collections.defaultdict(kernel.create_binder))
+    events = []
+    compile_kernel, time_config = type(kernel)._do_compile, triton.runtime.Autotuner._bench
+
+    def compiling(self, *args, **kwargs):
+        if self is kernel:
+            events.append(("compile", threading.get_ident()))
+        return compile_kernel(self, *args, **kwargs)
+
+    def timing(self, *args, **kwargs):
+        events.append(("time", None))
+        return time_config(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(kernel), "_do_compile", compiling)
+    monkeypatch.setattr(triton.runtime.Autotuner, "_bench", timing)
+    x, quantized, scale, _ = _fp8_case(GEMV_MAX_ROWS, 112, 1024, torch.bfloat16, False, seed=13)
+    got = gemv(x, quantized, weight_scale=scale, input_mode="float16", tiles="tune")
+    expected = F.linear(x.float(), dequantize_fp8(quantized, scale)).to(x.dtype)
+    torch.testing.assert_close(got, expected, atol=TOLERANCE[x.dtype] * expected.abs().max().item(),
+                               rtol=TOLERANCE[x.dtype])
+    first_timing = events.index(("time", None))
+    compiled = {thread for event, thread in events[:first_timing] if event == "compile"}
+    assert first_timing == len(triton_gemv._gemv_tuned[(True, 1, False)].configs)  # all of them, none pruned
+    assert all(event == "time" for event, _ in events[first_timing:])
+    assert len(compiled) > 1 or len(os.sched_getaffinity(0)) == 1
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
 def test_fp8_gemv_silu_mul_scales_gate_and_up_rows_by_their_own_scales(dtype, with_bias):
