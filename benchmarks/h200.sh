@@ -51,7 +51,8 @@
 #                                        # then the GEMV's other input modes (kernel_config.fp8_gemv_input)  (~6 min)
 #   bash benchmarks/h200.sh fp8-prefill  # 8B prefill alone, 256 x (2048, 1), bf16 then FP8 weights   (~4 min)
 #   bash benchmarks/h200.sh fp8-prefill-512  # the same for 256 x (512, 1), three runs each        (~3 min)
-#   bash benchmarks/h200.sh gemv-tuning  # one FP8 shape's tuning, tilings compiled in threads first or one by one (~2 min)
+#   bash benchmarks/h200.sh gemv-tuning  # its GPU test; one FP8 shape's tuning, tilings compiled in threads first or
+#                                        # one by one                                              (~3 min)
 #   bash benchmarks/h200.sh gemv-sweep   # every tiling of the one-row FP8 GEMV and deeper ones on qkv / o / down (~6 min)
 #   bash benchmarks/h200.sh fp8-figures  # the FP8 GEMV tiles tuned into gemv_tiles.json, 8B batch 1 and 8 with FP8
 #                                        # weights and in bf16, then fp8-prefill-512                 (~9 min)
@@ -369,7 +370,10 @@ case "${1:-}" in
       | grep -E "^(B |bf16|fp8)"
     ;;
   gemv-tuning)
-    # How long tuning one FP8 layer shape takes, its tilings compiled in threads first against one by one.
+    # The threaded compile's GPU test, then how long tuning one FP8 layer shape takes, its tilings compiled in threads
+    # first against one by one.
+    timeout 120 python -m pytest tests/kernels/test_triton_gemv.py tests/kernels/test_gemv_tiles.py -q -rfEs \
+      -p no:cacheprovider -k "tuning_compiles or compile_in_threads or compiles_ahead" 2>&1 | tail -3
     timeout 300 python benchmarks/gemv_tuning.py $(output_json gemv-tuning-8b-fp8-qkv) 2>&1 | tail -4
     ;;
   gemv-sweep)
