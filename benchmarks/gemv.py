@@ -9,10 +9,10 @@ gemv_silu_mul, which applies SiLU-mul in its epilogue.
                                             # in fp16; input quantized to FP8) against torch._scaled_mm
     python benchmarks/gemv.py --fp8 --rows 1 --impls triton_fp16 triton_fp16_dot
                                             # one row: the CUDA-core GEMV against the tensor-core one (in fp16)
-    python benchmarks/gemv.py --fp8 --rows 1 --sweep
+    python benchmarks/gemv.py --fp8 --rows 1 --sweep [--input_modes float16 model_dtype fp8]
                                             # every tiling the tuning offers and deeper ones (whole slices of K
-                                            # in registers, more pipeline stages) on qkv / o / down, fp16 input,
-                                            # without and under PDL (`tail`): the fastest of each
+                                            # in registers, more pipeline stages, 128 rows first) on qkv / o /
+                                            # down, without and under PDL (`tail`): the fastest of each
 
 Each timing replays a CUDA graph of calls over enough copies of the weight (≥ 1 GiB in all) that no call
 finds its weight in L2, as in a real step, where every weight is read once.
@@ -114,12 +114,16 @@ def sweep_configs(rows: int) -> list[dict]:
                if not (swap and block_n == 16)]
     deeper += [{"BLOCK_N": 16, "BLOCK_K": block_k, "SPLIT_K": split_k, "num_warps": 4, "num_stages": stages}
                for block_k in (512, 1024) for split_k in (2, 4) for stages in (5, 6)]
+    # 128 weight rows first: with FP8 input, two of Hopper's FP8 warpgroup products a tile, read from shared memory.
+    deeper += [{"BLOCK_N": 128, "BLOCK_K": block_k, "SWAP_AB": 1, "num_warps": 4, "num_stages": stages}
+               for block_k in (256, 512) for stages in (3, 4)]
     return offered + deeper
 
 
-def sweep(rows: int, layers: list[str], pdls: list[int]) -> dict:
-    """Times every sweep_configs tiling of the FP8 GEMV (fp16 input) on each layer, without PDL and under each of
-    `pdls` (a graph of back-to-back calls, each one's first tile requested before it waits for the one before)."""
+def sweep(rows: int, layers: list[str], pdls: list[int], input_modes: list[str]) -> dict:
+    """Times every sweep_configs tiling of the FP8 GEMV in each of `input_modes` (kernel_config.fp8_gemv_input; "fp8"
+    includes its input's quantizer) on each layer, under each PDL trigger mode of `pdls` (0: none; else a graph of
+    back-to-back calls, each one's first tile requested before it waits for the one before)."""
     from raylm.kernels.fp8 import dequantize_fp8, quantize_fp8
     from raylm.kernels.triton_gemv import gemv
 
@@ -136,24 +140,23 @@ def sweep(rows: int, layers: list[str], pdls: list[int]) -> dict:
             if config.get("SPLIT_K", 1) > 1 and k // config["SPLIT_K"] < config["BLOCK_K"]:
                 continue
             entry = {"config": config}
-            for pdl in pdls:
-                def call(x, w, pdl=pdl, config=config):
-                    return gemv(x, w[0], weight_scale=w[1], input_mode="float16", config=config, pdl=pdl)
+            for mode, pdl in ((mode, pdl) for mode in input_modes for pdl in pdls):
+                def call(x, w, pdl=pdl, config=config, mode=mode):
+                    return gemv(x, w[0], weight_scale=w[1], input_mode=mode, config=config, pdl=pdl)
                 try:
                     torch.testing.assert_close(call(x, weights[0]), expected, atol=5e-2, rtol=2e-2)
                     micros = time_calls(call, x, weights)
                 except Exception as error:  # noqa: BLE001 - a tiling that does not compile or fit is reported
-                    entry[f"pdl{pdl}"] = repr(error)[:200]
+                    entry[f"{mode} pdl{pdl}"] = repr(error)[:200]
                     continue
-                entry[f"pdl{pdl}"] = {"us": micros, "tb_per_s": n * k / micros / 1e6}
+                entry[f"{mode} pdl{pdl}"] = {"us": micros, "tb_per_s": n * k / micros / 1e6}
             timings.append(entry)
         result[name] = timings
-        for pdl in pdls:
-            ranked = sorted((e for e in timings if isinstance(e.get(f"pdl{pdl}"), dict)),
-                            key=lambda e: e[f"pdl{pdl}"]["us"])
+        for setting in (f"{mode} pdl{pdl}" for mode in input_modes for pdl in pdls):
+            ranked = sorted((e for e in timings if isinstance(e.get(setting), dict)), key=lambda e: e[setting]["us"])
             for entry in ranked[:4]:
-                print(f"rows {rows} {name:<5} pdl {pdl}: {entry[f'pdl{pdl}']['us']:.2f} us "
-                      f"({entry[f'pdl{pdl}']['tb_per_s']:.2f} TB/s) {entry['config']}", flush=True)
+                print(f"rows {rows} {name:<5} {setting}: {entry[setting]['us']:.2f} us "
+                      f"({entry[setting]['tb_per_s']:.2f} TB/s) {entry['config']}", flush=True)
         del weights
         torch.cuda.empty_cache()
     return result
@@ -172,6 +175,8 @@ def main() -> None:
                         help="with --fp8: time every tiling (sweep_configs) on --layers instead of the tuned ones")
     parser.add_argument("--layers", nargs="+", default=["qkv", "o", "down"], help="the layers --sweep times")
     parser.add_argument("--pdl", type=int, nargs="+", default=[0, 4], help="PDL trigger modes --sweep times under")
+    parser.add_argument("--input_modes", nargs="+", default=["float16"],
+                        help="kernel_config.fp8_gemv_input values --sweep times (float16, model_dtype, fp8)")
     parser.add_argument("--output_json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -179,7 +184,7 @@ def main() -> None:
     if args.sweep:
         if not args.fp8:
             parser.error("--sweep times FP8 weights: add --fp8")
-        result = {str(rows): sweep(rows, args.layers, args.pdl) for rows in args.rows}
+        result = {str(rows): sweep(rows, args.layers, args.pdl, args.input_modes) for rows in args.rows}
         print(f"wrote {write_result('gemv-sweep-llama-3.1-8b-fp8', args, result)}")
         return
     from raylm.kernels import triton_gemv

@@ -53,7 +53,8 @@
 #   bash benchmarks/h200.sh fp8-prefill-512  # the same for 256 x (512, 1), three runs each        (~3 min)
 #   bash benchmarks/h200.sh gemv-tuning  # its GPU test; one FP8 shape's tuning, tilings compiled in threads first or
 #                                        # one by one                                              (~3 min)
-#   bash benchmarks/h200.sh gemv-sweep   # every tiling of the one-row FP8 GEMV and deeper ones on qkv / o / down (~6 min)
+#   bash benchmarks/h200.sh gemv-sweep   # every tiling of the one-row FP8 GEMV and deeper ones on qkv / o / down (~6 min);
+#                                        # gemv-sweep-modes: o with the model_dtype and fp8 input modes   (~6 min)
 #   bash benchmarks/h200.sh fp8-figures  # the FP8 GEMV tiles tuned into gemv_tiles.json, 8B batch 1 and 8 with FP8
 #                                        # weights and in bf16, then fp8-prefill-512                 (~9 min)
 #   bash benchmarks/h200.sh fp8-throughput  # 8B 1000 x (1024, 1024) in bf16, then with FP8 weights   (~9 min)
@@ -381,6 +382,12 @@ case "${1:-}" in
     # under PDL.
     timeout 560 python benchmarks/gemv.py --fp8 --rows 1 8 --sweep $(output_json gemv-sweep-8b-fp8) 2>&1 \
       | grep -E "^rows|wrote|Error"
+    ;;
+  gemv-sweep-modes)
+    # The same on the o layer with the other input modes: model_dtype (raylm's bfloat16 widening) and fp8 (its
+    # quantizer, then FP8 warpgroup products where 64+ weight rows go first).
+    timeout 560 python benchmarks/gemv.py --fp8 --rows 1 8 --sweep --layers o --input_modes model_dtype fp8 \
+      $(output_json gemv-sweep-8b-fp8-modes) 2>&1 | grep -E "^rows|wrote|Error"
     ;;
   fp8-figures)
     # The FP8 issue's figures in one call on a fresh machine: the FP8 GEMV tiles tuned once (into gemv_tiles.json,
