@@ -26,8 +26,7 @@ the FP8 tile meets x is kernel_config.fp8_gemv_input (INPUT_MODES):
   and x rounded to float16, exact for bfloat16 values of magnitude 2^-14 to 65504 (larger ones are held at 65504).
   Fastest on the H200: 8B batch 1 at 3.66 ms/token against 3.99 widening to bfloat16 (docs/benchmarks.md).
 - "model_dtype": the weight is widened to x's dtype (exactly: every e4m3 value is a bfloat16 / float16 value) and
-  x keeps its precision; to bfloat16 by _e4m3_to_bfloat16's bit moves and one packed multiply, half the instructions
-  of Triton's conversion, which goes through float16 and float32 (docs/benchmarks.md).
+  x keeps its precision.
 - "fp8": x's rows are quantized per token as the FP8 matmul does (the row's amax / 448), once per call by
   triton_fp8's quantizer before the GEMV, and the tensor cores multiply FP8 by FP8, no widening in the loop. (Each
   program re-reading x's whole row for its amax inside the GEMV measured 14.4 ms/token.)
@@ -96,30 +95,6 @@ def _x_scales(x_scale_ptr, rows, row_mask, BLOCK_M: tl.constexpr, X_MODE: tl.con
 
 
 @triton.jit
-def _e4m3_to_bfloat16(w):
-    """FP8 (e4m3) values widened to bfloat16 exactly, in 4 instructions per 2 values (Triton's own conversion goes
-    through float16 and float32): each byte, sign-extended to 16 bits and shifted left by 4, holds its sign in bit 15
-    and its exponent and mantissa in bits 10..4, which read as a bfloat16 whose exponent is biased by 7 instead of
-    127; one multiply by 2^120 corrects it (e4m3's subnormals come out right too; its NaN, which no quantized
-    weight holds, becomes 480)."""
-    return tl.inline_asm_elementwise(
-        """{
-        .reg .b32 spread, bias, zero;
-        mov.b32 bias, 0x7B807B80;
-        mov.b32 zero, 0x80008000;
-        prmt.b32 spread, $2, 0, 0x9180;
-        shl.b32 spread, spread, 4;
-        and.b32 spread, spread, 0x87F087F0;
-        fma.rn.bf16x2 $0, spread, bias, zero;
-        prmt.b32 spread, $2, 0, 0xB3A2;
-        shl.b32 spread, spread, 4;
-        and.b32 spread, spread, 0x87F087F0;
-        fma.rn.bf16x2 $1, spread, bias, zero;
-        }""",
-        "=r,=r,r", [w.to(tl.uint8, bitcast=True)], dtype=tl.bfloat16, is_pure=True, pack=4)
-
-
-@triton.jit
 def _dot(x, w, acc, X_MODE: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc + x w^T ([BLOCK_M, BLOCK_N]), or with SWAP_AB its transpose acc + w x^T ([BLOCK_N, BLOCK_M]: the weight
     tile as the dot's first operand, in the order it is stored), by X_MODE: 0, w widened to x's dtype (a no-op for
@@ -129,10 +104,7 @@ def _dot(x, w, acc, X_MODE: tl.constexpr, SWAP_AB: tl.constexpr):
         x = tl.clamp(x.to(tl.float32), -_FLOAT16_MAX, _FLOAT16_MAX).to(tl.float16)
         w = w.to(tl.float16)
     elif X_MODE == 0:
-        if w.dtype == tl.float8e4nv and x.dtype == tl.bfloat16:
-            w = _e4m3_to_bfloat16(w)
-        else:
-            w = w.to(x.dtype)
+        w = w.to(x.dtype)
     if SWAP_AB:
         return tl.dot(w, tl.trans(x), acc)
     else:

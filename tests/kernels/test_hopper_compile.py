@@ -61,16 +61,12 @@ def test_the_decode_gemv_compiles_for_hopper(split_k):
 @pytest.mark.parametrize("x_mode", [0, 1, 2])
 @pytest.mark.parametrize("swap_ab", [0, 1])
 def test_the_fp8_gemvs_compile_for_hopper(x_mode, swap_ab):
-    """x_mode 0 widens the FP8 tile to the bfloat16 input's dtype by raylm's own 4-instruction conversion (its
-    multiply by 2^120 in packed bfloat16), where Triton's goes through float16 and float32."""
     from raylm.kernels.triton_gemv import _gemv_kernel, _gemv_silu_mul_kernel
 
     fp8 = {**GEMV, "HAS_SCALE": True, "BLOCK_K": 512, "X_MODE": x_mode, "SWAP_AB": swap_ab}
     pointers = FP8 if x_mode == 2 else {"w_ptr": "*fp8e4nv"}
-    plain = compile_for_hopper(_gemv_kernel, {**fp8, "SPLIT_K": 1}, pointers)
-    silu_mul = compile_for_hopper(_gemv_silu_mul_kernel, fp8, pointers)
-    assert ".target sm_90" in plain and ".target sm_90" in silu_mul
-    assert all(("fma.rn.bf16x2" in ptx) == (x_mode == 0) for ptx in (plain, silu_mul))
+    assert ".target sm_90" in compile_for_hopper(_gemv_kernel, {**fp8, "SPLIT_K": 1}, pointers)
+    assert ".target sm_90" in compile_for_hopper(_gemv_silu_mul_kernel, fp8, pointers)
 
 
 @pytest.mark.parametrize("x_mode", [0, 1, 2])

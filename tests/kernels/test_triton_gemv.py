@@ -201,28 +201,6 @@ def test_tuned_fp8_gemv_is_linear_of_the_dequantized_weight(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device")
-def test_every_fp8_value_widens_to_the_same_bfloat16_bits():
-    """_e4m3_to_bfloat16 (the weight's widening where the input is bfloat16, input_mode "model_dtype") against
-    torch's conversion, all 256 bytes: subnormals and signed zeros included; the two NaNs become ±480."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def widen(src_ptr, dst_ptr):
-        offsets = tl.arange(0, 256)
-        tl.store(dst_ptr + offsets, triton_gemv._e4m3_to_bfloat16(tl.load(src_ptr + offsets)))
-
-    every = torch.arange(256, dtype=torch.uint8, device="cuda").view(FP8_DTYPE)
-    widened = torch.empty(256, dtype=torch.bfloat16, device="cuda")
-    widen[(1,)](every, widened)
-    expected = every.to(torch.bfloat16)
-    finite = ~expected.isnan()
-    assert torch.equal(widened[finite].view(torch.int16), expected[finite].view(torch.int16))
-    assert widened[~finite].float().abs().eq(480.0).all()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device")
 def test_the_tuning_compiles_every_tiling_in_threads_before_it_times_one(monkeypatch, tmp_path):
     """gemv_tiles.autotune: with nothing compiled or tuned (an empty Triton cache, the kernel's compiled tilings set
     aside), every tiling of a shape compiles before the first one is timed, in more than one thread, and the
