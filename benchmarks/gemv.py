@@ -37,6 +37,16 @@ LLAMA_8B = {"qkv": (6144, 4096, "n"), "o": (4096, 4096, "k"), "gate_up": (28672,
 LAYERS = 32
 
 
+def layer_weights(n: int, k: int, dtype: torch.dtype, fp8: bool = False) -> list:
+    """Copies of a random [n, k] weight (as quantize_fp8's (FP8 rows, scales) with `fp8`), enough of them (≥ 1 GiB in
+    all) that no call finds its weight in L2, as in a real step, where every weight is read once."""
+    from raylm.kernels.fp8 import quantize_fp8
+
+    copies = max(2, math.ceil(2**30 / (n * k * (1 if fp8 else dtype.itemsize))))
+    weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
+    return [quantize_fp8(w) for w in weights] if fp8 else weights
+
+
 def time_calls(fn, x: torch.Tensor, weights: list[torch.Tensor], replays: int = 5) -> float:
     """Microseconds per call of fn(x, w), replayed in a CUDA graph over all the weights in turn."""
     for w in weights[:2]:
@@ -83,8 +93,7 @@ def time_gate_up_silu(rows: int, tp: int, dtype: torch.dtype) -> dict:
 
     n, k, _ = LLAMA_8B["gate_up"]
     n //= tp
-    copies = max(2, math.ceil(2**30 / (n * k * 2)))
-    weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
+    weights = layer_weights(n, k, dtype)
     x = torch.randn(rows, k, device="cuda", dtype=dtype)
     torch.testing.assert_close(gemv_silu_mul(x, weights[0]), silu_and_mul(gemv(x, weights[0])), atol=2e-2, rtol=2e-2)
     entry = {"separate_us": time_calls(lambda x, w: silu_and_mul(gemv(x, w)), x, weights),
@@ -124,15 +133,13 @@ def sweep(rows: int, layers: list[str], pdls: list[int], input_modes: list[str])
     """Times every sweep_configs tiling of the FP8 GEMV in each of `input_modes` (kernel_config.fp8_gemv_input; "fp8"
     includes its input's quantizer) on each layer, under each PDL trigger mode of `pdls` (0: none; else a graph of
     back-to-back calls, each one's first tile requested before it waits for the one before)."""
-    from raylm.kernels.fp8 import dequantize_fp8, quantize_fp8
+    from raylm.kernels.fp8 import dequantize_fp8
     from raylm.kernels.triton_gemv import gemv
 
     result: dict = {}
     for name in layers:
         n, k, _ = LLAMA_8B[name]
-        copies = max(2, math.ceil(2**30 / (n * k)))
-        weights = [quantize_fp8(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
-                   for _ in range(copies)]
+        weights = layer_weights(n, k, torch.bfloat16, fp8=True)
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         expected = F.linear(x.float(), dequantize_fp8(*weights[0])).to(x.dtype)
         timings = []
@@ -188,7 +195,7 @@ def main() -> None:
         print(f"wrote {write_result('gemv-sweep-llama-3.1-8b-fp8', args, result)}")
         return
     from raylm.kernels import triton_gemv
-    from raylm.kernels.fp8 import dequantize_fp8, fp8_linear, quantize_fp8
+    from raylm.kernels.fp8 import dequantize_fp8, fp8_linear
     from raylm.kernels.triton_gemv import gemv
 
     dtype = torch.bfloat16
@@ -212,10 +219,7 @@ def main() -> None:
         for name, (n, k, split) in LLAMA_8B.items():
             n, k = (n // args.tp, k) if split == "n" else (n, k // args.tp)
             nbytes = n * k * (1 if args.fp8 else 2)
-            copies = max(2, math.ceil(2**30 / nbytes))
-            weights = [torch.randn(n, k, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
-            if args.fp8:
-                weights = [quantize_fp8(w) for w in weights]
+            weights = layer_weights(n, k, dtype, args.fp8)
             x = torch.randn(rows, k, device="cuda", dtype=dtype)
             expected = F.linear(x.float(), dequantize_fp8(*weights[0]) if args.fp8 else weights[0].float()).to(dtype)
             for impl in ("triton", "triton_fp16", "triton_fp16_dot"):

@@ -199,6 +199,15 @@ throughput() {  # name model prompts input output max_batch seconds [extra...]
     2>&1 | tail -5
 }
 
+# The prefill of the 256 x (512, 128) workload alone, 256 x (512, 1): bf16, then FP8 weights, three runs each.
+prefill_512() {
+  # No decode step runs, so the decode GEMV is off: its tuning would only lengthen the engines' start.
+  local nogemv=(--set kernel_config.decode_gemv=false)
+  throughput throughput-8b-prefill-512 "$llama" 256 512 1 256 100 --num_iters 3 "${nogemv[@]}"
+  throughput throughput-8b-prefill-512-fp8 "$llama" 256 512 1 256 100 --num_iters 3 "${nogemv[@]}" \
+    --set quant_config.quant_algo=FP8
+}
+
 fp8_batch_1() {  # 8B batch 1 latency with FP8 weights and in bf16, then the FP8 step profile
   latency latency-8b-b1-fp8 "$llama" 1 --set quant_config.quant_algo=FP8
   latency latency-8b-b1 "$llama" 1
@@ -384,7 +393,7 @@ case "${1:-}" in
       | grep -E "^rows|wrote|Error"
     ;;
   gemv-sweep-modes)
-    # The same on the o layer with the other input modes: model_dtype (raylm's bfloat16 widening) and fp8 (its
+    # The same on the o layer with the other input modes: model_dtype (the weight widened to bfloat16) and fp8 (its
     # quantizer, then FP8 warpgroup products where 64+ weight rows go first).
     timeout 560 python benchmarks/gemv.py --fp8 --rows 1 8 --sweep --layers o --input_modes model_dtype fp8 \
       $(output_json gemv-sweep-8b-fp8-modes) 2>&1 | grep -E "^rows|wrote|Error"
@@ -400,8 +409,7 @@ case "${1:-}" in
       latency "latency-8b-b$batch-fp8" "$llama" "$batch" --set quant_config.quant_algo=FP8
       latency "latency-8b-b$batch" "$llama" "$batch"
     done
-    throughput throughput-8b-prefill-512 "$llama" 256 512 1 256 80 --num_iters 3
-    throughput throughput-8b-prefill-512-fp8 "$llama" 256 512 1 256 80 --num_iters 3 --set quant_config.quant_algo=FP8
+    prefill_512
     ;;
   tune-gemv)
     # The decode GEMV's tiles for the 8B shapes, bf16 then FP8 weights, each tuned on a cold Triton cache and merged
@@ -460,12 +468,7 @@ case "${1:-}" in
     throughput throughput-8b-prefill-fp8 "$llama" 256 2048 1 256 150 --set quant_config.quant_algo=FP8
     ;;
   fp8-prefill-512)
-    # The prefill of the 256 x (512, 128) workload alone, 256 x (512, 1): bf16, then FP8 weights (three runs each).
-    # No decode step runs, so the decode GEMV is off: its tuning would only lengthen the engines' start.
-    nogemv=(--set kernel_config.decode_gemv=false)
-    throughput throughput-8b-prefill-512 "$llama" 256 512 1 256 100 --num_iters 3 "${nogemv[@]}"
-    throughput throughput-8b-prefill-512-fp8 "$llama" 256 512 1 256 100 --num_iters 3 "${nogemv[@]}" \
-      --set quant_config.quant_algo=FP8
+    prefill_512
     ;;
   fp8-throughput)
     # 8B 1000 x (1024, 1024): bf16, then FP8 weights (one run each; an engine's start on a fresh machine, its GEMV
