@@ -72,7 +72,7 @@
 #   bash benchmarks/h200.sh speculative  # prompt lookup against plain decoding on SmolLM2's real weights, batch 1 to 64,
 #                                        # a copy workload; needs the GGUF at $SMOLLM2_GGUF (default
 #                                        # /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf). It is larger than a run may
-#                                        # carry: `split -b 30M <gguf> .gpu-smollm2/part-` here, then on a warm machine
+#                                        # carry: `split -b 28M <gguf> .gpu-smollm2/part-` here, then on a warm machine
 #                                        # one call per part, back to back, each carrying [".gpu/setup.sh", that part]:
 #                                        # mkdir -p /tmp/smollm2 && cat .gpu-smollm2/part-a? >> /tmp/smollm2/<file> (~6 min)
 #   bash benchmarks/h200.sh gemv-prefetch  # the GEMV asking the L2 for its weight rows before its PDL wait
