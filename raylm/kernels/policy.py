@@ -71,10 +71,15 @@ class KernelPolicy:
         return self.fp8_gemv_input if weight_scale is not None else "model_dtype"
 
     def gemv_applies(self, x, weight: torch.Tensor) -> bool:
-        """Whether x @ weight.T goes to the Triton GEMV: a few rows of half-precision input on CUDA (a tensor, not
-        FP8 rows quantized before: kernels/fp8.py's Fp8Rows), the weight in x's dtype or in FP8."""
-        return (self.decode_gemv and isinstance(x, torch.Tensor) and x.is_cuda and x.dtype in _HALF
-                and (weight.dtype == x.dtype or weight.dtype == torch.float8_e4m3fn)
+        """Whether x @ weight.T goes to the Triton GEMV: a few rows of half-precision input on CUDA, the weight in
+        x's dtype or in FP8; or a few FP8 rows quantized before (kernels/fp8.py's Fp8Rows) for an FP8 weight whose
+        GEMV takes its input in FP8 (fp8_gemv_input "fp8")."""
+        if not self.decode_gemv:
+            return False
+        if not isinstance(x, torch.Tensor):  # Fp8Rows
+            return (self.fp8_gemv_input == "fp8" and weight.dtype == torch.float8_e4m3fn
+                    and x.values.is_cuda and x.values.shape[0] <= GEMV_MAX_ROWS)
+        return (x.is_cuda and x.dtype in _HALF and (weight.dtype == x.dtype or weight.dtype == torch.float8_e4m3fn)
                 and x.numel() <= GEMV_MAX_ROWS * x.shape[-1])
 
 

@@ -28,8 +28,11 @@ the FP8 tile meets x is kernel_config.fp8_gemv_input (INPUT_MODES):
 - "model_dtype": the weight is widened to x's dtype (exactly: every e4m3 value is a bfloat16 / float16 value) and
   x keeps its precision.
 - "fp8": x's rows are quantized per token as the FP8 matmul does (the row's amax / 448), once per call by
-  triton_fp8's quantizer before the GEMV, and the tensor cores multiply FP8 by FP8, no widening in the loop. (Each
-  program re-reading x's whole row for its amax inside the GEMV measured 14.4 ms/token.)
+  triton_fp8's quantizer before the GEMV, or by the RMSNorm before qkv and gate / up (x comes as Fp8Rows: no
+  quantizer kernel), and the tensor cores multiply FP8 by FP8, no widening in the loop (Hopper's FP8 warpgroup
+  product where 64+ weight rows go first: under one machine instruction a weight byte, against ~7 on the CUDA
+  cores). One row tunes the CUDA-core tilings and the tensor-core ones together. (Each program re-reading x's
+  whole row for its amax inside the GEMV measured 14.4 ms/token.)
 
 One input row on FP8 weights (batch-1 decode) skips the tensor cores in the plain GEMV (CORE): the dot pads x to 16
 rows and, in the float16 mode, converts all 16 every tile, as much work per tile as widening the weight when
@@ -54,7 +57,7 @@ import triton
 import triton.language as tl
 
 from raylm.kernels import gemv_tiles
-from raylm.kernels.fp8 import FP8_DTYPE
+from raylm.kernels.fp8 import FP8_DTYPE, Fp8Rows
 from raylm.kernels.gemv_tiles import (
     MAX_SPLIT_N,
     MIN_BLOCK_N,
@@ -318,10 +321,21 @@ def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr,
              mask=row_mask[:, None] & col_mask[None, :])
 
 
-def _tuned(kernel, split: bool, fp8: bool, core: bool):
+def _tuned(kernel, split: bool, fp8: bool, core: bool, input_mode: int = 0):
     prune = {"early_config_prune": without_splits_for_wide_layers} if split else None
-    configs = core_candidates(split) if core else candidates(split, fp8)
+    if core and input_mode == INPUT_MODES["fp8"]:
+        # One FP8 row of x against FP8 weights: the CUDA cores or the FP8 tensor cores (x padded to _BLOCK_M rows),
+        # whichever times faster; each tiling says which (CORE, BLOCK_M).
+        configs = [_with(config, BLOCK_M=_CORE_ROWS) for config in core_candidates(split)]
+        configs += [_with(config, BLOCK_M=_BLOCK_M, CORE=0) for config in candidates(split, fp8)]
+    else:
+        configs = core_candidates(split) if core else candidates(split, fp8)
     return gemv_tiles.autotune(kernel, configs, prune)
+
+
+def _with(config: triton.Config, **kwargs) -> triton.Config:
+    """config with more of the kernel's constexprs set."""
+    return triton.Config({**config.kwargs, **kwargs}, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 # How a GEMV on FP8 weights takes its input (X_MODE): "model_dtype" widens the weight to the input's dtype, "float16"
@@ -330,16 +344,17 @@ INPUT_MODES = {"model_dtype": 0, "float16": 1, "fp8": 2}
 # Where a GEMV's tiles come from when no config is given: timed at a layer shape's first call, or shipped for the GPU
 # model (kernels/gemv_tiles.py).
 TILE_SOURCES = ("tune", "shipped")
-# A plain GEMV of one row on FP8 weights multiplies on the CUDA cores (CORE); more rows, and the SiLU-mul GEMV, take
-# the tensor-core dot (on the CUDA cores the 8B gate / up layer measured 1.6 ms a step against 1.0).
+# A plain GEMV of one row on FP8 weights multiplies on the CUDA cores (CORE; in the fp8 input mode where that times
+# faster than the FP8 tensor cores); more rows, and the SiLU-mul GEMV, take the tensor-core dot (on the CUDA cores
+# the 8B gate / up layer measured 1.6 ms a step against 1.0).
 _CORE_ROWS = 1
 # Tuned kernels by (whether the weight is FP8, the input mode, whether they multiply on the CUDA cores); the CUDA
 # cores only for the plain GEMV.
 _VARIANTS = ((False, 0, False), *((True, mode, False) for mode in (0, 1, 2)))
 _CORE_VARIANTS = tuple((True, mode, True) for mode in (0, 1, 2))
-_gemv_tuned = {(fp8, mode, core): _tuned(_gemv_kernel, True, fp8, core)
+_gemv_tuned = {(fp8, mode, core): _tuned(_gemv_kernel, True, fp8, core, mode)
                for fp8, mode, core in (*_VARIANTS, *_CORE_VARIANTS)}
-_gemv_silu_mul_tuned = {(fp8, mode, core): _tuned(_gemv_silu_mul_kernel, False, fp8, core)
+_gemv_silu_mul_tuned = {(fp8, mode, core): _tuned(_gemv_silu_mul_kernel, False, fp8, core, mode)
                         for fp8, mode, core in _VARIANTS}
 # The interpreter (CPU tests; read at import, as Triton does) has no device to time configurations on: it runs one.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -389,10 +404,8 @@ def _shipped_tiling(kernel, weight_dtype: torch.dtype, x_dtype: torch.dtype, inp
     return offer if any(tiling(config) == offer for config in offered) else None
 
 
-def _input_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, name: str,
-                input_mode: str = "model_dtype") -> torch.Tensor:
-    """x as [M, K] rows with a contiguous last dimension, after checking x, weight and an FP8 weight's scales (one
-    float32 per weight row) for a GEMV."""
+def _check_weight(weight: torch.Tensor, weight_scale: torch.Tensor | None, name: str, input_mode: str) -> None:
+    """Checks a GEMV's weight, an FP8 weight's scales (one float32 per weight row) and the input mode."""
     fp8 = weight.dtype == FP8_DTYPE
     if weight.dtype not in (torch.float16, torch.bfloat16, FP8_DTYPE):
         raise TypeError(f"{name} takes a float16, bfloat16 or float8_e4m3fn weight, got {weight.dtype}")
@@ -406,17 +419,28 @@ def _input_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
                 or not weight_scale.is_contiguous()):
         raise ValueError(f"{name}: weight_scale must be contiguous float32 of shape [{weight.shape[0]}], got "
                          f"{weight_scale.dtype} {list(weight_scale.shape)}")
-    K = weight.shape[1]
-    fits = x.dtype in (torch.float16, torch.bfloat16) if fp8 else x.dtype == weight.dtype
-    if x.shape[-1] != K or not fits:
-        raise ValueError(f"x of shape {list(x.shape)} and dtype {x.dtype} does not fit a weight of shape "
-                         f"{list(weight.shape)} and dtype {weight.dtype}")
-    rows = x.reshape(-1, K)
-    if rows.shape[0] > GEMV_MAX_ROWS:
-        raise ValueError(f"{name} takes at most {GEMV_MAX_ROWS} rows, got {rows.shape[0]}")
     if weight.stride(-1) != 1:
         raise ValueError(f"{name} needs a weight whose rows are contiguous")
+
+
+def _check_rows(rows: torch.Tensor, name: str) -> torch.Tensor:
+    """rows [M, K] after checking M, with a contiguous last dimension."""
+    if rows.shape[0] > GEMV_MAX_ROWS:
+        raise ValueError(f"{name} takes at most {GEMV_MAX_ROWS} rows, got {rows.shape[0]}")
     return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _input_rows(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None, name: str,
+                input_mode: str = "model_dtype") -> torch.Tensor:
+    """x as [M, K] rows with a contiguous last dimension, after checking x, weight and an FP8 weight's scales for a
+    GEMV."""
+    _check_weight(weight, weight_scale, name, input_mode)
+    fp8 = weight.dtype == FP8_DTYPE
+    fits = x.dtype in (torch.float16, torch.bfloat16) if fp8 else x.dtype == weight.dtype
+    if x.shape[-1] != weight.shape[1] or not fits:
+        raise ValueError(f"x of shape {list(x.shape)} and dtype {x.dtype} does not fit a weight of shape "
+                         f"{list(weight.shape)} and dtype {weight.dtype}")
+    return _check_rows(x.reshape(-1, weight.shape[1]), name)
 
 
 def _quantized(rows: torch.Tensor, input_mode: str) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -425,6 +449,28 @@ def _quantized(rows: torch.Tensor, input_mode: str) -> tuple[torch.Tensor, torch
     if input_mode == "fp8" and rows.shape[0]:
         return quantize_rows_fp8(rows)
     return rows, None
+
+
+def _gemv_input(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor | None, name: str,
+                input_mode: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype, tuple[int, ...]]:
+    """(rows [M, K] as the kernel reads them, their FP8 scales or None, the output's dtype, x's leading shape). x
+    may come quantized already (Fp8Rows: the RMSNorm before the layer wrote them), in the "fp8" input mode only;
+    else it is checked and, in that mode, quantized here."""
+    if not isinstance(x, Fp8Rows):
+        rows = _input_rows(x, weight, weight_scale, name, input_mode)
+        return (*_quantized(rows, input_mode), x.dtype, tuple(x.shape[:-1]))
+    if input_mode != "fp8":
+        raise ValueError(f"{name} takes FP8 rows (Fp8Rows) in input_mode 'fp8' only, got {input_mode!r}")
+    _check_weight(weight, weight_scale, name, input_mode)
+    values, scale = x.values, x.scale
+    if values.dtype != FP8_DTYPE or values.dim() != 2 or values.shape[1] != weight.shape[1] \
+            or scale.dtype != torch.float32 or tuple(scale.shape) != values.shape[:1] or not scale.is_contiguous():
+        raise ValueError(f"{name}: FP8 rows for a weight of shape {list(weight.shape)} need float8_e4m3fn values "
+                         f"[M, {weight.shape[1]}] and contiguous float32 scales [M], got {values.dtype} "
+                         f"{list(values.shape)} and {scale.dtype} {list(scale.shape)}")
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"{name}: FP8 rows stand for float16 or bfloat16 rows, got {x.dtype}")
+    return _check_rows(values, name), scale, x.dtype, tuple(values.shape[:-1])
 
 
 def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -453,8 +499,9 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
         kernel is _gemv_kernel and weight_scale is not None and M <= _CORE_ROWS)
     if core and (M > _CORE_ROWS or kernel is not _gemv_kernel):
         raise ValueError(f"CORE multiplies at most {_CORE_ROWS} input row, in the plain GEMV; got M={M}")
-    flags = {"HAS_BIAS": bias is not None, "HAS_SCALE": weight_scale is not None,
-             "BLOCK_M": _CORE_ROWS if core else _BLOCK_M, "X_MODE": input_mode}
+    flags = {"HAS_BIAS": bias is not None, "HAS_SCALE": weight_scale is not None, "X_MODE": input_mode}
+    if not ("BLOCK_M" in config if config is not None else _tiles_say_rows(core, input_mode)):
+        flags["BLOCK_M"] = _CORE_ROWS if core else _BLOCK_M
     if prefetch and not _INTERPRETED:  # the interpreter runs no inline assembly
         flags["PREFETCH"] = _prefetch_bytes(prefetch)
     options = launch_options(pdl)
@@ -473,13 +520,19 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
                     autotuner.best_config)
 
 
+def _tiles_say_rows(core: bool, input_mode: int) -> bool:
+    """Whether the tuned tilings of a variant set BLOCK_M (and CORE) themselves: one FP8 row, which may take the
+    CUDA or the tensor cores (_tuned)."""
+    return core and input_mode == INPUT_MODES["fp8"]
+
+
 def _prefetch_bytes(prefetch: int) -> int:
     if prefetch < 128 or prefetch & (prefetch - 1):
         raise ValueError(f"prefetch must be 0 or a power of two of at least 128 bytes, got {prefetch}")
     return prefetch
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+def gemv(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
          weight_scale: torch.Tensor | None = None, input_mode: str = "model_dtype", config: dict | None = None,
          pdl: int = 0, tiles: str = "tune", prefetch: int = 0) -> torch.Tensor:
     """F.linear(x, weight, bias) for x of at most GEMV_MAX_ROWS rows (any leading shape) and a half-precision
@@ -490,20 +543,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     launch's trigger mode (kernels/pdl.py). `tiles`: "tune" times the candidate tilings at a layer shape's
     first call; "shipped" takes gemv_tiles.json's tiling for the GPU model where it has one (TILE_SOURCES).
     `prefetch`: bytes of each weight row (0, or a power of two from 128) that each program asks the L2 for before
-    its PDL wait, past its first tile (kernel_config.gemv_prefetch)."""
+    its PDL wait, past its first tile (kernel_config.gemv_prefetch). In the "fp8" mode x may come quantized
+    (kernels/fp8.py's Fp8Rows, as the RMSNorm before the layer writes them), and is not quantized again."""
     tiles = _tile_source(tiles)
-    rows = _input_rows(x, weight, weight_scale, "gemv", input_mode)
+    rows, x_scale, dtype, leading = _gemv_input(x, weight, weight_scale, "gemv", input_mode)
     N = weight.shape[0]
-    out = torch.empty((rows.shape[0], N), dtype=x.dtype, device=x.device)
+    out = torch.empty((rows.shape[0], N), dtype=dtype, device=rows.device)
     # Layers too wide to split pass out twice in the workspace's place: the kernel never touches it unsplit.
     workspace = _split_workspace(rows.device, N) if N <= MAX_SPLIT_N else (out, out)
-    rows, x_scale = _quantized(rows, input_mode)
     _launch(_gemv_kernel, _gemv_tuned, rows, weight, bias, weight_scale, out, N, config, pdl, workspace,
             INPUT_MODES[input_mode], x_scale, tiles, prefetch)
-    return out.reshape(*x.shape[:-1], N)
+    return out.reshape(*leading, N)
 
 
-def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+def gemv_silu_mul(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   weight_scale: torch.Tensor | None = None, input_mode: str = "model_dtype",
                   config: dict | None = None, pdl: int = 0, tiles: str = "tune", prefetch: int = 0) -> torch.Tensor:
     """silu_and_mul(F.linear(x, weight, bias)) in one kernel, for x as gemv takes it and a merged gate / up
@@ -511,12 +564,11 @@ def gemv_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     rounded as the two steps round. `input_mode`, `config`, `pdl`, `tiles` and `prefetch` as gemv takes them,
     without SPLIT_K (the gate / up layer is wide enough not to need it)."""
     tiles = _tile_source(tiles)
-    rows = _input_rows(x, weight, weight_scale, "gemv_silu_mul", input_mode)
     if weight.shape[0] % 2:
         raise ValueError(f"gemv_silu_mul needs gate and up rows of one size, got {weight.shape[0]} rows")
+    rows, x_scale, dtype, leading = _gemv_input(x, weight, weight_scale, "gemv_silu_mul", input_mode)
     N = weight.shape[0] // 2
-    out = torch.empty((rows.shape[0], N), dtype=x.dtype, device=x.device)
-    rows, x_scale = _quantized(rows, input_mode)
+    out = torch.empty((rows.shape[0], N), dtype=dtype, device=rows.device)
     _launch(_gemv_silu_mul_kernel, _gemv_silu_mul_tuned, rows, weight, bias, weight_scale, out, N, config, pdl,
             input_mode=INPUT_MODES[input_mode], x_scale=x_scale, tiles=tiles, prefetch=prefetch)
-    return out.reshape(*x.shape[:-1], N)
+    return out.reshape(*leading, N)

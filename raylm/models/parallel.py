@@ -222,11 +222,14 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 def _takes_fp8_rows(layer: nn.Module, x: torch.Tensor) -> bool:
-    """Whether `layer` would quantize x to FP8 rows for its matmul (FP8 weights through torch._scaled_mm: not the
-    decode GEMV, no LoRA adapters), so that the kernel producing x may write them instead (kernels/fp8.py's
-    Fp8Rows)."""
-    return (layer.weight_scale is not None and layer.lora is None and layer.kernels.on_triton(x)
-            and not layer.kernels.gemv_applies(x, layer.weight) and fp8_kernels.scaled_mm_applies(x, layer.weight))
+    """Whether `layer` would quantize x to FP8 rows for its matmul (FP8 weights, no LoRA adapters: through
+    torch._scaled_mm, or through the decode GEMV in its "fp8" input mode), so that the kernel producing x may write
+    them instead (kernels/fp8.py's Fp8Rows)."""
+    if layer.weight_scale is None or layer.lora is not None or not layer.kernels.on_triton(x):
+        return False
+    if layer.kernels.gemv_applies(x, layer.weight):
+        return layer.kernels.gemv_input_mode(layer.weight_scale) == "fp8"
+    return fp8_kernels.scaled_mm_applies(x, layer.weight)
 
 
 class RowParallelLinear(nn.Module):

@@ -139,6 +139,17 @@ def test_gemv_names_its_variants():
         triton_gemv.gemv(torch.zeros(1, 16), torch.zeros(16, 16), tiles="fastest")
 
 
+def test_one_fp8_row_tunes_the_cuda_and_the_tensor_cores_together(gemv_module):
+    """In the fp8 input mode one row's tilings are those of the CUDA cores and those of the FP8 tensor cores (x
+    padded to 16 rows), each naming its rows a tile; the other one-row variants keep the CUDA cores' alone."""
+    tilings = [gemv_tiles.tiling(config) for config in gemv_module._gemv_tuned[(True, 2, True)].configs]
+    assert {(tiling["CORE"], tiling["BLOCK_M"]) for tiling in tilings} == {(1, 1), (0, 16)}
+    assert any(tiling.get("SWAP_AB") and not tiling["CORE"] for tiling in tilings)
+    for mode in (0, 1):
+        others = [gemv_tiles.tiling(config) for config in gemv_module._gemv_tuned[(True, mode, True)].configs]
+        assert all(tiling["CORE"] == 1 and "BLOCK_M" not in tiling for tiling in others)
+
+
 @pytest.mark.slow
 def test_a_gemv_with_shipped_tiles_launches_them_without_tuning(gemv_module, monkeypatch):
     """Interpreted on the CPU (RAYLM_TRITON_INTERPRET=1) or on a GPU: the shipped tiling (a split of K, which the

@@ -117,3 +117,22 @@ def test_gemv_prefetch_applies_under_pdl_and_takes_powers_of_two(hopper):
     for bad in (100, 3000, 32768, -128):
         with pytest.raises(ValidationError, match="gemv_prefetch"):
             KernelConfig(gemv_prefetch=bad)
+
+
+def test_the_gemv_takes_fp8_rows_in_its_fp8_input_mode_only():
+    """FP8 rows quantized before (Fp8Rows) go to the GEMV where its input mode is "fp8", the weight is FP8 and
+    there are few rows; else to the FP8 matmul (kernels/linear.py)."""
+    from types import SimpleNamespace
+
+    from raylm.kernels.fp8 import FP8_DTYPE, Fp8Rows
+
+    def rows(count: int) -> Fp8Rows:  # stands for FP8 values on a CUDA device
+        return Fp8Rows(SimpleNamespace(is_cuda=True, shape=(count, 64)), None, torch.bfloat16)
+
+    fp8_weight = torch.empty(32, 64, dtype=FP8_DTYPE)
+    fp8_input = KernelPolicy(triton=True, decode_gemv=True, fp8_gemv_input="fp8")
+    assert fp8_input.gemv_applies(rows(policy.GEMV_MAX_ROWS), fp8_weight)
+    assert not fp8_input.gemv_applies(rows(policy.GEMV_MAX_ROWS + 1), fp8_weight)
+    assert not fp8_input.gemv_applies(rows(1), torch.empty(32, 64, dtype=torch.bfloat16))
+    assert not KernelPolicy(triton=True, decode_gemv=True).gemv_applies(rows(1), fp8_weight)  # float16 input
+    assert not KernelPolicy(triton=True, fp8_gemv_input="fp8").gemv_applies(rows(1), fp8_weight)  # no GEMV

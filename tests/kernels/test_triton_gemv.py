@@ -13,7 +13,7 @@ from tests.kernels import GPU_ONLY, MODULE_MARKS, kernel_device
 DEVICE = kernel_device()
 
 from raylm.kernels import triton_gemv  # noqa: E402
-from raylm.kernels.fp8 import FP8_DTYPE, dequantize_fp8, fp8_linear, quantize_fp8  # noqa: E402
+from raylm.kernels.fp8 import FP8_DTYPE, Fp8Rows, dequantize_fp8, fp8_linear, quantize_fp8  # noqa: E402
 from raylm.kernels.linear import linear  # noqa: E402
 from raylm.kernels.policy import KernelPolicy  # noqa: E402
 from raylm.kernels.triton_gemv import GEMV_MAX_ROWS, gemv, gemv_silu_mul  # noqa: E402
@@ -325,6 +325,39 @@ def test_fp8_input_gemv_silu_mul_is_gemv_then_silu_and_mul(dtype):
     torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("config", [{"BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 2},
+                                    {"BLOCK_N": 32, "BLOCK_K": 256, "SWAP_AB": 1}], ids=["split", "weight-first"])
+def test_fp8_rows_quantized_before_give_the_fp8_input_mode_s_bits(rows, config):
+    """FP8 rows handed over by the kernel before (Fp8Rows, as the RMSNorm writes them) go into the GEMV as they are:
+    the bits of the "fp8" input mode quantizing the same rows itself, in the plain and the SiLU-mul GEMV."""
+    dtype = torch.float16
+    _, quantized, scale, bias = _fp8_case(rows, 2 * 48, 512, dtype, True, seed=rows)
+    x = _fp8_exact_rows(rows, 512, dtype, seed=rows)
+    handed = Fp8Rows(*quantize_fp8(x), dtype)
+    got = gemv(handed, quantized, bias, weight_scale=scale, input_mode="fp8", config=config)
+    assert got.dtype == dtype and got.shape == (rows, 2 * 48)
+    assert torch.equal(got, gemv(x, quantized, bias, weight_scale=scale, input_mode="fp8", config=config))
+    if rows == 1:  # on the CUDA cores
+        core = {"BLOCK_N": 16, "BLOCK_K": 256, "CORE": 1}
+        assert torch.equal(gemv(handed, quantized, bias, weight_scale=scale, input_mode="fp8", config=core),
+                           gemv(x, quantized, bias, weight_scale=scale, input_mode="fp8", config=core))
+    tiles = {key: value for key, value in config.items() if key != "SPLIT_K"}
+    assert torch.equal(gemv_silu_mul(handed, quantized, weight_scale=scale, input_mode="fp8", config=tiles),
+                       gemv_silu_mul(x, quantized, weight_scale=scale, input_mode="fp8", config=tiles))
+
+
+def test_fp8_rows_need_the_fp8_input_mode_and_their_own_shapes():
+    _, quantized, scale, _ = _fp8_case(2, 32, 64, torch.float16, False, seed=1)
+    values, row_scale = quantize_fp8(_fp8_exact_rows(2, 64, torch.float16, seed=1))
+    with pytest.raises(ValueError, match="takes FP8 rows .* in input_mode 'fp8' only, got 'float16'"):
+        gemv(Fp8Rows(values, row_scale, torch.float16), quantized, weight_scale=scale, input_mode="float16")
+    with pytest.raises(ValueError, match=r"need float8_e4m3fn values \[M, 64\] and contiguous float32 scales"):
+        gemv(Fp8Rows(values, row_scale[:1], torch.float16), quantized, weight_scale=scale, input_mode="fp8")
+    with pytest.raises(ValueError, match="stand for float16 or bfloat16 rows"):
+        gemv(Fp8Rows(values, row_scale, torch.float32), quantized, weight_scale=scale, input_mode="fp8")
+
+
 def test_an_input_mode_needs_an_fp8_weight_and_a_name_gemv_knows():
     x = torch.randn(1, 64).to(DEVICE, torch.float16)
     with pytest.raises(ValueError, match="input_mode 'fp8' goes with a float8_e4m3fn weight"):
@@ -400,6 +433,22 @@ def test_tuned_one_row_fp8_gemvs_are_linear_of_the_dequantized_weight(input_mode
                                rtol=tolerance)
     activated = gemv_silu_mul(x, quantized, bias, weight_scale=scale, input_mode=input_mode)
     torch.testing.assert_close(activated, silu_and_mul(got), atol=2 * tolerance, rtol=2 * tolerance)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs a CUDA device")
+def test_one_fp8_row_tuned_across_the_cuda_and_the_tensor_cores_is_the_fp8_matmul_s_reference():
+    """In the fp8 input mode one row tunes the CUDA-core and the FP8 tensor-core tilings together: whichever wins,
+    fp8_linear_reference's result, from the bfloat16 row or from its FP8 rows handed over."""
+    from raylm.kernels.fp8 import fp8_linear_reference
+
+    x, quantized, scale, bias = _fp8_case(1, 2 * 1536, 2048, torch.bfloat16, True, seed=43)
+    expected = fp8_linear_reference(x.float(), quantized, scale, bias.float()).to(x.dtype)
+    tolerance = TOLERANCE[torch.bfloat16]
+    got = gemv(x, quantized, bias, weight_scale=scale, input_mode="fp8")
+    torch.testing.assert_close(got, expected, atol=tolerance * expected.abs().max().item(), rtol=tolerance)
+    handed = gemv(Fp8Rows(*quantize_fp8(x), x.dtype), quantized, bias, weight_scale=scale, input_mode="fp8")
+    assert torch.equal(handed, got)
 
 
 @pytest.mark.gpu

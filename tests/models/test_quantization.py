@@ -470,6 +470,29 @@ def test_fp8_decode_steps_run_the_gemv_on_fp8_weights(tiny_model_dirs, monkeypat
     assert gap(with_gemv, without) < 2 * gap(without, precise)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_fp8_input_gemv_takes_the_norms_fp8_rows_as_its_own_quantization_would(tiny_model_dirs, monkeypatch):
+    """With the GEMV taking its input in FP8 (fp8_gemv_input "fp8"), the RMSNorms before qkv and gate / up write
+    the decode steps' rows in FP8 (no quantizer kernel before those GEMVs): the same bytes as the GEMV's own
+    quantization, so the same tokens and logprobs, bit for bit."""
+    from raylm.config import KernelConfig
+    from raylm.kernels import triton_ops
+    from raylm.kernels.policy import GEMV_MAX_ROWS
+
+    path = tiny_model_dirs["llama"]
+    decode_rows = []
+    norm = triton_ops.rms_norm_fp8
+    monkeypatch.setattr(triton_ops, "rms_norm_fp8", lambda x, *args, **kw: decode_rows.append(
+        x.shape[0] <= GEMV_MAX_ROWS) or norm(x, *args, **kw))
+    options = dict(quant_config=FP8, device="cuda", executor="local", dtype="bfloat16",
+                   kernel_config=KernelConfig(decode_gemv=True, fp8_gemv_input="fp8"))
+    handed_over = _generate(path, **options)
+    assert any(decode_rows)
+    monkeypatch.setattr(ColumnParallelLinear, "takes_fp8_rows", lambda self, x: False)
+    assert _generate(path, **options) == handed_over
+
+
 # ------------------------------------------------------------------ update_weights
 
 
