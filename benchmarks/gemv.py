@@ -126,14 +126,18 @@ def sweep_configs(rows: int) -> list[dict]:
     # 128 weight rows first: with FP8 input, two of Hopper's FP8 warpgroup products a tile, read from shared memory.
     deeper += [{"BLOCK_N": 128, "BLOCK_K": block_k, "SWAP_AB": 1, "num_warps": 4, "num_stages": stages}
                for block_k in (256, 512) for stages in (3, 4)]
-    return offered + deeper
+    # ... and split K, so that a narrow layer's weight-first tiles still make programs for every SM.
+    deeper += [{"BLOCK_N": block_n, "BLOCK_K": 512, "SWAP_AB": 1, "SPLIT_K": split_k, "num_warps": 4,
+                "num_stages": 4} for block_n in (64, 128) for split_k in (2, 4)]
+    return [config for index, config in enumerate(offered + deeper) if config not in (offered + deeper)[:index]]
 
 
 def sweep(rows: int, layers: list[str], pdls: list[int], input_modes: list[str]) -> dict:
     """Times every sweep_configs tiling of the FP8 GEMV in each of `input_modes` (kernel_config.fp8_gemv_input; "fp8"
-    includes its input's quantizer) on each layer, under each PDL trigger mode of `pdls` (0: none; else a graph of
-    back-to-back calls, each one's first tile requested before it waits for the one before)."""
-    from raylm.kernels.fp8 import dequantize_fp8
+    includes its input's quantizer, "fp8_rows" takes the rows quantized before) on each layer, under each PDL
+    trigger mode of `pdls` (0: none; else a graph of back-to-back calls, each one's first tile requested before it
+    waits for the one before)."""
+    from raylm.kernels.fp8 import Fp8Rows, dequantize_fp8, quantize_fp8
     from raylm.kernels.triton_gemv import gemv
 
     result: dict = {}
@@ -142,13 +146,16 @@ def sweep(rows: int, layers: list[str], pdls: list[int], input_modes: list[str])
         weights = layer_weights(n, k, torch.bfloat16, fp8=True)
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         expected = F.linear(x.float(), dequantize_fp8(*weights[0])).to(x.dtype)
+        handed = Fp8Rows(*quantize_fp8(x), x.dtype)
         timings = []
         for config in sweep_configs(rows):
             if config.get("SPLIT_K", 1) > 1 and k // config["SPLIT_K"] < config["BLOCK_K"]:
                 continue
             entry = {"config": config}
             for mode, pdl in ((mode, pdl) for mode in input_modes for pdl in pdls):
-                def call(x, w, pdl=pdl, config=config, mode=mode):
+                def call(x, w, pdl=pdl, config=config, mode=mode, handed=handed):
+                    if mode == "fp8_rows":  # x handed over in FP8, as the RMSNorm before qkv and gate / up writes it
+                        return gemv(handed, w[0], weight_scale=w[1], input_mode="fp8", config=config, pdl=pdl)
                     return gemv(x, w[0], weight_scale=w[1], input_mode=mode, config=config, pdl=pdl)
                 try:
                     torch.testing.assert_close(call(x, weights[0]), expected, atol=5e-2, rtol=2e-2)
@@ -183,7 +190,8 @@ def main() -> None:
     parser.add_argument("--layers", nargs="+", default=["qkv", "o", "down"], help="the layers --sweep times")
     parser.add_argument("--pdl", type=int, nargs="+", default=[0, 4], help="PDL trigger modes --sweep times under")
     parser.add_argument("--input_modes", nargs="+", default=["float16"],
-                        help="kernel_config.fp8_gemv_input values --sweep times (float16, model_dtype, fp8)")
+                        help="kernel_config.fp8_gemv_input values --sweep times (float16, model_dtype, fp8; "
+                             "fp8_rows: fp8 with x handed over in FP8, no quantizer)")
     parser.add_argument("--output_json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -55,6 +55,9 @@
 #                                        # one by one                                              (~3 min)
 #   bash benchmarks/h200.sh gemv-sweep   # every tiling of the one-row FP8 GEMV and deeper ones on qkv / o / down (~6 min);
 #                                        # gemv-sweep-modes: o with the model_dtype and fp8 input modes   (~6 min)
+#   bash benchmarks/h200.sh fp8-input-rows  # the fp8 input mode with the norms' FP8 rows handed to the GEMV: its GPU
+#                                        # tests, 8B batch 1 and 8 with FP8 weights in that mode      (~5 min);
+#                                        # gemv-sweep-rows: qkv's tilings, float16 against FP8 rows  (~4 min)
 #   bash benchmarks/h200.sh fp8-figures  # the FP8 GEMV tiles tuned into gemv_tiles.json, 8B batch 1 and 8 with FP8
 #                                        # weights and in bf16, then fp8-prefill-512                 (~9 min)
 #   bash benchmarks/h200.sh fp8-throughput  # 8B 1000 x (1024, 1024) in bf16, then with FP8 weights   (~9 min)
@@ -391,6 +394,21 @@ case "${1:-}" in
     # under PDL.
     timeout 560 python benchmarks/gemv.py --fp8 --rows 1 8 --sweep $(output_json gemv-sweep-8b-fp8) 2>&1 \
       | grep -E "^rows|wrote|Error"
+    ;;
+  fp8-input-rows)
+    # The fp8 input mode, the RMSNorms before qkv and gate / up handing their FP8 rows to the GEMV: its GPU tests,
+    # then 8B batch 1 and 8 with FP8 weights in that mode (one row tuning the CUDA and the FP8 tensor cores).
+    timeout 200 python -m pytest tests/kernels/test_triton_gemv.py tests/models/test_quantization.py -q -rfEs -m gpu \
+      -p no:cacheprovider -k "fp8_rows or one_fp8_row or norms_fp8_rows" 2>&1 | tail -3
+    for batch in 1 8; do
+      latency "latency-8b-b$batch-fp8-fp8-input" "$llama" "$batch" --set quant_config.quant_algo=FP8 \
+        --set kernel_config.fp8_gemv_input=fp8
+    done
+    ;;
+  gemv-sweep-rows)
+    # qkv at 1 and 8 rows under PDL: the float16 mode against FP8 rows handed over (no quantizer), every tiling.
+    timeout 560 python benchmarks/gemv.py --fp8 --rows 1 8 --sweep --layers qkv --pdl 4 \
+      --input_modes float16 fp8_rows $(output_json gemv-sweep-8b-fp8-rows) 2>&1 | grep -E "^rows|wrote|Error"
     ;;
   gemv-sweep-modes)
     # The same on the o layer with the other input modes: model_dtype (the weight widened to bfloat16) and fp8 (its
