@@ -55,8 +55,8 @@
 #                                        # one by one                                              (~3 min)
 #   bash benchmarks/h200.sh gemv-sweep   # every tiling of the one-row FP8 GEMV and deeper ones on qkv / o / down (~6 min);
 #                                        # gemv-sweep-modes: o with the model_dtype and fp8 input modes   (~6 min)
-#   bash benchmarks/h200.sh fp8-input-rows  # the fp8 input mode with the norms' FP8 rows handed to the GEMV: its GPU
-#                                        # tests, 8B batch 1 and 8 with FP8 weights in that mode      (~5 min);
+#   bash benchmarks/h200.sh fp8-input-rows  # the norms' FP8 rows handed to the GEMV: GPU tests, 8B batch 1 and 8,
+#                                        # fp8_gemv_input fp8_rows and fp8                           (~8 min);
 #                                        # gemv-sweep-rows: qkv's tilings, float16 against FP8 rows  (~4 min)
 #   bash benchmarks/h200.sh fp8-figures  # the FP8 GEMV tiles tuned into gemv_tiles.json, 8B batch 1 and 8 with FP8
 #                                        # weights and in bf16, then fp8-prefill-512                 (~9 min)
@@ -396,13 +396,15 @@ case "${1:-}" in
       | grep -E "^rows|wrote|Error"
     ;;
   fp8-input-rows)
-    # The fp8 input mode, the RMSNorms before qkv and gate / up handing their FP8 rows to the GEMV: its GPU tests,
-    # then 8B batch 1 and 8 with FP8 weights in that mode (one row tuning the CUDA and the FP8 tensor cores).
+    # The RMSNorms before qkv and gate / up handing their FP8 rows to the GEMV: the GPU tests, then 8B batch 1 and 8
+    # with FP8 weights, fp8_gemv_input fp8_rows (o and down in float16) and fp8 (o and down quantized by a kernel).
     timeout 200 python -m pytest tests/kernels/test_triton_gemv.py tests/models/test_quantization.py -q -rfEs -m gpu \
       -p no:cacheprovider -k "fp8_rows or one_fp8_row or norms_fp8_rows" 2>&1 | tail -3
     for batch in 1 8; do
-      latency "latency-8b-b$batch-fp8-fp8-input" "$llama" "$batch" --set quant_config.quant_algo=FP8 \
-        --set kernel_config.fp8_gemv_input=fp8
+      for mode in fp8_rows fp8; do
+        latency "latency-8b-b$batch-fp8-$mode-input" "$llama" "$batch" --set quant_config.quant_algo=FP8 \
+          --set kernel_config.fp8_gemv_input=$mode
+      done
     done
     ;;
   gemv-sweep-rows)

@@ -21,7 +21,7 @@ def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor |
     if policy.gemv_applies(x, weight):
         from raylm.kernels.triton_gemv import gemv
 
-        out = gemv(x, weight, bias, weight_scale=weight_scale, input_mode=policy.gemv_input_mode(weight_scale),
+        out = gemv(x, weight, bias, weight_scale=weight_scale, input_mode=policy.gemv_input_mode(weight_scale, x),
                    pdl=policy.pdl, tiles=policy.gemv_tiles, prefetch=policy.gemv_prefetch)
     elif weight_scale is not None:
         out = fp8_linear(x, weight, weight_scale, bias)

@@ -54,7 +54,7 @@ class KernelPolicy:
     triton: bool = False
     decode_gemv: bool = False
     pdl: int = 0
-    fp8_gemv_input: str = "float16"  # how GEMVs on FP8 weights take their input (triton_gemv.INPUT_MODES)
+    fp8_gemv_input: str = "float16"  # how GEMVs on FP8 weights take their input (INPUT_MODES or "fp8_rows")
     lora_beside: bool = False  # LoRA's products computed on a second stream beside the GEMV, added after it
     fp8_attention_dot: bool = False  # decode attention over an FP8 cache multiplies on FP8 tensor cores
     fp8_attention_slices: bool = False  # ... or widens, each tile in a slice of keys a warp (TileConfig.warp_split)
@@ -65,19 +65,29 @@ class KernelPolicy:
         """Whether an operation on x runs its Triton kernel."""
         return self.triton and x.is_cuda
 
-    def gemv_input_mode(self, weight_scale: torch.Tensor | None) -> str:
-        """How the GEMV takes its input for a weight (triton_gemv.INPUT_MODES): fp8_gemv_input for an FP8 weight
-        (one with a weight_scale), as it is for any other."""
-        return self.fp8_gemv_input if weight_scale is not None else "model_dtype"
+    def gemv_input_mode(self, weight_scale: torch.Tensor | None, x=None) -> str:
+        """How the GEMV takes its input x for a weight (triton_gemv.INPUT_MODES): fp8_gemv_input for an FP8 weight
+        (one with a weight_scale), "model_dtype" for any other. Under "fp8_rows", "fp8" for FP8 rows handed over
+        (kernels/fp8.py's Fp8Rows) and "float16" for a tensor."""
+        if weight_scale is None:
+            return "model_dtype"
+        if self.fp8_gemv_input == "fp8_rows":
+            return "float16" if isinstance(x, torch.Tensor) else "fp8"
+        return self.fp8_gemv_input
+
+    @property
+    def gemv_takes_fp8_rows(self) -> bool:
+        """Whether GEMVs on FP8 weights take FP8 rows that the kernel before them wrote (Fp8Rows)."""
+        return self.fp8_gemv_input in ("fp8", "fp8_rows")
 
     def gemv_applies(self, x, weight: torch.Tensor) -> bool:
         """Whether x @ weight.T goes to the Triton GEMV: a few rows of half-precision input on CUDA, the weight in
         x's dtype or in FP8; or a few FP8 rows quantized before (kernels/fp8.py's Fp8Rows) for an FP8 weight whose
-        GEMV takes its input in FP8 (fp8_gemv_input "fp8")."""
+        GEMV takes them (gemv_takes_fp8_rows)."""
         if not self.decode_gemv:
             return False
         if not isinstance(x, torch.Tensor):  # Fp8Rows
-            return (self.fp8_gemv_input == "fp8" and weight.dtype == torch.float8_e4m3fn
+            return (self.gemv_takes_fp8_rows and weight.dtype == torch.float8_e4m3fn
                     and x.values.is_cuda and x.values.shape[0] <= GEMV_MAX_ROWS)
         return (x.is_cuda and x.dtype in _HALF and (weight.dtype == x.dtype or weight.dtype == torch.float8_e4m3fn)
                 and x.numel() <= GEMV_MAX_ROWS * x.shape[-1])

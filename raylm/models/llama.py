@@ -103,7 +103,7 @@ class MLP(nn.Module):
             from raylm.kernels.triton_gemv import gemv_silu_mul
 
             activated = gemv_silu_mul(x, gate_up.weight, gate_up.bias, weight_scale=gate_up.weight_scale,
-                                      input_mode=self.kernels.gemv_input_mode(gate_up.weight_scale),
+                                      input_mode=self.kernels.gemv_input_mode(gate_up.weight_scale, x),
                                       pdl=self.kernels.pdl, tiles=self.kernels.gemv_tiles,
                                       prefetch=self.kernels.gemv_prefetch)
             return self.down_proj(activated, defer_reduce)

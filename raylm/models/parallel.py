@@ -223,12 +223,12 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 def _takes_fp8_rows(layer: nn.Module, x: torch.Tensor) -> bool:
     """Whether `layer` would quantize x to FP8 rows for its matmul (FP8 weights, no LoRA adapters: through
-    torch._scaled_mm, or through the decode GEMV in its "fp8" input mode), so that the kernel producing x may write
+    torch._scaled_mm, or through a decode GEMV that takes FP8 rows), so that the kernel producing x may write
     them instead (kernels/fp8.py's Fp8Rows)."""
     if layer.weight_scale is None or layer.lora is not None or not layer.kernels.on_triton(x):
         return False
     if layer.kernels.gemv_applies(x, layer.weight):
-        return layer.kernels.gemv_input_mode(layer.weight_scale) == "fp8"
+        return layer.kernels.gemv_takes_fp8_rows
     return fp8_kernels.scaled_mm_applies(x, layer.weight)
 
 

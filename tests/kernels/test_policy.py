@@ -136,3 +136,11 @@ def test_the_gemv_takes_fp8_rows_in_its_fp8_input_mode_only():
     assert not fp8_input.gemv_applies(rows(1), torch.empty(32, 64, dtype=torch.bfloat16))
     assert not KernelPolicy(triton=True, decode_gemv=True).gemv_applies(rows(1), fp8_weight)  # float16 input
     assert not KernelPolicy(triton=True, fp8_gemv_input="fp8").gemv_applies(rows(1), fp8_weight)  # no GEMV
+    handed_only = KernelPolicy(triton=True, decode_gemv=True, fp8_gemv_input="fp8_rows")
+    assert handed_only.gemv_applies(rows(1), fp8_weight)
+    # fp8_rows: FP8 for the rows handed over, float16 for a tensor; a weight in the model's dtype takes that
+    scale = torch.ones(32)
+    assert [handed_only.gemv_input_mode(scale, x) for x in (rows(1), torch.ones(1, 64))] == ["fp8", "float16"]
+    assert handed_only.gemv_input_mode(None, torch.ones(1, 64)) == "model_dtype"
+    assert [fp8_input.gemv_input_mode(scale, x) for x in (rows(1), torch.ones(1, 64))] == ["fp8", "fp8"]
+    assert [policy.gemv_takes_fp8_rows for policy in (fp8_input, handed_only, KernelPolicy())] == [True, True, False]

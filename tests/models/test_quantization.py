@@ -472,10 +472,13 @@ def test_fp8_decode_steps_run_the_gemv_on_fp8_weights(tiny_model_dirs, monkeypat
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_the_fp8_input_gemv_takes_the_norms_fp8_rows_as_its_own_quantization_would(tiny_model_dirs, monkeypatch):
+@pytest.mark.parametrize("fp8_gemv_input", ["fp8", "fp8_rows"])
+def test_the_fp8_input_gemv_takes_the_norms_fp8_rows_as_its_own_quantization_would(tiny_model_dirs, monkeypatch,
+                                                                                   fp8_gemv_input):
     """With the GEMV taking its input in FP8 (fp8_gemv_input "fp8"), the RMSNorms before qkv and gate / up write
     the decode steps' rows in FP8 (no quantizer kernel before those GEMVs): the same bytes as the GEMV's own
-    quantization, so the same tokens and logprobs, bit for bit."""
+    quantization, so the same tokens and logprobs, bit for bit. Under "fp8_rows" the layers after no norm (o,
+    down) take float16 instead; with no rows handed over, so would qkv and gate / up: other logprobs."""
     from raylm.config import KernelConfig
     from raylm.kernels import triton_ops
     from raylm.kernels.policy import GEMV_MAX_ROWS
@@ -485,12 +488,24 @@ def test_the_fp8_input_gemv_takes_the_norms_fp8_rows_as_its_own_quantization_wou
     norm = triton_ops.rms_norm_fp8
     monkeypatch.setattr(triton_ops, "rms_norm_fp8", lambda x, *args, **kw: decode_rows.append(
         x.shape[0] <= GEMV_MAX_ROWS) or norm(x, *args, **kw))
-    options = dict(quant_config=FP8, device="cuda", executor="local", dtype="bfloat16",
-                   kernel_config=KernelConfig(decode_gemv=True, fp8_gemv_input="fp8"))
-    handed_over = _generate(path, **options)
+    params = SamplingParams(max_tokens=8, logprobs=0, ignore_eos=True)
+
+    def decoded() -> list[list[tuple[int, float]]]:  # the greedy tokens and their logprobs
+        with LLM(str(path), skip_tokenizer_init=True, kv_cache_config=KV, quant_config=FP8, device="cuda",
+                 executor="local", dtype="bfloat16",
+                 kernel_config=KernelConfig(decode_gemv=True, fp8_gemv_input=fp8_gemv_input)) as llm:
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+        return [[(token, position[token].logprob) for token, position in zip(out.outputs[0].token_ids,
+                                                                             out.outputs[0].logprobs)]
+                for out in outputs]
+
+    handed_over = decoded()
     assert any(decode_rows)
     monkeypatch.setattr(ColumnParallelLinear, "takes_fp8_rows", lambda self, x: False)
-    assert _generate(path, **options) == handed_over
+    if fp8_gemv_input == "fp8":
+        assert decoded() == handed_over
+    else:
+        assert decoded() != handed_over
 
 
 # ------------------------------------------------------------------ update_weights
