@@ -57,7 +57,8 @@
 #                                        # gemv-sweep-modes: o with the model_dtype and fp8 input modes   (~6 min)
 #   bash benchmarks/h200.sh fp8-input-rows  # the norms' FP8 rows handed to the GEMV: GPU tests, 8B batch 1 and 8,
 #                                        # fp8_gemv_input fp8_rows and fp8                           (~8 min);
-#                                        # gemv-sweep-rows: qkv's tilings, float16 against FP8 rows  (~4 min)
+#                                        # gemv-sweep-rows: qkv's tilings, float16 against FP8 rows  (~4 min);
+#                                        # fp8-rows-figures: the tests, batch 1 / 8 in fp8_rows, float16, bf16 (~9 min)
 #   bash benchmarks/h200.sh fp8-figures  # the FP8 GEMV tiles tuned into gemv_tiles.json, 8B batch 1 and 8 with FP8
 #                                        # weights and in bf16, then fp8-prefill-512                 (~9 min)
 #   bash benchmarks/h200.sh fp8-throughput  # 8B 1000 x (1024, 1024) in bf16, then with FP8 weights   (~9 min)
@@ -405,6 +406,18 @@ case "${1:-}" in
         latency "latency-8b-b$batch-fp8-$mode-input" "$llama" "$batch" --set quant_config.quant_algo=FP8 \
           --set kernel_config.fp8_gemv_input=$mode
       done
+    done
+    ;;
+  fp8-rows-figures)
+    # One call on a fresh machine: the GPU tests of the FP8 rows handed to the GEMV, then 8B batch 1 and 8 with FP8
+    # weights (fp8_gemv_input fp8_rows, then the default float16) and in bf16.
+    timeout 150 python -m pytest tests/kernels/test_triton_gemv.py tests/models/test_quantization.py -q -rfEs -m gpu \
+      -p no:cacheprovider -k "fp8_rows or one_fp8_row or norms_fp8_rows" 2>&1 | tail -4
+    for batch in 1 8; do
+      latency "latency-8b-b$batch-fp8-fp8_rows-input" "$llama" "$batch" --set quant_config.quant_algo=FP8 \
+        --set kernel_config.fp8_gemv_input=fp8_rows
+      latency "latency-8b-b$batch-fp8" "$llama" "$batch" --set quant_config.quant_algo=FP8
+      latency "latency-8b-b$batch" "$llama" "$batch"
     done
     ;;
   gemv-sweep-rows)
