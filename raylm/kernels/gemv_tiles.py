@@ -52,6 +52,9 @@ def candidates(split: bool = False, fp8: bool = False) -> list[triton.Config]:
         configs += [triton.Config({"BLOCK_N": block_n, "BLOCK_K": block_k * widen, "SPLIT_K": split_k},
                                   num_warps=4, num_stages=3)
                     for block_n in (MIN_BLOCK_N, 32) for block_k in (128, 256) for split_k in SPLITS]
+        if fp8:  # 64 weight rows first leave a narrow layer few programs (qkv: 96 for 132 SMs): split K too
+            configs += [triton.Config({"BLOCK_N": 64, "BLOCK_K": 512, "SWAP_AB": 1, "SPLIT_K": split_k}, num_warps=4,
+                                      num_stages=3) for split_k in SPLITS]
     return configs
 
 
