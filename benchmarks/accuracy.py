@@ -6,6 +6,8 @@ tokens before the first difference.
 
     python benchmarks/accuracy.py --set kv_cache_config.dtype=fp8                     # CPU, SmolLM2 (fp32)
     python benchmarks/accuracy.py --dtype bfloat16 --set quant_config.quant_algo=FP8  # on a GPU
+    python benchmarks/accuracy.py --tiny qwen3_moe --dtype bfloat16 --set quant_config.quant_algo=FP8
+                                  # a tiny random model of the tests' (2 layers, hidden 64), token-id prompts
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import add_model_args, llm_options, run_suffix, write_result  # noqa: E402
+from benchmarks.common import add_model_args, llm_options, random_prompts, run_suffix, write_result  # noqa: E402
 
 PROMPTS = [
     "The capital of France is", "Write a short poem about the sea.", "Explain how a transformer model works.",
@@ -30,15 +33,36 @@ PROMPTS = [
 
 
 def generate(args: argparse.Namespace, with_settings: bool) -> list:
-    from raylm import LLM, SamplingParams
+    from raylm import LLM, SamplingParams, TokensPrompt
 
     options = llm_options(args, max_seq_len=512)
     if not with_settings:
         options = llm_options(argparse.Namespace(**{**vars(args), "settings": []}), max_seq_len=512)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, logprobs=0, prompt_logprobs=0,
                             ignore_eos=True)
+    prompts = PROMPTS[: args.num_prompts]
+    if args.tiny:  # no tokenizer: random token-id prompts of 24 tokens
+        options["skip_tokenizer_init"] = True
+        ids = random_prompts(args.num_prompts, 24, TINY_VOCAB, seed=args.seed)
+        prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt in ids]
     with LLM(**options) as llm:
-        return llm.generate(PROMPTS[: args.num_prompts], params, use_tqdm=False)
+        return llm.generate(prompts, params, use_tqdm=False)
+
+
+TINY_VOCAB = 49152  # the tests' tiny models (tests/conftest.py) have SmolLM2's vocabulary size
+
+
+def tiny_model(arch: str, directory: Path) -> Path:
+    """The tests' tiny random model of `arch` (tests/conftest.py's configurations, seeded as there), saved under
+    directory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import _tiny_config
+
+    torch.manual_seed(1234)
+    AutoModelForCausalLM.from_config(_tiny_config(arch), dtype=torch.float32).save_pretrained(directory)
+    return directory
 
 
 def compare(reference: list, variant: list) -> dict:
@@ -67,12 +91,17 @@ def main() -> None:
     add_model_args(parser, peer=False)
     parser.add_argument("--num_prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--max_tokens", type=int, default=64)
+    parser.add_argument("--tiny", default=None, choices=["llama", "qwen2", "qwen3", "qwen3_moe"],
+                        help="a tiny random model of the tests' instead of --model")
     args = parser.parse_args()
     if not args.settings:
         sys.exit("give the settings to compare with --set PATH=VALUE")
     if args.num_prompts > len(PROMPTS):
         sys.exit(f"--num_prompts is at most {len(PROMPTS)}")
-    result = compare(generate(args, False), generate(args, True))
+    with tempfile.TemporaryDirectory() as directory:
+        if args.tiny:
+            args.model = str(tiny_model(args.tiny, Path(directory) / f"tiny-{args.tiny}"))
+        result = compare(generate(args, False), generate(args, True))
     name = f"accuracy-{Path(args.model or 'smollm2').name}{run_suffix(args)}"
     path = write_result(name, args, result)
     print(f"{result['prompts']} prompts, {result['generated_tokens']} greedy tokens: "

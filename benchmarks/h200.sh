@@ -34,6 +34,7 @@
 #   bash benchmarks/h200.sh fp8-gemv     # the FP8 GEMV's input modes per 8B layer against _scaled_mm (~9 min)
 #   bash benchmarks/h200.sh fp8-accuracy # SmolLM2's accuracy in bf16 with FP8 weights / the FP8 KV cache; needs
 #                                        # its GGUF at $SMOLLM2_GGUF, as `speculative` does (~4 min)
+#   bash benchmarks/h200.sh fp8-accuracy-tiny  # the same on the tests' tiny random models (llama, qwen3_moe) (~3 min)
 #   bash benchmarks/h200.sh fp8-one-row  # one row on FP8 weights on the CUDA cores: GPU tests, the 8B layers against
 #                                        # the tensor-core GEMV, 8B batch 1 bf16 / FP8, the FP8 step profile (~8 min)
 #   bash benchmarks/h200.sh fp8-b1       # the same without the tests and the layers                 (~4 min)
@@ -285,6 +286,16 @@ case "${1:-}" in
     # The FP8 cache with FP8 products in decode attention (queries and probabilities in FP8 too).
     timeout 200 python benchmarks/accuracy.py "${smollm2[@]}" --dtype bfloat16 --set kv_cache_config.dtype=fp8 \
       --set kernel_config.fp8_attention=fp8 $(output_json accuracy-smollm2-bf16-fp8-attention) 2>&1 | tail -4
+    ;;
+  fp8-accuracy-tiny)
+    # The same on the tests' tiny random models (no weights to carry): FP8 weights on llama and qwen3_moe, the FP8
+    # cache on llama; 16 prompts x 64 greedy tokens each.
+    for arch in llama qwen3_moe; do
+      timeout 150 python benchmarks/accuracy.py --tiny "$arch" --dtype bfloat16 --set quant_config.quant_algo=FP8 \
+        $(output_json "accuracy-tiny-$arch-bf16-FP8") 2>&1 | tail -4
+    done
+    timeout 150 python benchmarks/accuracy.py --tiny llama --dtype bfloat16 --set kv_cache_config.dtype=fp8 \
+      $(output_json accuracy-tiny-llama-bf16-fp8-kv) 2>&1 | tail -4
     ;;
   fp8-one-row)
     # One row on FP8 weights on the CUDA cores: its GPU tests, the 8B layers at 1 row against the tensor-core GEMV,
