@@ -60,6 +60,7 @@
 #                                        # fp8_gemv_input fp8_rows and fp8                           (~8 min);
 #                                        # gemv-sweep-rows: qkv's tilings, float16 against FP8 rows  (~4 min);
 #                                        # fp8-rows-figures: the tests, batch 1 / 8 in fp8_rows, float16, bf16 (~9 min)
+#   bash benchmarks/h200.sh fp8-short    # batch 1 (fp8_rows, float16, bf16), fp8-accuracy-tiny, the 512-token prefill
 #   bash benchmarks/h200.sh fp8-figures  # the FP8 GEMV tiles tuned into gemv_tiles.json, 8B batch 1 and 8 with FP8
 #                                        # weights and in bf16, then fp8-prefill-512                 (~9 min)
 #   bash benchmarks/h200.sh fp8-throughput  # 8B 1000 x (1024, 1024) in bf16, then with FP8 weights   (~9 min)
@@ -430,6 +431,16 @@ case "${1:-}" in
       [ "$batch" = 1 ] && timeout 120 python -m pytest tests/kernels/test_triton_gemv.py tests/models/test_quantization.py \
         -q -rfEs -m gpu -p no:cacheprovider -k "fp8_rows or one_fp8_row or norms_fp8_rows" 2>&1 | tail -4
     done
+    ;;
+  fp8-short)
+    # For a call with little device time left: 8B batch 1 with FP8 weights (fp8_rows, then float16) and in bf16,
+    # the tiny models' FP8 accuracy, then the 512-token prefill; results land under $OUT as each finishes.
+    latency latency-8b-b1-fp8-fp8_rows-input "$llama" 1 --set quant_config.quant_algo=FP8 \
+      --set kernel_config.fp8_gemv_input=fp8_rows
+    latency latency-8b-b1-fp8 "$llama" 1 --set quant_config.quant_algo=FP8
+    latency latency-8b-b1 "$llama" 1
+    bash "$0" fp8-accuracy-tiny
+    prefill_512
     ;;
   gemv-sweep-rows)
     # qkv at 1 and 8 rows under PDL: the float16 mode against FP8 rows handed over (no quantizer), every tiling.
