@@ -69,6 +69,17 @@ def test_the_fp8_gemvs_compile_for_hopper(x_mode, swap_ab):
     assert ".target sm_90" in compile_for_hopper(_gemv_silu_mul_kernel, fp8, pointers)
 
 
+def test_fp8_rows_meet_64_weight_rows_first_on_the_fp8_warpgroup_product_split_or_not():
+    """FP8 x (from the norm, or quantized) against 64 FP8 weight rows first, K split in two or not: Hopper's FP8
+    warpgroup product (wgmma ... e4m3.e4m3), as the tuning offers it for one row and for eight."""
+    from raylm.kernels.triton_gemv import _gemv_kernel
+
+    tiles = {**GEMV, "HAS_SCALE": True, "BLOCK_N": 64, "BLOCK_K": 512, "X_MODE": 2, "SWAP_AB": 1}
+    for split_k in (1, 2):
+        ptx = compile_for_hopper(_gemv_kernel, {**tiles, "SPLIT_K": split_k}, FP8)
+        assert "wgmma.mma_async" in ptx and "e4m3.e4m3" in ptx, split_k
+
+
 @pytest.mark.parametrize("x_mode", [0, 1, 2])
 @pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("ahead", [1, 2])
