@@ -58,7 +58,7 @@
 #                                        # gemv-sweep-modes: o with the model_dtype and fp8 input modes   (~6 min)
 #   bash benchmarks/h200.sh fp8-input-rows  # the norms' FP8 rows handed to the GEMV: GPU tests, 8B batch 1 and 8,
 #                                        # fp8_gemv_input fp8_rows and fp8                           (~8 min);
-#                                        # gemv-sweep-rows: qkv's tilings, float16 against FP8 rows  (~4 min);
+#                                        # gemv-sweep-rows: qkv / o / down, float16 against FP8 rows (~6 min);
 #                                        # fp8-rows-figures: the tests, batch 1 / 8 in fp8_rows, float16, bf16 (~9 min)
 #   bash benchmarks/h200.sh fp8-short    # batch 1 (fp8_rows, float16, bf16), fp8-accuracy-tiny, the 512-token prefill
 #   bash benchmarks/h200.sh fp8-figures  # the FP8 GEMV tiles tuned into gemv_tiles.json, 8B batch 1 and 8 with FP8
@@ -443,8 +443,10 @@ case "${1:-}" in
     prefill_512
     ;;
   gemv-sweep-rows)
-    # qkv at 1 and 8 rows under PDL: the float16 mode against FP8 rows handed over (no quantizer), every tiling.
-    timeout 560 python benchmarks/gemv.py --fp8 --rows 1 8 --sweep --layers qkv --pdl 4 \
+    # qkv / o / down at 1 and 8 rows under PDL: the float16 mode against FP8 rows handed over (no quantizer), every
+    # tiling. qkv's rows come so from the norm today; o's and down's say what FP8 rows from attention and SiLU-mul
+    # would give.
+    timeout 560 python benchmarks/gemv.py --fp8 --rows 1 8 --sweep --pdl 4 \
       --input_modes float16 fp8_rows $(output_json gemv-sweep-8b-fp8-rows) 2>&1 | grep -E "^rows|wrote|Error"
     ;;
   gemv-sweep-modes)
