@@ -43,13 +43,12 @@ def generate(args: argparse.Namespace, with_settings: bool) -> list:
     prompts = PROMPTS[: args.num_prompts]
     if args.tiny:  # no tokenizer: random token-id prompts of 24 tokens
         options["skip_tokenizer_init"] = True
-        ids = random_prompts(args.num_prompts, 24, TINY_VOCAB, seed=args.seed)
+        from tests.conftest import _tiny_config
+
+        ids = random_prompts(args.num_prompts, 24, _tiny_config(args.tiny).vocab_size, seed=args.seed)
         prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt in ids]
     with LLM(**options) as llm:
         return llm.generate(prompts, params, use_tqdm=False)
-
-
-TINY_VOCAB = 49152  # the tests' tiny models (tests/conftest.py) have SmolLM2's vocabulary size
 
 
 def tiny_model(arch: str, directory: Path) -> Path:

@@ -214,6 +214,29 @@ prefill_512() {
     --set quant_config.quant_algo=FP8
 }
 
+fp8_rows_tests() {  # the GPU tests of the FP8 rows handed to the GEMV
+  timeout 150 python -m pytest tests/kernels/test_triton_gemv.py tests/models/test_quantization.py -q -rfEs -m gpu \
+    -p no:cacheprovider -k "fp8_rows or one_fp8_row or norms_fp8_rows" 2>&1 | tail -4
+}
+
+fp8_rows_latency() {  # batch: 8B latency with FP8 weights (fp8_gemv_input fp8_rows, then the default float16), bf16
+  latency "latency-8b-b$1-fp8-fp8_rows-input" "$llama" "$1" --set quant_config.quant_algo=FP8 \
+    --set kernel_config.fp8_gemv_input=fp8_rows
+  latency "latency-8b-b$1-fp8" "$llama" "$1" --set quant_config.quant_algo=FP8
+  latency "latency-8b-b$1" "$llama" "$1"
+}
+
+fp8_accuracy_tiny() {
+  # fp8-accuracy on the tests' tiny random models (no weights to carry): FP8 weights on llama and qwen3_moe, the FP8
+  # cache on llama; 16 prompts x 64 greedy tokens each.
+  for arch in llama qwen3_moe; do
+    timeout 150 python benchmarks/accuracy.py --tiny "$arch" --dtype bfloat16 --set quant_config.quant_algo=FP8 \
+      $(output_json "accuracy-tiny-$arch-bf16-FP8") 2>&1 | tail -4
+  done
+  timeout 150 python benchmarks/accuracy.py --tiny llama --dtype bfloat16 --set kv_cache_config.dtype=fp8 \
+    $(output_json accuracy-tiny-llama-bf16-fp8-kv) 2>&1 | tail -4
+}
+
 fp8_batch_1() {  # 8B batch 1 latency with FP8 weights and in bf16, then the FP8 step profile
   latency latency-8b-b1-fp8 "$llama" 1 --set quant_config.quant_algo=FP8
   latency latency-8b-b1 "$llama" 1
@@ -289,14 +312,7 @@ case "${1:-}" in
       --set kernel_config.fp8_attention=fp8 $(output_json accuracy-smollm2-bf16-fp8-attention) 2>&1 | tail -4
     ;;
   fp8-accuracy-tiny)
-    # The same on the tests' tiny random models (no weights to carry): FP8 weights on llama and qwen3_moe, the FP8
-    # cache on llama; 16 prompts x 64 greedy tokens each.
-    for arch in llama qwen3_moe; do
-      timeout 150 python benchmarks/accuracy.py --tiny "$arch" --dtype bfloat16 --set quant_config.quant_algo=FP8 \
-        $(output_json "accuracy-tiny-$arch-bf16-FP8") 2>&1 | tail -4
-    done
-    timeout 150 python benchmarks/accuracy.py --tiny llama --dtype bfloat16 --set kv_cache_config.dtype=fp8 \
-      $(output_json accuracy-tiny-llama-bf16-fp8-kv) 2>&1 | tail -4
+    fp8_accuracy_tiny
     ;;
   fp8-one-row)
     # One row on FP8 weights on the CUDA cores: its GPU tests, the 8B layers at 1 row against the tensor-core GEMV,
@@ -411,8 +427,7 @@ case "${1:-}" in
   fp8-input-rows)
     # The RMSNorms before qkv and gate / up handing their FP8 rows to the GEMV: the GPU tests, then 8B batch 1 and 8
     # with FP8 weights, fp8_gemv_input fp8_rows (o and down in float16) and fp8 (o and down quantized by a kernel).
-    timeout 200 python -m pytest tests/kernels/test_triton_gemv.py tests/models/test_quantization.py -q -rfEs -m gpu \
-      -p no:cacheprovider -k "fp8_rows or one_fp8_row or norms_fp8_rows" 2>&1 | tail -3
+    fp8_rows_tests
     for batch in 1 8; do
       for mode in fp8_rows fp8; do
         latency "latency-8b-b$batch-fp8-$mode-input" "$llama" "$batch" --set quant_config.quant_algo=FP8 \
@@ -423,23 +438,15 @@ case "${1:-}" in
   fp8-rows-figures)
     # One call on a fresh machine: 8B batch 1 with FP8 weights (fp8_gemv_input fp8_rows, then the default float16)
     # and in bf16, the GPU tests of the FP8 rows handed to the GEMV, then batch 8 the same way.
-    for batch in 1 8; do
-      latency "latency-8b-b$batch-fp8-fp8_rows-input" "$llama" "$batch" --set quant_config.quant_algo=FP8 \
-        --set kernel_config.fp8_gemv_input=fp8_rows
-      latency "latency-8b-b$batch-fp8" "$llama" "$batch" --set quant_config.quant_algo=FP8
-      latency "latency-8b-b$batch" "$llama" "$batch"
-      [ "$batch" = 1 ] && timeout 120 python -m pytest tests/kernels/test_triton_gemv.py tests/models/test_quantization.py \
-        -q -rfEs -m gpu -p no:cacheprovider -k "fp8_rows or one_fp8_row or norms_fp8_rows" 2>&1 | tail -4
-    done
+    fp8_rows_latency 1
+    fp8_rows_tests
+    fp8_rows_latency 8
     ;;
   fp8-short)
     # For a call with little device time left: 8B batch 1 with FP8 weights (fp8_rows, then float16) and in bf16,
     # the tiny models' FP8 accuracy, then the 512-token prefill; results land under $OUT as each finishes.
-    latency latency-8b-b1-fp8-fp8_rows-input "$llama" 1 --set quant_config.quant_algo=FP8 \
-      --set kernel_config.fp8_gemv_input=fp8_rows
-    latency latency-8b-b1-fp8 "$llama" 1 --set quant_config.quant_algo=FP8
-    latency latency-8b-b1 "$llama" 1
-    bash "$0" fp8-accuracy-tiny
+    fp8_rows_latency 1
+    fp8_accuracy_tiny
     prefill_512
     ;;
   gemv-sweep-rows)

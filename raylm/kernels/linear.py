@@ -16,14 +16,12 @@ def linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, bias: torch.Tensor |
     weight comes with its per-row weight_scale and goes through the GEMV the same way (weights widened, x kept as
     it is), else through kernels/fp8.py (x quantized to FP8 too). lora: the rows' shrunk LoRA inputs
     (kernels/triton_lora.py's LoraRows), whose products the expand kernel adds to the output after the matmul."""
-    if isinstance(x, Fp8Rows) and not policy.gemv_applies(x, weight):  # quantized by the RMSNorm before
-        return fp8_linear(x, weight, weight_scale, bias)
     if policy.gemv_applies(x, weight):
         from raylm.kernels.triton_gemv import gemv
 
         out = gemv(x, weight, bias, weight_scale=weight_scale, input_mode=policy.gemv_input_mode(weight_scale, x),
                    pdl=policy.pdl, tiles=policy.gemv_tiles, prefetch=policy.gemv_prefetch)
-    elif weight_scale is not None:
+    elif weight_scale is not None:  # x may come as FP8 rows, quantized by the RMSNorm before
         out = fp8_linear(x, weight, weight_scale, bias)
     else:
         out = F.linear(x, weight, bias)

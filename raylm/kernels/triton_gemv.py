@@ -321,9 +321,15 @@ def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr,
              mask=row_mask[:, None] & col_mask[None, :])
 
 
+def _tiles_say_rows(core: bool, input_mode: int) -> bool:
+    """Whether the tuned tilings of a variant set BLOCK_M (and CORE) themselves: one FP8 row, which may take the
+    CUDA or the tensor cores (_tuned)."""
+    return core and input_mode == INPUT_MODES["fp8"]
+
+
 def _tuned(kernel, split: bool, fp8: bool, core: bool, input_mode: int = 0):
     prune = {"early_config_prune": without_splits_for_wide_layers} if split else None
-    if core and input_mode == INPUT_MODES["fp8"]:
+    if _tiles_say_rows(core, input_mode):
         # One FP8 row of x against FP8 weights: the CUDA cores or the FP8 tensor cores (x padded to _BLOCK_M rows),
         # whichever times faster; each tiling says which (CORE, BLOCK_M).
         configs = [_with(config, BLOCK_M=_CORE_ROWS) for config in core_candidates(split)]
@@ -518,12 +524,6 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
     autotuner[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta.get("SPLIT_K", 1))](*args, **flags, **options)
     gemv_tiles.note(rows.device, _variant_name(kernel, weight.dtype, rows.dtype, input_mode, core), N, K,
                     autotuner.best_config)
-
-
-def _tiles_say_rows(core: bool, input_mode: int) -> bool:
-    """Whether the tuned tilings of a variant set BLOCK_M (and CORE) themselves: one FP8 row, which may take the
-    CUDA or the tensor cores (_tuned)."""
-    return core and input_mode == INPUT_MODES["fp8"]
 
 
 def _prefetch_bytes(prefetch: int) -> int:
