@@ -8,6 +8,8 @@ cache in these layouts and kernels:
     fp8-keys-first       values by slots, the keys and values first in the products (TileConfig.keys_first)
     fp8-dot              values by slots, products on FP8 tensor cores (fp8_dot: queries and probabilities in FP8)
     fp8-warp-split       values and scales by slots, each tile in a slice of keys a warp (TileConfig.warp_split)
+    fp8-per-tensor       values by slots, one scale for all keys and one for all values (fp8_scales per_tensor):
+                         no scale read a key, the scales on the scores and the output
 
 Each is timed per call, with the rate at which it reads the cache (keys, values and an FP8 cache's scales). With
 --sweep, the FP8 kinds are also timed under every tile configuration of a small grid, to choose decode_config's.
@@ -32,7 +34,7 @@ from benchmarks.common import graph_call_us, write_result  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 KINDS = ("bf16", "fp8", "fp8-values-by-slots", "fp8-scales-by-slots", "fp8-keys-first", "fp8-dot",
-         "fp8-warp-split")
+         "fp8-warp-split", "fp8-per-tensor")
 
 
 def _cases(batch: int, context: int, seed: int):
@@ -60,7 +62,7 @@ def main() -> None:
         parser.error(f"--context must be a multiple of {PAGE}")
     from raylm.kernels import triton_kv_cache
     from raylm.kernels.attention_tiles import TileConfig
-    from raylm.kernels.fp8 import quantize_fp8
+    from raylm.kernels.fp8 import FP8_MAX, quantize_fp8, quantize_fp8_by
     from raylm.kernels.triton_attention import decode_config, paged_decode_attention
 
     q, tables, lens = _cases(args.batch, args.context, seed=0)
@@ -73,12 +75,17 @@ def main() -> None:
     v8_by_slots.view(torch.uint8).copy_(v8.view(torch.uint8))
     scales_by_slots = tuple(triton_kv_cache.scales_by_slots(scale.shape, scale.device).copy_(scale)
                             for scale in (k_scale, v_scale))
+    tensor_scales = tuple((cache.float().abs().amax() / FP8_MAX).reshape(1) for cache in (k_cache, v_cache))
+    k8_tensor = quantize_fp8_by(k_cache, tensor_scales[0])
+    v8_tensor = triton_kv_cache.value_cache_by_slots(shape, v8.dtype, v8.device)
+    v8_tensor.view(torch.uint8).copy_(quantize_fp8_by(v_cache, tensor_scales[1]).view(torch.uint8))
     caches = {"bf16": ((k_cache, v_cache), ()), "fp8": ((k8, v8), (k_scale, v_scale)),
               "fp8-values-by-slots": ((k8, v8_by_slots), (k_scale, v_scale)),
               "fp8-scales-by-slots": ((k8, v8_by_slots), scales_by_slots),
               "fp8-keys-first": ((k8, v8_by_slots), (k_scale, v_scale)),
               "fp8-dot": ((k8, v8_by_slots), (k_scale, v_scale)),
-              "fp8-warp-split": ((k8, v8_by_slots), scales_by_slots)}
+              "fp8-warp-split": ((k8, v8_by_slots), scales_by_slots),
+              "fp8-per-tensor": ((k8_tensor, v8_tensor), tensor_scales)}
     keys = args.batch * args.context * KV_HEADS
     result: dict = {"batch": args.batch, "context": args.context}
     scale = HEAD_DIM ** -0.5
@@ -89,7 +96,7 @@ def main() -> None:
             config = dataclasses.replace(config or decode_config(HEAD_DIM, 2, 1), keys_first=True)
         if kind == "fp8-warp-split":
             config = dataclasses.replace(config or decode_config(HEAD_DIM, 2, 1), warp_split=True)
-        nbytes = 2 * keys * HEAD_DIM * k.element_size() + (2 * keys * 4 if scales else 0)
+        nbytes = 2 * keys * HEAD_DIM * k.element_size() + (2 * keys * 4 if scales and scales[0].dim() > 1 else 0)
 
         def call():
             return paged_decode_attention(q, k, v, tables, lens, scale, kv_scales=scales, config=config,
@@ -111,7 +118,9 @@ def main() -> None:
                                      fp8_dot=True)
     warp_split = paged_decode_attention(q, k8, v8_by_slots, tables, lens, scale, kv_scales=scales_by_slots,
                                         config=dataclasses.replace(decode_config(HEAD_DIM, 2, 1), warp_split=True))
+    per_tensor = paged_decode_attention(q, k8_tensor, v8_tensor, tables, lens, scale, kv_scales=tensor_scales)
     gap = (fp8_out.float() - reference.float()).abs().max().item()
+    tensor_gap = (per_tensor.float() - reference.float()).abs().max().item()
     dot_gap = (fp8_dot.float() - reference.float()).abs().max().item()
     layouts_gap = max((out.float() - fp8_out.float()).abs().max().item()
                       for out in (by_slots, scales_by_slots_out, warp_split))
@@ -120,16 +129,17 @@ def main() -> None:
                  f"than by rows (largest gap {layouts_gap})")
     print(f"B {args.batch} x L {args.context}: FP8 cache against bf16, largest output gap {gap:.4f}; values by "
           f"slots (and warp slices) against by rows {layouts_gap:.4f}; FP8 products (fp8_dot) against bf16 "
-          f"{dot_gap:.4f}", flush=True)
+          f"{dot_gap:.4f}; per-tensor scales against bf16 {tensor_gap:.4f}", flush=True)
     result["fp8_max_gap_vs_bf16"] = gap
     result["fp8_dot_max_gap_vs_bf16"] = dot_gap
+    result["fp8_per_tensor_max_gap_vs_bf16"] = tensor_gap
     assert tuple(caches) == KINDS
     kinds = args.kinds
     for kind in kinds:
         result[kind] = timed(kind, None)
     if args.sweep:
         for kind in [kind for kind in ("fp8", "fp8-values-by-slots", "fp8-scales-by-slots", "fp8-dot",
-                                       "fp8-warp-split") if kind in kinds]:
+                                       "fp8-warp-split", "fp8-per-tensor") if kind in kinds]:
             # the FP8 MMA takes 64 keys at a time; a warp's slice at least 16
             tiles = {"fp8-dot": (64, 128), "fp8-warp-split": (64, 128, 256)}.get(kind, (32, 64, 128))
             result[f"{kind}_sweep"] = [timed(kind, TileConfig(block_m=16, block_n=block_n, num_warps=warps,

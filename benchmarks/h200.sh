@@ -61,6 +61,9 @@
 #                                        # gemv-sweep-rows: qkv / o / down, float16 against FP8 rows (~6 min);
 #                                        # fp8-rows-figures: the tests, batch 1 / 8 in fp8_rows, float16, bf16 (~9 min)
 #   bash benchmarks/h200.sh fp8-short    # batch 1 (fp8_rows, float16, bf16), fp8-accuracy-tiny, the 512-token prefill
+#   bash benchmarks/h200.sh fp8-per-tensor  # the FP8 cache with per-tensor scales: its GPU tests, the decode kernel
+#                                        # alone against bf16, scales by slots, warp slices, FP8 products   (~3 min);
+#                                        # fp8-first: that, then batch 1 (fp8_rows, float16, bf16)        (~9 min)
 #   bash benchmarks/h200.sh fp8-figures  # the FP8 GEMV tiles tuned into gemv_tiles.json, 8B batch 1 and 8 with FP8
 #                                        # weights and in bf16, then fp8-prefill-512                 (~9 min)
 #   bash benchmarks/h200.sh fp8-throughput  # 8B 1000 x (1024, 1024) in bf16, then with FP8 weights   (~9 min)
@@ -235,6 +238,14 @@ fp8_accuracy_tiny() {
   done
   timeout 150 python benchmarks/accuracy.py --tiny llama --dtype bfloat16 --set kv_cache_config.dtype=fp8 \
     $(output_json accuracy-tiny-llama-bf16-fp8-kv) 2>&1 | tail -4
+}
+
+fp8_per_tensor() {  # the FP8 cache with per-tensor scales: GPU tests, then the decode kernel alone against the others
+  timeout 150 python -m pytest tests/kernels/test_triton_kv_cache.py tests/kernels/test_triton_attention.py \
+    tests/engine/test_fp8_kv_cache.py -m gpu -k "per_tensor or tensor-scales or rotary_decode_stores" -q -rfEs \
+    -p no:cacheprovider 2>&1 | tail -4
+  timeout 200 python benchmarks/attention.py --kinds bf16 fp8-scales-by-slots fp8-warp-split fp8-dot fp8-per-tensor \
+    $(output_json attention-decode-8b-b512-l1024-per-tensor) 2>&1 | grep -E "^(B |bf16|fp8)"
 }
 
 fp8_batch_1() {  # 8B batch 1 latency with FP8 weights and in bf16, then the FP8 step profile
@@ -441,6 +452,14 @@ case "${1:-}" in
     fp8_rows_latency 1
     fp8_rows_tests
     fp8_rows_latency 8
+    ;;
+  fp8-per-tensor)
+    fp8_per_tensor
+    ;;
+  fp8-first)
+    # The first call of a session with the device: the per-tensor cache's tests and kernel timings, then batch 1.
+    fp8_per_tensor
+    fp8_rows_latency 1
     ;;
   fp8-short)
     # For a call with little device time left: 8B batch 1 with FP8 weights (fp8_rows, then float16) and in bf16,

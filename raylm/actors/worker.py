@@ -236,7 +236,8 @@ class Worker:
                                   args.kv_cache_config.tokens_per_block, seed=args.seed,
                                   attention_backend=args.attention_backend, kernel_config=args.kernel_config,
                                   capture_logits=args.cuda_graph_config is not None
-                                  and args.cuda_graph_config.capture_logits)
+                                  and args.cuda_graph_config.capture_logits,
+                                  fp8_kv_scales=args.kv_cache_config.fp8_scales)
         self.runner.lora = lora
         if self.spec.draft_source is not None and self.ctx.tp_rank == 0 and self.ctx.pp_rank == 0:
             self.draft_runner = self._load_draft()
@@ -255,7 +256,7 @@ class Worker:
         self.timings["model_loader"]["draft_weight_population_seconds"] = time.perf_counter() - begin
         return ModelRunner(draft.model, draft.arch, self.device, self.dtype, args.kv_cache_config.tokens_per_block,
                            seed=args.seed, attention_backend=args.attention_backend, kernel_config=args.kernel_config,
-                           capture_logits=False)
+                           capture_logits=False, fp8_kv_scales=args.kv_cache_config.fp8_scales)
 
     def init_cache(self, num_blocks: int) -> EngineInfo:
         from raylm.engine.device_memory import region

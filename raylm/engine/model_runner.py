@@ -115,12 +115,22 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def paged(layer: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """A layer's cache tensors that are paged by block: keys, values and per-row scales, not per-tensor scales."""
+    return [tensor for tensor in layer if tensor.dim() > 1]
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, arch: ArchConfig, device: torch.device, dtype: torch.dtype,
                  block_size: int, seed: int = 0, attention_backend: str = "auto",
-                 kernel_config: KernelConfig | None = None, capture_logits: bool = True):
+                 kernel_config: KernelConfig | None = None, capture_logits: bool = True,
+                 fp8_kv_scales: str = "per_token"):
         """`kernel_config` chooses the model's kernels (kernels/policy.py); `capture_logits`: decode graphs compute
-        the logits and greedy draws too (cuda_graph_config.capture_logits)."""
+        the logits and greedy draws too (cuda_graph_config.capture_logits); `fp8_kv_scales`: how an FP8 cache
+        scales its rows (kv_cache_config.fp8_scales)."""
+        if fp8_kv_scales not in ("per_token", "per_tensor"):
+            raise ValueError(f"kv_cache_config.fp8_scales must be 'per_token' or 'per_tensor', got {fp8_kv_scales!r}")
+        self.fp8_kv_scales = fp8_kv_scales
         self.model = model
         self.arch = arch
         self.device = device
@@ -161,8 +171,9 @@ class ModelRunner:
 
     def kv_bytes_per_block(self, kv_dtype: torch.dtype) -> int:
         """Bytes of one block of keys and values over this rank's layers; an FP8 cache's include their scales (a
-        float32 per token and head)."""
-        element = kv_dtype.itemsize + (FP8_SCALE_DTYPE.itemsize / self.arch.head_dim if kv_dtype == FP8_DTYPE else 0)
+        float32 per token and head) unless they are per tensor."""
+        row_scales = kv_dtype == FP8_DTYPE and self.fp8_kv_scales == "per_token"
+        element = kv_dtype.itemsize + (FP8_SCALE_DTYPE.itemsize / self.arch.head_dim if row_scales else 0)
         return int(2 * self.num_local_layers * self.block_size * self.num_kv_heads * self.arch.head_dim * element)
 
     @property
@@ -192,7 +203,8 @@ class ModelRunner:
         """num_blocks usable blocks plus the null block 0, which alone is zeroed: every other slot is
         written before attention reads it, so the rest is left uninitialised (and untouched on the CPU). An FP8
         cache on the Triton backend stores its values by slots (value_cache_by_slots), zeroed whole, and its scales
-        by slots too (scales_by_slots: a tile's scales of one head in whole sectors)."""
+        by slots too (scales_by_slots: a tile's scales of one head in whole sectors); with per-tensor scales, each
+        layer's two are one float32 each (the checkpoint's, else 1.0: Attention.kv_tensor_scales)."""
         if self.attention_backend == "flashinfer" and kv_dtype != self.dtype:
             raise ValueError(f"attention_backend='flashinfer' keeps the KV cache in the model's dtype ({self.dtype}), "
                              f"got kv_cache_config.dtype {kv_dtype}")
@@ -212,7 +224,10 @@ class ModelRunner:
             else:
                 values = torch.empty(shape, dtype=kv_dtype, device=self.device)
             layer = [keys, values]
-            if values_by_slots:
+            if fp8 and self.fp8_kv_scales == "per_tensor":
+                scales = self.model.local_layers[len(self.kv_caches)].self_attn.kv_tensor_scales or (1.0, 1.0)
+                layer += [torch.full((1,), scale, dtype=FP8_SCALE_DTYPE, device=self.device) for scale in scales]
+            elif values_by_slots:
                 layer += [scales_by_slots(shape[:-1], self.device) for _ in range(2)]
             elif fp8:
                 layer += [torch.empty(shape[:-1], dtype=FP8_SCALE_DTYPE, device=self.device) for _ in range(2)]
@@ -222,7 +237,7 @@ class ModelRunner:
     def zero_null_block(self) -> None:
         """Zeroes block 0 of every layer's cache (and scales), which padding rows and unused table entries read."""
         for layer in self.kv_caches:
-            for tensor in layer:
+            for tensor in paged(layer):
                 tensor[0].zero_()
 
     def zero_unwritten_kv(self) -> None:
@@ -327,7 +342,7 @@ class ModelRunner:
         sources = to_device([src for src, _ in copies], self.device)
         targets = to_device([dst for _, dst in copies], self.device)
         for layer in self.kv_caches:
-            for tensor in layer:
+            for tensor in paged(layer):
                 tensor[targets] = tensor[sources]
 
     # ------------------------------------------------------------------ the parts of a step

@@ -9,7 +9,9 @@ An FP8 cache (kv_cache_config.dtype='fp8') stores each token's key and value of 
 with a float32 scale (the row's amax / 448, kernels/fp8.py) in tensors of their own, [num_blocks, block_size,
 H_kv]: a scale per row needs no calibration and follows every outlier token. Attention reads them back
 dequantized, the chunk's own new keys and values included, so a token attends to what the cache holds whether
-it was written this step or earlier.
+it was written this step or earlier. With per-tensor scales (kv_cache_config.fp8_scales='per_tensor') the scale
+tensors hold one float32 each, a layer's static scale for its keys and one for its values: rows are divided by it
+(saturating at ±448) and nothing is stored beside them.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from raylm.kernels.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8
+from raylm.kernels.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8, quantize_fp8_by
 from raylm.kernels.policy import KernelPolicy
 from raylm.kernels.rotary import apply_rotary
 
@@ -120,11 +122,14 @@ def write_kv_cache(
     kv_scales: tuple[torch.Tensor, torch.Tensor] = (),
 ) -> None:
     """Stores new keys and values ([T, H_kv, D]) at their slots of the paged cache; into an FP8 cache quantized
-    per token and head, their scales into kv_scales."""
+    per token and head, their scales into kv_scales, or by the per-tensor scales kv_scales hold."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     for new, cache, scales in zip((k, v), (k_cache, v_cache), kv_scales or (None, None)):
         rows = cache.view(-1, num_kv_heads, head_dim)
-        if cache.dtype == FP8_DTYPE:
+        if cache.dtype == FP8_DTYPE and scales.numel() == 1:
+            new = quantize_fp8_by(new, scales)
+            rows, new = rows.view(torch.uint8), new.view(torch.uint8)
+        elif cache.dtype == FP8_DTYPE:
             new, scale = quantize_fp8(new)
             scales.view(-1, num_kv_heads).index_copy_(0, slot_mapping, scale)
             # index_copy_ has no float8 kernel on the CPU: the bytes are copied instead.
@@ -138,13 +143,18 @@ def read_kv_cache(cache: torch.Tensor, scales: torch.Tensor | None, slots: torch
     by their scales."""
     num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
     rows = cache.view(-1, num_kv_heads, head_dim).index_select(0, slots.reshape(-1))
-    if scales is not None:
+    if scales is not None and scales.numel() == 1:
+        rows = dequantize_fp8(rows, scales.view(1, 1))
+    elif scales is not None:
         rows = dequantize_fp8(rows, scales.view(-1, num_kv_heads).index_select(0, slots.reshape(-1)))
     return rows.to(dtype).view(*slots.shape, num_kv_heads, head_dim)
 
 
-def fake_quantize_kv(values: torch.Tensor) -> torch.Tensor:
-    """Keys or values [T, H_kv, D] as an FP8 cache gives them back: quantized per token and head, dequantized."""
+def fake_quantize_kv(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Keys or values [T, H_kv, D] as an FP8 cache with scales like `scale` gives them back: quantized per token and
+    head (or by the one per-tensor scale), dequantized."""
+    if scale.numel() == 1:
+        return dequantize_fp8(quantize_fp8_by(values, scale), scale.view(1, 1)).to(values.dtype)
     return dequantize_fp8(*quantize_fp8(values)).to(values.dtype)
 
 
@@ -164,7 +174,7 @@ def paged_attention(
     k_scale, v_scale = kv_scales or (None, None)
     if kv_scales and any(chunk.context_slots is None for chunk in meta.prefills):
         # Chunks that attend to their own keys and values alone take them from k and v: as the cache holds them.
-        k, v = fake_quantize_kv(k), fake_quantize_kv(v)
+        k, v = fake_quantize_kv(k, k_scale), fake_quantize_kv(v, v_scale)
     out = torch.empty_like(q)
     num_decodes = meta.num_decode_tokens
     if num_decodes:

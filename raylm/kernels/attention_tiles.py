@@ -24,6 +24,10 @@ With fp8_dot, the FP8 tiles are multiplied as stored by Hopper's warpgroup MMA (
 queries and probabilities quantized to FP8. A decode tile may also be cut into a slice of keys a warp, each with
 its own softmax state (_attend_slices), so that its reductions over keys stay within a warp.
 
+An FP8 cache with per-tensor scales (KV_FP8 == TENSOR_SCALES: triton_kv_cache.py) loads no scale a key: the
+keys' one scale joins qk_scale and the values' multiplies the output (_tensor_scales), so its tiles take
+_attend_tile's steps of a 16-bit cache once widened.
+
 Scores are accumulated in float32 and the softmax runs online in base 2 (exp2 of scores scaled by log2 e).
 """
 
@@ -103,8 +107,14 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, key_pos, key_ma
 def _load_kv_scales(k_scale_ptr, v_scale_ptr, block_id, slot, kv_head, key_mask, stride_scale_block,
                     stride_scale_slot, stride_scale_head, KV_FP8: tl.constexpr):
     """An FP8 cache's scales of the keys and values at (block_id, slot) of one KV head, any shape (0 where key_mask
-    is false, so that those keys weigh nothing); 1.0 for another cache."""
-    if KV_FP8:
+    is false, so that those keys weigh nothing); 1.0 for another cache. With per-tensor scales (KV_FP8 2) 1.0 where
+    key_mask holds, 0 elsewhere: the tensor's own scales go on the scores and the output (_tensor_scales), and the
+    tile steps that weigh keys by their scales (_attend_tile_keys_first, _attend_slices) run unchanged; _attend_tile
+    does not read them."""
+    if KV_FP8 == 2:
+        k_scale = tl.where(key_mask, 1.0, 0.0)
+        v_scale = k_scale
+    elif KV_FP8:
         scale_rows = block_id * stride_scale_block + slot * stride_scale_slot + kv_head * stride_scale_head
         k_scale = tl.load(k_scale_ptr + scale_rows, mask=key_mask, other=0.0)
         v_scale = tl.load(v_scale_ptr + scale_rows, mask=key_mask, other=0.0)
@@ -112,6 +122,19 @@ def _load_kv_scales(k_scale_ptr, v_scale_ptr, block_id, slot, kv_head, key_mask,
         k_scale = 1.0
         v_scale = 1.0
     return k_scale, v_scale
+
+
+@triton.jit
+def _tensor_scales(k_scale_ptr, v_scale_ptr, KV_FP8: tl.constexpr):
+    """An FP8 cache's per-tensor scales (KV_FP8 2): the keys', which multiplies qk_scale, and the values', which
+    multiplies the attention's output; 1.0 and 1.0 for any other cache."""
+    if KV_FP8 == 2:
+        k_tensor = tl.load(k_scale_ptr)
+        v_tensor = tl.load(v_scale_ptr)
+    else:
+        k_tensor = 1.0
+        v_tensor = 1.0
+    return k_tensor, v_tensor
 
 
 @triton.jit
@@ -134,7 +157,8 @@ def _attend_tile(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, MA
                  DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, KEYS_ACROSS_WARPS: tl.constexpr = False):
     """One online-softmax step over a tile of keys: returns the updated (row max, row sum, accumulator). An FP8
     tile's keys and values are widened to q's dtype (float16 or float32: _fp8_cache_queries), their scales (per
-    key) applied to the scores and to the probabilities that weigh the values.
+    key) applied to the scores and to the probabilities that weigh the values; per-tensor scales (KV_FP8 2) are
+    applied by the kernel, not here.
 
     With MASKED, scores where `visible` is false are dropped; rows that see no key yet keep max -inf and
     their probabilities are computed against 0, so that no NaN (from -inf - -inf) enters the sums.
@@ -146,11 +170,11 @@ def _attend_tile(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, MA
         k = k.to(q.dtype)
         v = v.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    if KV_FP8:
+    if KV_FP8 == 1:
         scores = scores * k_scale[None, :]
     if MASKED:
         scores = tl.where(visible, scores, float("-inf"))
-    if KV_FP8 and KEYS_ACROSS_WARPS:
+    if KV_FP8 == 1 and KEYS_ACROSS_WARPS:
         tile_max, top = tl.reduce((scores, tl.broadcast_to(v_scale[None, :], scores.shape)), 1, _max_pair)
     else:
         tile_max = tl.max(scores, axis=1)
@@ -159,11 +183,11 @@ def _attend_tile(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, MA
     p = tl.exp2(scores - m_ref[:, None])
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if KV_FP8 and KEYS_ACROSS_WARPS:  # top per row, all rows alike
+    if KV_FP8 == 1 and KEYS_ACROSS_WARPS:  # top per row, all rows alike
         top = tl.where(top > 0.0, top, 1.0)
         weights = (p * v_scale[None, :] * (1.0 / top)[:, None]).to(v.dtype)
         acc = tl.dot(weights, v, acc=acc * (alpha / top)[:, None], input_precision=DOT_PRECISION) * top[:, None]
-    elif KV_FP8:
+    elif KV_FP8 == 1:
         top = tl.max(v_scale, axis=0)
         top = tl.where(top > 0.0, top, 1.0)
         weights = (p * (v_scale / top)[None, :]).to(v.dtype)

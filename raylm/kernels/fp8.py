@@ -41,6 +41,12 @@ def quantize_fp8(tensor: torch.Tensor, per_tensor: bool = False) -> tuple[torch.
     return quantized, scale.squeeze(-1).contiguous()
 
 
+def quantize_fp8_by(tensor: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """tensor in float8_e4m3fn divided by a given scale (a one-element float32 tensor: an FP8 KV cache's static
+    per-tensor scale), saturating at ±448 where the scale does not cover the values."""
+    return (tensor.float() / scale.reshape(())).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
 def dequantize_fp8(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The float32 values that q and its per-row scale stand for."""
     return quantized.float() * scale.unsqueeze(-1)

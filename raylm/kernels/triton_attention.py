@@ -28,6 +28,7 @@ from raylm.kernels.attention_tiles import (
     _load_kv_slices,
     _load_kv_tile,
     _merge_slices,
+    _tensor_scales,
     _window,
 )
 from raylm.kernels.pdl import launch_options, pdl_wait
@@ -122,13 +123,15 @@ def _decode_split_kernel(
         tl.debug_barrier()
     else:
         q = tl.load(q_ptr + q_offsets + dims[None, :], mask=q_mask, other=0.0)
+    # per-tensor scales of an FP8 cache: the keys' joins the scores' scale, the values' the output (1.0 otherwise)
+    k_tensor, v_tensor = _tensor_scales(k_scale_ptr, v_scale_ptr, KV_FP8)
     if FP8_DOT:  # the queries in FP8 too, each head's row by its own scale, which joins qk_scale
         q_scale = fp8_scale(tl.max(tl.abs(q.to(tl.float32)), axis=1))
         q = to_fp8(q.to(tl.float32), q_scale[:, None])
-        scores_scale = qk_scale * q_scale[None, :]
+        scores_scale = qk_scale * k_tensor * q_scale[None, :]
     else:
         q = _fp8_cache_queries(q, KV_FP8)
-        scores_scale = qk_scale
+        scores_scale = qk_scale * k_tensor
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table
     if V_BY_SLOTS:  # tiles from the start of a run of V_RUN keys: the values load a run at a time (_load_kv_tile)
         tiles_start = split_start // V_RUN * V_RUN
@@ -178,6 +181,8 @@ def _decode_split_kernel(
                                              scores_scale, True, DOT_PRECISION, KV_FP8, True)
     if KEYS_FIRST:
         acc = tl.trans(acc)
+    if KV_FP8 == 2:
+        acc = acc * v_tensor
 
     if DIRECT_OUTPUT:
         # A sequence with no keys (context_len 0, e.g. CUDA-graph padding) gets zeros, not NaN.

@@ -6,7 +6,9 @@ Decode tokens are rotated and stored by their attention kernel instead (triton_a
 
 An FP8 cache (float8_e4m3fn) takes each row (one token's key or value of one head) quantized by its own scale,
 the row's amax / 448, stored in a float32 scale cache [num_blocks, block_size, H_kv] beside it, as the torch
-reference does (kernels/attention.py: write_kv_cache).
+reference does (kernels/attention.py: write_kv_cache); or, with per-tensor scales (one float32 for a layer's keys,
+one for its values: kv_cache_config.fp8_scales), divided by that static scale, nothing stored beside it. The kernels
+take the mode as KV_FP8: 0 (no FP8), ROW_SCALES or TENSOR_SCALES.
 
 The value cache has strides of its own in every kernel here and in attention_tiles.py: stored by rows as the keys
 are, or transposed within its pages ([num_blocks, H_kv, D, block_size] in memory, seen as a [num_blocks,
@@ -24,6 +26,9 @@ from raylm.kernels.fp8 import FP8_DTYPE, FP8_SCALE_DTYPE
 from raylm.kernels.pdl import launch_options, pdl_wait
 from raylm.kernels.triton_fp8 import fp8_scale, to_fp8
 from raylm.kernels.triton_ops import cos_sin_row, rope_rows, rotate_heads, rotated_rows
+
+ROW_SCALES = 1  # KV_FP8: a scale per row (token and head), stored beside the cache
+TENSOR_SCALES = 2  # KV_FP8: one static scale for the layer's keys, one for its values
 
 
 def check_cache(name: str, cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
@@ -72,11 +77,14 @@ def value_strides(v_cache: torch.Tensor) -> tuple[int, int, int, int]:
 def store_rows(cache_ptr, scale_ptr, rows, cache_offsets, scale_offsets, dims, mask, row_mask, stride_dim,
                KV_FP8: tl.constexpr):
     """Stores [R, D] rows at cache_offsets ([R, 1], each row's start; its elements stride_dim apart) in the cache's
-    dtype; into an FP8 cache each row quantized by its own scale (its amax / 448, as kernels/fp8.py's
-    quantize_fp8), stored at scale_offsets ([R, 1]) of scale_ptr. mask: the [R, D] elements to store (others must
-    be zero), row_mask: the [R, 1] rows."""
+    dtype; into an FP8 cache with ROW_SCALES each row quantized by its own scale (its amax / 448, as kernels/fp8.py's
+    quantize_fp8), stored at scale_offsets ([R, 1]) of scale_ptr; with TENSOR_SCALES divided by the one scale at
+    scale_ptr (saturating at ±448). mask: the [R, D] elements to store (others must be zero), row_mask: the [R, 1]
+    rows."""
     elements = cache_ptr + cache_offsets + dims[None, :] * stride_dim
-    if KV_FP8:
+    if KV_FP8 == 2:  # TENSOR_SCALES
+        tl.store(elements, to_fp8(rows.to(tl.float32), tl.load(scale_ptr)), mask=mask)
+    elif KV_FP8:
         values = rows.to(tl.float32)
         scale = fp8_scale(tl.max(tl.abs(values), axis=1, keep_dims=True))
         tl.store(elements, to_fp8(values, scale), mask=mask)
@@ -112,25 +120,30 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
 
 
 def cache_scales(k_cache: torch.Tensor, kv_scales: tuple[torch.Tensor, ...]) -> tuple:
-    """The kernels' scale arguments for a cache: (k_scale, v_scale, stride of a block, of a slot, of a head, whether
-    it is FP8). An FP8 cache needs its (k_scale, v_scale), float32 [num_blocks, block_size, H_kv], both with the same
-    strides (contiguous heads, or transposed within pages: scales_by_slots); another cache takes none (its k_cache
-    stands in for them, unused)."""
+    """The kernels' scale arguments for a cache: (k_scale, v_scale, stride of a block, of a slot, of a head, KV_FP8).
+    An FP8 cache needs its (k_scale, v_scale): float32 [num_blocks, block_size, H_kv], both with the same strides
+    (contiguous heads, or transposed within pages: scales_by_slots), for ROW_SCALES; one float32 each for
+    TENSOR_SCALES. Another cache takes none (its k_cache stands in for them, unused; KV_FP8 0)."""
     fp8 = k_cache.dtype == FP8_DTYPE
     if not fp8:
         if kv_scales:
             raise ValueError(f"kv_scales go with an FP8 cache, got a {k_cache.dtype} one")
-        return k_cache, k_cache, 0, 0, 0, False
+        return k_cache, k_cache, 0, 0, 0, 0
     if len(kv_scales) != 2:
         raise ValueError("an FP8 cache needs its (k_scale, v_scale)")
     k_scale, v_scale = kv_scales
+    if k_scale.numel() == 1 and v_scale.numel() == 1:
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if scale.dtype != FP8_SCALE_DTYPE:
+                raise ValueError(f"a per-tensor {name} must be float32, got {scale.dtype}")
+        return k_scale, v_scale, 0, 0, 0, TENSOR_SCALES
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale.shape != k_cache.shape[:3] or scale.dtype != FP8_SCALE_DTYPE:
-            raise ValueError(f"{name} must be float32 {list(k_cache.shape[:3])}, got {scale.dtype} "
-                             f"{list(scale.shape)}")
+            raise ValueError(f"{name} must be float32 {list(k_cache.shape[:3])} (a scale per row) or one float32 "
+                             f"(per tensor), got {scale.dtype} {list(scale.shape)}")
     if v_scale.stride() != k_scale.stride():
         raise ValueError("v_scale must have k_scale's strides")
-    return k_scale, v_scale, *k_scale.stride(), True
+    return k_scale, v_scale, *k_scale.stride(), ROW_SCALES
 
 
 def check_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

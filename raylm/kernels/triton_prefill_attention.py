@@ -17,6 +17,7 @@ from raylm.kernels.attention_tiles import (
     _dot_precision,
     _fp8_cache_queries,
     _load_kv_tile,
+    _tensor_scales,
     _window,
 )
 from raylm.kernels.triton_kv_cache import cache_scales, check_cache, check_value_cache, value_strides
@@ -106,6 +107,8 @@ def _prefill_kernel(
     q = tl.load(q_ptr + token_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
     q = _fp8_cache_queries(q, KV_FP8)
+    k_tensor, v_tensor = _tensor_scales(k_scale_ptr, v_scale_ptr, KV_FP8)  # an FP8 cache's per-tensor scales
+    qk_scale = qk_scale * k_tensor
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -137,6 +140,8 @@ def _prefill_kernel(
                                       KV_FP8,
                                       V_BY_SLOTS, V_RUN)
 
+    if KV_FP8 == 2:
+        acc = acc * v_tensor
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + token_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])

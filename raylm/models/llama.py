@@ -36,6 +36,7 @@ from raylm.models.quantization import (
     UNUSED_SUFFIXES,
     checkpoint_scale,
     is_fp8,
+    kv_tensor_scale,
     quantize_checkpoint_weight,
     scale_param_name,
     split_scale_name,
@@ -60,6 +61,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = arch.head_dim**-0.5
+        # An FP8-KV checkpoint's static (k_scale, v_scale): the per-tensor scales of an FP8 cache
+        # (kv_cache_config.fp8_scales='per_tensor'; models/quantization.py: kv_tensor_scale)
+        self.kv_tensor_scales: tuple[float, float] | None = None
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, defer_reduce: bool = False) -> torch.Tensor | Unreduced:
@@ -287,6 +291,12 @@ class LlamaForCausalLM(nn.Module):
 
         for checkpoint_name, tensor in weights:
             name = self._local_name(checkpoint_name)
+            if name is not None and (found := kv_tensor_scale(name, tensor)) is not None:
+                attention, which, scale = found
+                attention = self.get_submodule(attention)
+                k_scale, v_scale = attention.kv_tensor_scales or (1.0, 1.0)
+                attention.kv_tensor_scales = (scale if "k" in which else k_scale, scale if "v" in which else v_scale)
+                continue
             if name is None or (self.arch.fp8 is not None and name.endswith(UNUSED_SUFFIXES)):
                 continue
             name, is_scale = split_scale_name(name)

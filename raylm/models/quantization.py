@@ -13,8 +13,8 @@ scales `weight_scale_inv`, per tensor or per row) and compressed-tensors (quant_
 format "float-quantized", `weight_scale` per tensor or per channel). Activations are always quantized per token at
 run time, so a checkpoint's static activation scales (`input_scale`, `activation_scale`) are not used. A
 compressed-tensors checkpoint whose kv_cache_scheme is FP8 turns the FP8 KV cache on (unless kv_cache_config.dtype
-says otherwise); the cache scales each token and head itself, so the checkpoint's static KV scales are not used
-either.
+says otherwise). Its static KV scales (kv_tensor_scale) are what an FP8 cache with per-tensor scales divides by
+(kv_cache_config.fp8_scales='per_tensor'); by default the cache scales each token and head itself instead.
 """
 
 from __future__ import annotations
@@ -27,9 +27,12 @@ import torch
 from raylm.config import QuantConfig
 from raylm.kernels.fp8 import FP8_DTYPE, quantize_fp8
 
-# Checkpoint tensors a quantized model has no use for: static activation scales (activations are scaled per token)
-# and static KV-cache scales (the FP8 cache scales each token and head).
-UNUSED_SUFFIXES = (".input_scale", ".activation_scale", ".k_scale", ".v_scale", ".output_scale")
+# Checkpoint tensors a quantized model has no use for: static activation scales (activations are scaled per token).
+UNUSED_SUFFIXES = (".input_scale", ".activation_scale", ".output_scale")
+# An attention layer's static KV-cache scales under the names FP8-KV checkpoints give them: which of keys ("k") and
+# values ("v") each scales.
+_KV_SCALE_SUFFIXES = {".self_attn.k_scale": "k", ".self_attn.v_scale": "v", ".self_attn.kv_scale": "kv",
+                      ".self_attn.k_proj.output_scale": "k", ".self_attn.v_proj.output_scale": "v"}
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")  # the dequantizing multiplier, under either name
 
 
@@ -42,6 +45,19 @@ class Fp8Weights:
     per_tensor: bool = False
     checkpoint_method: str | None = None
     kv_cache: bool = False
+
+
+def kv_tensor_scale(name: str, tensor) -> tuple[str, str, float] | None:
+    """(the attention module's name, "k" / "v" / "kv", the scale) when `name` is a static KV-cache scale, else None.
+    A scale is one positive number (per tensor); a scale of another shape (per head, per channel) is a ValueError."""
+    for suffix, which in _KV_SCALE_SUFFIXES.items():
+        if name.endswith(suffix):
+            values = tensor[...].float().reshape(-1)
+            if values.numel() != 1 or not values.item() > 0:
+                raise ValueError(f"checkpoint tensor {name!r} must be one positive KV-cache scale (per tensor), got "
+                                 f"shape {list(getattr(tensor, 'shape', ()))}")
+            return name.removesuffix(suffix) + ".self_attn", which, float(values.item())
+    return None
 
 
 def resolve_fp8_weights(quant_config: QuantConfig, hf_config: Any) -> Fp8Weights | None:

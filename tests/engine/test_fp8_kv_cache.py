@@ -19,6 +19,7 @@ from raylm.kernels.fp8 import FP8_DTYPE, FP8_MAX
 from raylm.models.source import default_model_path
 
 FP8_KV = KvCacheConfig(max_tokens=2048, tokens_per_block=16, dtype="fp8")
+FP8_KV_PER_TENSOR = KvCacheConfig(max_tokens=2048, tokens_per_block=16, dtype="fp8", fp8_scales="per_tensor")
 FLOAT_KV = KvCacheConfig(max_tokens=2048, tokens_per_block=16)
 TINY = torch.finfo(torch.float32).tiny  # a zero row's scale
 PROMPTS = [[(i * 7919 + j * 104729) % 49000 + 10 for j in range(40)] for i in range(3)]
@@ -61,7 +62,7 @@ def test_written_rows_read_back_as_their_per_token_and_head_quantization():
         torch.testing.assert_close(scale.view(-1, heads)[slots], (new.abs().amax(-1) / FP8_MAX).clamp(min=TINY),
                                    rtol=0, atol=0)
         back = read_kv_cache(cache, scale, slots, torch.float32)
-        assert torch.equal(back, fake_quantize_kv(new))
+        assert torch.equal(back, fake_quantize_kv(new, scale))
         bound = new.abs().amax(-1, keepdim=True) * 2**-4  # e4m3: 3 mantissa bits, relative to each row's amax
         assert ((back - new).abs() <= bound).all()
         untouched = torch.ones(blocks * block_size, dtype=torch.bool)
@@ -102,8 +103,54 @@ def test_the_fp8_cache_equals_a_float_cache_fed_quantized_keys_and_values_exactl
     fp8 = _generate(path, params, kv_cache_config=FP8_KV, attention_backend="torch")
     paged_attention = attention.paged_attention
     monkeypatch.setattr(attention, "paged_attention", lambda q, k, v, *rest: paged_attention(
-        q, fake_quantize_kv(k), fake_quantize_kv(v), *rest))
+        q, fake_quantize_kv(k, PER_ROW), fake_quantize_kv(v, PER_ROW), *rest))
     assert _generate(path, params, kv_cache_config=FLOAT_KV, attention_backend="torch") == fp8
+
+
+PER_ROW = torch.zeros(2)  # fake_quantize_kv's scale argument for a cache with a scale per row (only its size counts)
+
+
+@pytest.mark.parametrize("params", [GREEDY, BEAMS], ids=["greedy", "beam_search"])
+def test_per_tensor_scales_equal_a_float_cache_fed_keys_and_values_quantized_by_them(tiny_model_dirs, params,
+                                                                                      monkeypatch):
+    """kv_cache_config.fp8_scales='per_tensor' without checkpoint scales: every key and value divided by 1.0;
+    beam search's block copies leave the per-tensor scales alone."""
+    path = tiny_model_dirs["llama"]
+    fp8 = _generate(path, params, kv_cache_config=FP8_KV_PER_TENSOR, attention_backend="torch")
+    paged_attention = attention.paged_attention
+    one = torch.ones(1)
+    monkeypatch.setattr(attention, "paged_attention", lambda q, k, v, *rest: paged_attention(
+        q, fake_quantize_kv(k, one), fake_quantize_kv(v, one), *rest))
+    assert _generate(path, params, kv_cache_config=FLOAT_KV, attention_backend="torch") == fp8
+    assert fp8 != _generate(path, params, kv_cache_config=FP8_KV, attention_backend="torch")
+
+
+def test_per_tensor_scales_come_from_the_checkpoint_s_k_scale_and_v_scale(tiny_model_dirs, tmp_path):
+    """An FP8-KV checkpoint's static scales, under either name they are published with (self_attn.k_scale /
+    v_scale, or k_proj / v_proj output_scale), are the per-tensor scales the cache divides by; a per-row cache
+    ignores them."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "with-kv-scales"
+    shutil.copytree(tiny_model_dirs["llama"], path)
+    weights = load_file(path / "model.safetensors")
+    weights["model.layers.0.self_attn.k_scale"] = torch.tensor(0.02)
+    weights["model.layers.0.self_attn.v_scale"] = torch.tensor(0.004)
+    weights["model.layers.1.self_attn.k_proj.output_scale"] = torch.tensor([0.03])
+    save_file(weights, path / "model.safetensors")
+    with LLM(str(path), skip_tokenizer_init=True, kv_cache_config=FP8_KV_PER_TENSOR, executor="local") as llm:
+        caches = llm._executor.worker.runner.kv_caches
+        assert [(layer[2].item(), layer[3].item()) for layer in caches] == [
+            pytest.approx((0.02, 0.004)), pytest.approx((0.03, 1.0))]
+        assert llm.generate(TokensPrompt(prompt_token_ids=PROMPTS[0]), SamplingParams(max_tokens=2)).outputs
+    with LLM(str(path), skip_tokenizer_init=True, kv_cache_config=FP8_KV, executor="local") as llm:
+        assert llm._executor.worker.runner.kv_caches[0][2].shape[:2] == (2048 // 16 + 1, 16)
+    weights["model.layers.0.self_attn.v_scale"] = torch.ones(4)
+    save_file(weights, path / "model.safetensors")
+    with pytest.raises(ValueError, match="v_scale' must be one positive KV-cache scale"):
+        LLM(str(path), skip_tokenizer_init=True, kv_cache_config=FP8_KV_PER_TENSOR, executor="local")
 
 
 LOGPROB_GAP_BOUND = 0.05  # mean |FP8 cache - float32 cache| of the prompts' logprobs; measured 0.020-0.031 (max 0.12)
@@ -132,8 +179,8 @@ def test_a_prefix_reused_from_the_fp8_cache_gives_what_computing_it_gave(tiny_mo
 
 def test_the_cache_holds_four_times_the_tokens_of_float32_in_the_same_bytes(tiny_model_dirs):
     # On the CPU, whose cache has a fixed byte budget (a GPU's follows its free memory, and 'auto' is bfloat16 there).
-    def max_blocks(dtype: str) -> int:
-        kv = KvCacheConfig(tokens_per_block=16, dtype=dtype)
+    def max_blocks(dtype: str, fp8_scales: str = "per_token") -> int:
+        kv = KvCacheConfig(tokens_per_block=16, dtype=dtype, fp8_scales=fp8_scales)
         with LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, kv_cache_config=kv, device="cpu",
                  dtype="float32") as llm:
             llm.generate(TokensPrompt(prompt_token_ids=PROMPTS[0]), SamplingParams(max_tokens=1))
@@ -142,6 +189,7 @@ def test_the_cache_holds_four_times_the_tokens_of_float32_in_the_same_bytes(tiny
     head_dim = 16  # the tiny models' (hidden 64, 4 heads)
     ratio = max_blocks("fp8") / max_blocks("auto")
     assert ratio == pytest.approx(4 / (1 + 4 / head_dim), rel=1e-3)  # one byte and a float32 scale per row
+    assert max_blocks("fp8", "per_tensor") / max_blocks("auto") == pytest.approx(4, rel=1e-5)  # no scale per row
 
 
 def test_fp8_smollm2_still_answers_paris():
@@ -178,12 +226,14 @@ def test_release_and_resume_bring_back_an_fp8_cache_that_generates_the_same(tiny
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("fp8_attention", ["float16", "float16_slices"])
-def test_the_triton_kernels_on_an_fp8_cache_give_the_torch_reference_s_tokens(tiny_model_dirs, arch, fp8_attention):
+@pytest.mark.parametrize("kv", [FP8_KV, FP8_KV_PER_TENSOR], ids=["per_token", "per_tensor"])
+def test_the_triton_kernels_on_an_fp8_cache_give_the_torch_reference_s_tokens(tiny_model_dirs, arch, fp8_attention,
+                                                                               kv):
     """float32 on the GPU, the decode graphs on: the Triton writes and attention (prefill, decode with the rotation
     inside, split K; decode tiles whole or in slices of keys a warp) against the torch backend on the same FP8 cache
-    layout."""
+    layout, scaled per token or per tensor."""
     path = tiny_model_dirs[arch]
-    options = dict(kv_cache_config=FP8_KV, device="cuda", dtype="float32", executor="local")
+    options = dict(kv_cache_config=kv, device="cuda", dtype="float32", executor="local")
     triton_run = _generate(path, GREEDY, attention_backend="triton", kernel_config={"fp8_attention": fp8_attention},
                            **options)
     reference = _generate(path, GREEDY, attention_backend="torch", **options)

@@ -20,7 +20,7 @@ DEVICE = kernel_device()
 from raylm.kernels.attention import build_metadata, paged_attention  # noqa: E402
 from raylm.kernels.attention import write_kv_cache as reference_write_kv_cache  # noqa: E402
 from raylm.kernels.attention_tiles import TileConfig  # noqa: E402
-from raylm.kernels.fp8 import dequantize_fp8, quantize_fp8  # noqa: E402
+from raylm.kernels.fp8 import dequantize_fp8, quantize_fp8, quantize_fp8_by  # noqa: E402
 from raylm.kernels.triton_attention import (  # noqa: E402
     choose_num_splits,
     paged_decode_attention,
@@ -75,7 +75,7 @@ def _run_step(device: torch.device, dtype: torch.dtype, shape: Shape, decode_len
               prefill_chunks: list[tuple[int, int]], sliding_window: int | None = None,
               num_splits: int | None = None, planner=None, fp8: bool = False, transposed_values: bool = False,
               fp8_dot: bool = False, prefill_tiles: TileConfig | None = None,
-              decode_tiles: TileConfig | None = None) -> None:
+              decode_tiles: TileConfig | None = None, tensor_scales: bool = False) -> None:
     """Runs one step of decodes (context lengths) then prefill chunks ((start, query_len)) through the
     kernels and through the reference, and asserts that outputs and caches agree. With a planner (the
     FlashInfer backend's build_metadata), the step runs through the metadata it plans instead of the Triton
@@ -83,7 +83,8 @@ def _run_step(device: torch.device, dtype: torch.dtype, shape: Shape, decode_len
     With transposed_values, the kernels' value cache is stored transposed within its pages, the reference's by
     rows. With fp8_dot (decodes only), the decode multiplies in FP8: the reference takes each query row quantized
     to FP8 as the kernel quantizes it, and the outputs may differ by the probabilities' FP8 rounding. prefill_tiles:
-    the prefill kernel's tiles instead of its default; decode_tiles, the decode kernel's."""
+    the prefill kernel's tiles instead of its default; decode_tiles, the decode kernel's. tensor_scales: the FP8
+    cache has one scale for its keys and one for its values (each its tensor's amax / 300: no saturation)."""
     page_size, num_kv_heads, head_dim = shape.page_size, shape.num_kv_heads, shape.head_dim
     num_q_heads = num_kv_heads * shape.group
     context_lens = decode_lens + [start + length for start, length in prefill_chunks]
@@ -126,7 +127,11 @@ def _run_step(device: torch.device, dtype: torch.dtype, shape: Shape, decode_len
             -2, 3, k_cache.shape[:3], device=device)
         magnitudes = 10.0 ** exponents[..., None]
         k_cache = k_cache.float() * magnitudes
-        (k_cache, k_scale), (v_cache, v_scale) = quantize_fp8(k_cache), quantize_fp8(v_cache)
+        if tensor_scales:
+            k_scale, v_scale = ((cache.float().abs().amax() / 300).reshape(1) for cache in (k_cache, v_cache))
+            k_cache, v_cache = quantize_fp8_by(k_cache, k_scale), quantize_fp8_by(v_cache, v_scale)
+        else:
+            (k_cache, k_scale), (v_cache, v_scale) = quantize_fp8(k_cache), quantize_fp8(v_cache)
         scales = {"kv_scales": (k_scale, v_scale)}
         ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
         ref_scales = (k_scale.clone(), v_scale.clone())
@@ -146,9 +151,10 @@ def _run_step(device: torch.device, dtype: torch.dtype, shape: Shape, decode_len
     slot_tensor = torch.tensor(slots, dtype=torch.int64, device=device)
     if fp8:  # the quantizing write has tests of its own (test_triton_kv_cache.py): these test reading the cache
         reference_write_kv_cache(k, v, k_cache, v_cache, slot_tensor, scales["kv_scales"])
-        if transposed_values:  # the scales too (scales_by_slots)
+        if transposed_values:  # the scales too (scales_by_slots) where they are per row
             v_cache = transposed_within_pages(v_cache)
-            scales = {"kv_scales": tuple(scales_transposed_within_pages(scale) for scale in scales["kv_scales"])}
+            if not tensor_scales:
+                scales = {"kv_scales": tuple(scales_transposed_within_pages(scale) for scale in scales["kv_scales"])}
             caches = (*caches[:2], *scales["kv_scales"])
     else:
         if transposed_values:
@@ -489,10 +495,12 @@ def test_fp8_dot_decode_matches_the_reference_on_fp8_queries(device, dtype, num_
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 2])
 @pytest.mark.parametrize("warp_split", [False, True], ids=["", "warp-split"])
-def test_fp8_cache_rotary_decode_stores_what_rotary_write_stores(device, dtype, num_splits, warp_split):
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["row-scales", "tensor-scales"])
+def test_fp8_cache_rotary_decode_stores_what_rotary_write_stores(device, dtype, num_splits, warp_split, per_tensor):
     """The decode kernel that rotates and stores the step's key quantizes it as rotary_write_kv_cache does, and
     attends over the cache as paged_decode_attention does (its value cache transposed within its pages, the other
-    kernels' by rows: the stores follow the value cache's strides), in slices of keys a warp too."""
+    kernels' by rows: the stores follow the value cache's strides), in slices of keys a warp too; with a scale per
+    row or per tensor (the keys' and values' scales then cover only part of them: the rest saturates)."""
     from raylm.kernels.rotary import RotaryEmbedding, rope_inv_freq
 
     torch.manual_seed(5)
@@ -505,7 +513,10 @@ def test_fp8_cache_rotary_decode_stores_what_rotary_write_stores(device, dtype, 
     table = torch.tensor([[1, 0, 0, 0], [2, 3, 0, 0], [4, 5, 6, 0]], dtype=torch.int32, device=device)
     slots = torch.stack([table[b, (lens[b] - 1) // page] * page + (lens[b] - 1) % page for b in range(batch)]).long()
     fused = list(quantize_fp8(torch.randn(7, page, kv_heads, head_dim).to(device)))
-    fused = [fused[0], transposed_within_pages(fused[0]), fused[1], fused[1].clone()]
+    if per_tensor:
+        fused[1] = torch.tensor([0.05], device=device)
+        fused[0] = quantize_fp8_by(torch.randn(7, page, kv_heads, head_dim).to(device) * 30, fused[1])
+    fused = [fused[0], transposed_within_pages(fused[0]), fused[1], fused[1].clone() / (2 if per_tensor else 1)]
     split = [fused[0].clone(), fused[1].contiguous(), fused[2].clone(), fused[3].clone()]
     got = rotary_decode_attention(q, k, v, cos, sin, fused[0], fused[1], slots, table, lens, head_dim**-0.5,
                                   num_splits=num_splits, kv_scales=(fused[2], fused[3]), warp_split=warp_split)
@@ -518,6 +529,26 @@ def test_fp8_cache_rotary_decode_stores_what_rotary_write_stores(device, dtype, 
     torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("transposed_values", [False, True], ids=["by-rows", "by-slots"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("sliding_window", [None, 37])
+def test_fp8_cache_with_per_tensor_scales_matches_the_reference(device, dtype, transposed_values, num_splits,
+                                                                 sliding_window):
+    """kv_cache_config.fp8_scales='per_tensor': one scale for the keys, one for the values; decode and prefill
+    over rows of magnitudes 0.01 to 100 (the small ones down to e4m3's subnormals)."""
+    _run_step(device, dtype, Shape(16, 2, 4, 64), [1, 17, 40, 300], [(0, 17), (16, 40), (100, 3)],
+              sliding_window=sliding_window, num_splits=num_splits, fp8=True, transposed_values=transposed_values,
+              tensor_scales=True)
+
+
+@pytest.mark.parametrize("tiles", [TileConfig(16, 64, 4, 3, warp_split=True),
+                                   TileConfig(16, 128, 4, 3, keys_first=True)], ids=["warp-split", "keys-first"])
+def test_per_tensor_scales_reach_the_slices_and_keys_first_tiles(device, tiles):
+    _run_step(device, torch.float32, Shape(16, 2, 4, 64), [1, 17, 40, 300], [], num_splits=3, fp8=True,
+              transposed_values=True, decode_tiles=tiles, tensor_scales=True)
+
+
 def test_fp8_cache_refuses_missing_or_misshapen_scales(device):
     cache, scale = quantize_fp8(torch.randn(3, 16, 2, 64, device=device))
     q = torch.randn(1, 2, 64, device=device)
@@ -526,6 +557,9 @@ def test_fp8_cache_refuses_missing_or_misshapen_scales(device):
         paged_decode_attention(q, cache, cache, table, lens, 0.125)
     with pytest.raises(ValueError, match=r"k_scale must be float32 \[3, 16, 2\]"):
         paged_decode_attention(q, cache, cache, table, lens, 0.125, kv_scales=(scale[:, :8], scale))
+    with pytest.raises(ValueError, match="a per-tensor v_scale must be float32"):
+        paged_decode_attention(q, cache, cache, table, lens, 0.125,
+                               kv_scales=(torch.ones(1, device=device), torch.ones(1, device=device).half()))
     with pytest.raises(ValueError, match="kv_scales go with an FP8 cache"):
         paged_decode_attention(q, cache.float(), cache.float(), table, lens, 0.125, kv_scales=(scale, scale))
 

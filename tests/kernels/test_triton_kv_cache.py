@@ -72,9 +72,10 @@ def test_rotary_write_kv_cache_equals_rotary_then_write(device, dtype, q_heads, 
 # attention kernels' reading of an FP8 cache is tested under the interpreter too (test_triton_attention.py).
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=GPU_ONLY, id="fp32"), *ALL_DTYPES[1:]])
 @pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
-def test_fp8_writes_quantize_each_row_as_the_reference_does(device, dtype, rotary):
-    """The same bytes and scales as kernels/attention.py's write (the row's amax / 448, rounded to nearest even),
-    the untouched slots and the negative slot's left alone."""
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["row-scales", "tensor-scales"])
+def test_fp8_writes_quantize_each_row_as_the_reference_does(device, dtype, rotary, per_tensor):
+    """The same bytes and scales as kernels/attention.py's write (the row's amax / 448, rounded to nearest even;
+    or divided by the per-tensor scale, saturating), the untouched slots and the negative slot's left alone."""
     from raylm.kernels.attention import write_kv_cache as reference_write
     from raylm.kernels.fp8 import quantize_fp8
     from raylm.kernels.rotary import RotaryEmbedding, rope_inv_freq
@@ -89,7 +90,10 @@ def test_fp8_writes_quantize_each_row_as_the_reference_does(device, dtype, rotar
     v[2] = 0.0
     slots = torch.tensor([17, -1, 63, 34, 40, 5], device=device)
     cache, scale = quantize_fp8(torch.randn(4, 16, kv_heads, head_dim, device=device))
-    mine = [cache.clone(), cache.clone(), scale.clone(), scale.clone()]
+    if per_tensor:  # the keys' scale covers magnitudes up to 44.8: the larger ones saturate
+        mine = [cache.clone(), cache.clone(), torch.tensor([0.1], device=device), torch.tensor([0.01], device=device)]
+    else:
+        mine = [cache.clone(), cache.clone(), scale.clone(), scale.clone()]
     theirs = [tensor.clone() for tensor in mine]
     if rotary:
         positions = torch.tensor([0, 7, 19, 3, 40, 2], device=device)
