@@ -246,6 +246,9 @@ fp8_per_tensor() {  # the FP8 cache with per-tensor scales: GPU tests, then the 
     -p no:cacheprovider 2>&1 | tail -4
   timeout 200 python benchmarks/attention.py --kinds bf16 fp8-scales-by-slots fp8-warp-split fp8-dot fp8-per-tensor \
     $(output_json attention-decode-8b-b512-l1024-per-tensor) 2>&1 | grep -E "^(B |bf16|fp8)"
+  # per-tensor scales under the tile grid: fewer registers, so 2 stages may fit 3 programs an SM
+  timeout 200 python benchmarks/attention.py --kinds fp8-per-tensor --sweep \
+    $(output_json attention-decode-8b-b512-l1024-per-tensor-sweep) 2>&1 | grep -E "^(fp8|fastest)"
 }
 
 fp8_batch_1() {  # 8B batch 1 latency with FP8 weights and in bf16, then the FP8 step profile
