@@ -267,12 +267,14 @@ def test_fp8_products_in_decode_attention_stay_near_the_torch_reference():
 
 
 @pytest.mark.slow
-def test_fp8_cache_at_tensor_parallel_size_2_equals_one_rank(ray_cluster, tiny_model_dirs):
-    """Two ranks over gloo, each holding its KV heads' rows and scales: a row is one head's, so each rank quantizes
-    exactly what one rank does; the same tokens, logprobs equal up to the order of the all-reduce's sums."""
+@pytest.mark.parametrize("kv", [FP8_KV, FP8_KV_PER_TENSOR], ids=["per_token", "per_tensor"])
+def test_fp8_cache_at_tensor_parallel_size_2_equals_one_rank(ray_cluster, tiny_model_dirs, kv):
+    """Two ranks over gloo, each holding its KV heads' rows and scales (a row is one head's, so each rank quantizes
+    exactly what one rank does; per-tensor scales are every rank's): the same tokens, logprobs equal up to the
+    order of the all-reduce's sums."""
     path = tiny_model_dirs["llama"]
-    two = _generate(path, GREEDY, kv_cache_config=FP8_KV, tensor_parallel_size=2)
-    one = _generate(path, GREEDY, kv_cache_config=FP8_KV, executor="local")
+    two = _generate(path, GREEDY, kv_cache_config=kv, tensor_parallel_size=2)
+    one = _generate(path, GREEDY, kv_cache_config=kv, executor="local")
     assert [prompt[0][0] for prompt in two] == [prompt[0][0] for prompt in one]
     for ours, theirs in zip(two, one):
         for mine, other in zip(ours[0][1] + ours[-1], theirs[0][1] + theirs[-1]):
