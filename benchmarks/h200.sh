@@ -195,7 +195,7 @@ smol=benchmarks/configs/smollm2-135m
 latency() {  # name model batch [extra...]
   local name=$1 model=$2 batch=$3; shift 3
   use_gemv_tuning_cache
-  watched 150 python benchmarks/latency.py --model "$model" "${dummy[@]}" --max_batch_size "$batch" \
+  watched 220 python benchmarks/latency.py --model "$model" "${dummy[@]}" --max_batch_size "$batch" \
     --batch_size "$batch" --input_len 32 --output_len 128 --num_iters 3 $(output_json "$name") "$@" \
     2>&1 | tail -4
 }
@@ -246,7 +246,9 @@ fp8_per_tensor() {  # the FP8 cache with per-tensor scales: GPU tests, then the 
     -p no:cacheprovider 2>&1 | tail -4
   timeout 200 python benchmarks/attention.py --kinds bf16 fp8-scales-by-slots fp8-warp-split fp8-dot fp8-per-tensor \
     $(output_json attention-decode-8b-b512-l1024-per-tensor) 2>&1 | grep -E "^(B |bf16|fp8)"
-  # per-tensor scales under the tile grid: fewer registers, so 2 stages may fit 3 programs an SM
+}
+
+fp8_per_tensor_sweep() {  # per-tensor scales under the tile grid: fewer registers, so 2 stages may fit 3 programs an SM
   timeout 200 python benchmarks/attention.py --kinds fp8-per-tensor --sweep \
     $(output_json attention-decode-8b-b512-l1024-per-tensor-sweep) 2>&1 | grep -E "^(fp8|fastest)"
 }
@@ -458,11 +460,18 @@ case "${1:-}" in
     ;;
   fp8-per-tensor)
     fp8_per_tensor
+    fp8_per_tensor_sweep
     ;;
   fp8-first)
-    # The first call of a session with the device: the per-tensor cache's tests and kernel timings, then batch 1.
+    # The first call of a session with the device, most wanted first: the per-tensor cache's tests and kernel
+    # timings, 8B batch 1 with FP8 weights (FP8 rows from the norms) and in bf16, the per-tensor tile sweep, then
+    # batch 1 in the float16 input mode (the default).
     fp8_per_tensor
-    fp8_rows_latency 1
+    latency latency-8b-b1-fp8-fp8_rows-input "$llama" 1 --set quant_config.quant_algo=FP8 \
+      --set kernel_config.fp8_gemv_input=fp8_rows
+    latency latency-8b-b1 "$llama" 1
+    fp8_per_tensor_sweep
+    latency latency-8b-b1-fp8 "$llama" 1 --set quant_config.quant_algo=FP8
     ;;
   fp8-short)
     # For a call with little device time left: 8B batch 1 with FP8 weights (fp8_rows, then float16) and in bf16,
