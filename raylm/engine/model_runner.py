@@ -225,14 +225,21 @@ class ModelRunner:
                 values = torch.empty(shape, dtype=kv_dtype, device=self.device)
             layer = [keys, values]
             if fp8 and self.fp8_kv_scales == "per_tensor":
-                scales = self.model.local_layers[len(self.kv_caches)].self_attn.kv_tensor_scales or (1.0, 1.0)
-                layer += [torch.full((1,), scale, dtype=FP8_SCALE_DTYPE, device=self.device) for scale in scales]
+                layer += [torch.empty(1, dtype=FP8_SCALE_DTYPE, device=self.device) for _ in range(2)]
             elif values_by_slots:
                 layer += [scales_by_slots(shape[:-1], self.device) for _ in range(2)]
             elif fp8:
                 layer += [torch.empty(shape[:-1], dtype=FP8_SCALE_DTYPE, device=self.device) for _ in range(2)]
             self.kv_caches.append(tuple(layer))
         self.zero_null_block()
+        self.fill_tensor_scales()
+
+    def fill_tensor_scales(self) -> None:
+        """Sets an FP8 cache's per-tensor scales to their layers' (the checkpoint's k_scale / v_scale, else 1.0)."""
+        for layer, decoder_layer in zip(self.kv_caches, self.model.local_layers):
+            if len(layer) > 2 and layer[2].dim() == 1:
+                for tensor, scale in zip(layer[2:], decoder_layer.self_attn.kv_tensor_scales or (1.0, 1.0)):
+                    tensor.fill_(scale)
 
     def zero_null_block(self) -> None:
         """Zeroes block 0 of every layer's cache (and scales), which padding rows and unused table entries read."""
@@ -242,8 +249,10 @@ class ModelRunner:
 
     def zero_unwritten_kv(self) -> None:
         """Zeroes what attention may read before it is written, in a cache whose pages came back with any contents
-        (a resume at the same addresses): the null block, and all of a value cache stored by slots."""
+        (a resume at the same addresses): the null block, and all of a value cache stored by slots; sets per-tensor
+        scales again."""
         self.zero_null_block()
+        self.fill_tensor_scales()
         for layer in self.kv_caches:
             if layer[1].stride() != layer[0].stride():  # values by slots
                 layer[1].zero_()

@@ -144,6 +144,10 @@ def test_per_tensor_scales_come_from_the_checkpoint_s_k_scale_and_v_scale(tiny_m
         caches = llm._executor.worker.runner.kv_caches
         assert [(layer[2].item(), layer[3].item()) for layer in caches] == [
             pytest.approx((0.02, 0.004)), pytest.approx((0.03, 1.0))]
+        for layer in caches:  # a resume at the same addresses brings the pages back with any contents
+            layer[2].fill_(7.0)
+        llm._executor.worker.runner.zero_unwritten_kv()
+        assert caches[0][2].item() == pytest.approx(0.02) and caches[1][2].item() == pytest.approx(0.03)
         assert llm.generate(TokensPrompt(prompt_token_ids=PROMPTS[0]), SamplingParams(max_tokens=2)).outputs
     with LLM(str(path), skip_tokenizer_init=True, kv_cache_config=FP8_KV, executor="local") as llm:
         assert llm._executor.worker.runner.kv_caches[0][2].shape[:2] == (2048 // 16 + 1, 16)

@@ -31,18 +31,20 @@ def _free() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8", "fp8_per_tensor"])
 @pytest.mark.parametrize("keep_addresses", [False, True], ids=["reallocate", "keep_addresses"])
 def test_release_returns_the_memory_and_three_cycles_keep_greedy_output_bitwise(keep_addresses, kv_dtype):
     """An FP8 cache stores its values by slots, which decode reads a run of 16 at a time, unwritten slots too
-    (weight 0): they come back zeroed from every resume, reallocated or at the same addresses."""
+    (weight 0): they come back zeroed from every resume, reallocated or at the same addresses; per-tensor scales
+    (fp8_scales='per_tensor') come back set."""
     if keep_addresses:
         pytest.importorskip("torch_memory_saver")
 
     async def scenario():
         llm = AsyncLLM(model=str(MODEL), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                        device="cuda", executor="local", max_batch_size=8, max_seq_len=512,
-                       kv_cache_config={"max_tokens": 65536, "dtype": kv_dtype},
+                       kv_cache_config={"max_tokens": 65536, "dtype": kv_dtype.removesuffix("_per_tensor"),
+                                        "fp8_scales": "per_tensor" if "per_tensor" in kv_dtype else "per_token"},
                        sleep_config={"keep_addresses": keep_addresses})
         await llm
         worker = llm._executor.worker
@@ -62,7 +64,7 @@ def test_release_returns_the_memory_and_three_cycles_keep_greedy_output_bitwise(
                 with pytest.raises(ValueError, match="resume"):
                     llm.generate_async(PROMPT, SamplingParams(max_tokens=2))
                 await llm.resume(list(TAGS))
-                if kv_dtype == "fp8":
+                if kv_dtype != "auto":
                     assert all(layer[1].stride(1) == 1 and layer[1].view(torch.uint8).count_nonzero() == 0
                                for layer in worker.runner.kv_caches)
                 await llm.resume_generation()
