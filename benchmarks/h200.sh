@@ -464,12 +464,13 @@ case "${1:-}" in
     ;;
   fp8-first)
     # The first call of a session with the device, most wanted first: the per-tensor cache's tests and kernel
-    # timings, 8B batch 1 with FP8 weights (FP8 rows from the norms) and in bf16, the per-tensor tile sweep, then
-    # batch 1 in the float16 input mode (the default).
+    # timings, 8B batch 1 with FP8 weights (FP8 rows from the norms) and in bf16, FP8's accuracy on the tiny models,
+    # the per-tensor tile sweep, then batch 1 in the float16 input mode (the default).
     fp8_per_tensor
     latency latency-8b-b1-fp8-fp8_rows-input "$llama" 1 --set quant_config.quant_algo=FP8 \
       --set kernel_config.fp8_gemv_input=fp8_rows
     latency latency-8b-b1 "$llama" 1
+    fp8_accuracy_tiny
     fp8_per_tensor_sweep
     latency latency-8b-b1-fp8 "$llama" 1 --set quant_config.quant_algo=FP8
     ;;
