@@ -68,6 +68,7 @@
 #                                        # weights and in bf16, then fp8-prefill-512                 (~9 min)
 #   bash benchmarks/h200.sh fp8-throughput  # 8B 1000 x (1024, 1024) in bf16, then with FP8 weights   (~9 min)
 #   bash benchmarks/h200.sh fp8-throughput-kv  # the same with FP8 weights and KV cache, max batch 512    (~5 min)
+#                                        # fp8-throughput-kv-per-tensor: the cache's scales per tensor (~5 min)
 #   bash benchmarks/h200.sh fp8-throughput-kv-profile  # fp8-throughput-kv, its step profile, FP8 products' test (~9 min)
 #   bash benchmarks/h200.sh lora         # multi-LoRA: 8B batch 8, 8 random rank-16 adapters against no LoRA, the expand
 #                                        # as its own kernel after the GEMV, then on a second stream beside it
@@ -576,6 +577,11 @@ case "${1:-}" in
     # The same with FP8 weights and the FP8 KV cache, at max batch 512 (the cache holds twice the tokens).
     throughput throughput-8b-fp8-kv "$llama" 1000 1024 1024 512 400 --set quant_config.quant_algo=FP8 \
       --set kv_cache_config.dtype=fp8
+    ;;
+  fp8-throughput-kv-per-tensor)
+    # fp8-throughput-kv with per-tensor KV scales (kv_cache_config.fp8_scales, +5.0% on an H100 at 512 x (1024, 512))
+    throughput throughput-8b-fp8-kv-per-tensor "$llama" 1000 1024 1024 512 400 --set quant_config.quant_algo=FP8 \
+      --set kv_cache_config.dtype=fp8 --set kv_cache_config.fp8_scales=per_tensor
     ;;
   fp8-throughput-kv-profile)
     # fp8-throughput-kv (FP8 products off, the default), then its step profile (fp8-values-by-slots has the one with
