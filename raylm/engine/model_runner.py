@@ -128,8 +128,6 @@ class ModelRunner:
         """`kernel_config` chooses the model's kernels (kernels/policy.py); `capture_logits`: decode graphs compute
         the logits and greedy draws too (cuda_graph_config.capture_logits); `fp8_kv_scales`: how an FP8 cache
         scales its rows (kv_cache_config.fp8_scales)."""
-        if fp8_kv_scales not in ("per_token", "per_tensor"):
-            raise ValueError(f"kv_cache_config.fp8_scales must be 'per_token' or 'per_tensor', got {fp8_kv_scales!r}")
         self.fp8_kv_scales = fp8_kv_scales
         self.model = model
         self.arch = arch

@@ -126,12 +126,12 @@ def write_kv_cache(
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     for new, cache, scales in zip((k, v), (k_cache, v_cache), kv_scales or (None, None)):
         rows = cache.view(-1, num_kv_heads, head_dim)
-        if cache.dtype == FP8_DTYPE and scales.numel() == 1:
-            new = quantize_fp8_by(new, scales)
-            rows, new = rows.view(torch.uint8), new.view(torch.uint8)
-        elif cache.dtype == FP8_DTYPE:
-            new, scale = quantize_fp8(new)
-            scales.view(-1, num_kv_heads).index_copy_(0, slot_mapping, scale)
+        if cache.dtype == FP8_DTYPE:
+            if scales.numel() == 1:  # per tensor
+                new = quantize_fp8_by(new, scales)
+            else:
+                new, scale = quantize_fp8(new)
+                scales.view(-1, num_kv_heads).index_copy_(0, slot_mapping, scale)
             # index_copy_ has no float8 kernel on the CPU: the bytes are copied instead.
             rows, new = rows.view(torch.uint8), new.view(torch.uint8)
         rows.index_copy_(0, slot_mapping, new)
