@@ -475,6 +475,24 @@ case "${1:-}" in
     fp8_per_tensor_sweep
     latency latency-8b-b1-fp8 "$llama" 1 --set quant_config.quant_algo=FP8
     ;;
+  fp8-next)
+    # The FP8 issue's open figures, most wanted first: the GPU tests of FP8 rows handed to the GEMV (before
+    # fp8_gemv_input defaults to fp8_rows), the step profile of the 256 x (512, 1) prefill with FP8 weights (what
+    # besides the GEMMs keeps it under 1.6x bf16), then the 1000 x (1024, 1024) workload with FP8 weights and the FP8
+    # cache with per-tensor scales.
+    fp8_rows_tests
+    watched 150 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 256 \
+      --batch_size 256 --input_len 512 --output_len 1 --kernels 16 --gaps 0 --set quant_config.quant_algo=FP8 \
+      --set kernel_config.decode_gemv=false $(output_json step-profile-8b-prefill-512-fp8) 2>&1 | tail -26
+    throughput throughput-8b-fp8-kv-per-tensor "$llama" 1000 1024 1024 512 330 --set quant_config.quant_algo=FP8 \
+      --set kv_cache_config.dtype=fp8 --set kv_cache_config.fp8_scales=per_tensor --set kernel_config.decode_gemv=false
+    ;;
+  fp8-throughput-baselines)
+    # The same workload in bf16 and with FP8 weights and the FP8 cache's per-token scales (the default).
+    throughput throughput-8b "$llama" 1000 1024 1024 512 300 --set kernel_config.decode_gemv=false
+    throughput throughput-8b-fp8-kv "$llama" 1000 1024 1024 512 250 --set quant_config.quant_algo=FP8 \
+      --set kv_cache_config.dtype=fp8 --set kernel_config.decode_gemv=false
+    ;;
   fp8-short)
     # For a call with little device time left: 8B batch 1 with FP8 weights (fp8_rows, then float16) and in bf16,
     # the tiny models' FP8 accuracy, then the 512-token prefill; results land under $OUT as each finishes.
