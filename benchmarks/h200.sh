@@ -394,17 +394,20 @@ case "${1:-}" in
       $(output_json step-profile-8b-b512-fp8-kv-fp8-attention) 2>&1 | tail -10
     ;;
   fp8-attention-ncu)
-    # Nsight Compute on the decode attention kernel alone, 512 x 1024 keys: attention.py's first five launches of
+    # Nsight Compute on the decode attention kernel alone, 512 x 1024 keys: attention.py's first seven launches of
     # it are its eager reference calls, one per kind at the default tiles (bf16, FP8 by rows, values by slots,
-    # scales by slots too, FP8 products). Memory throughput, occupancy and warp stalls per kind; the report and
-    # its details page as text come back under $OUT.
+    # scales by slots too, FP8 products, warp slices, per-tensor scales). Memory throughput, occupancy and warp
+    # stalls per kind; the report, its details page and its raw metrics as text come back under $OUT.
     report="${OUT:-/tmp}/ncu-attention"
-    timeout 420 ncu --target-processes all -k regex:_decode_split_kernel -c 5 --set full --export "$report" \
+    which ncu || ls /usr/local/cuda*/bin/ncu
+    timeout 420 ncu --target-processes all -k regex:_decode_split_kernel -c 7 --set full --export "$report" \
       --force-overwrite python benchmarks/attention.py --kinds bf16 --calls 1 > "$report.log" 2>&1
     tail -3 "$report.log"
     ncu --import "$report.ncu-rep" --page details > "$report-details.txt" 2>&1
-    grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per Thread" \
-      "$report-details.txt" | head -60
+    ncu --import "$report.ncu-rep" --page raw --csv > "$report-raw.csv" 2>&1
+    grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per Thread|Warp Cycles Per Issued|Issue Slots Busy|Block Limit" \
+      "$report-details.txt" | head -120
+    python benchmarks/ncu_stalls.py "$report-raw.csv" 2>&1 | head -60
     ;;
   fp8-prefill-attention)
     # The prefill attention kernel alone, 8 x 1024 new tokens: bf16 and the FP8 cache (values and scales by slots),
