@@ -11,6 +11,14 @@ cache in these layouts and kernels:
     fp8-per-tensor       values by slots, one scale for all keys and one for all values (fp8_scales per_tensor):
                          no scale read a key, the scales on the scores and the output
 
+and two variants of bf16 and of fp8-per-tensor:
+
+    ...-keys-by-heads    the keys stored head by head within their pages ([block, head, slot, D] in memory), so that
+                         a program reads a head's keys of a page as one run (2 KB in FP8), not 16 rows 1 KB apart
+                         (bf16: its values too, with the keys' strides)
+    ...-heads-first      the launch grid's fastest dimension is the KV head (TileConfig.heads_first): a sequence's
+                         heads run side by side and read the same pages together
+
 Each is timed per call, with the rate at which it reads the cache (keys, values and an FP8 cache's scales). With
 --sweep, the FP8 kinds are also timed under every tile configuration of a small grid, to choose decode_config's.
 
@@ -34,7 +42,15 @@ from benchmarks.common import graph_call_us, write_result  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 KINDS = ("bf16", "fp8", "fp8-values-by-slots", "fp8-scales-by-slots", "fp8-keys-first", "fp8-dot",
-         "fp8-warp-split", "fp8-per-tensor")
+         "fp8-warp-split", "fp8-per-tensor", "bf16-keys-by-heads", "bf16-heads-first", "fp8-per-tensor-keys-by-heads",
+         "fp8-per-tensor-heads-first")
+
+
+def _by_heads(cache: torch.Tensor) -> torch.Tensor:
+    """`cache` ([blocks, page, heads, D]) copied into memory laid out [blocks, heads, page, D], seen in its shape."""
+    blocks, page, heads, dims = cache.shape
+    return torch.empty((blocks, heads, page, dims), dtype=cache.dtype, device=cache.device).permute(0, 2, 1, 3) \
+        .copy_(cache)
 
 
 def _cases(batch: int, context: int, seed: int):
@@ -85,7 +101,11 @@ def main() -> None:
               "fp8-keys-first": ((k8, v8_by_slots), (k_scale, v_scale)),
               "fp8-dot": ((k8, v8_by_slots), (k_scale, v_scale)),
               "fp8-warp-split": ((k8, v8_by_slots), scales_by_slots),
-              "fp8-per-tensor": ((k8_tensor, v8_tensor), tensor_scales)}
+              "fp8-per-tensor": ((k8_tensor, v8_tensor), tensor_scales),
+              "bf16-keys-by-heads": ((_by_heads(k_cache), _by_heads(v_cache)), ()),
+              "bf16-heads-first": ((k_cache, v_cache), ()),
+              "fp8-per-tensor-keys-by-heads": ((_by_heads(k8_tensor), v8_tensor), tensor_scales),
+              "fp8-per-tensor-heads-first": ((k8_tensor, v8_tensor), tensor_scales)}
     keys = args.batch * args.context * KV_HEADS
     result: dict = {"batch": args.batch, "context": args.context}
     scale = HEAD_DIM ** -0.5
@@ -96,6 +116,8 @@ def main() -> None:
             config = dataclasses.replace(config or decode_config(HEAD_DIM, 2, 1), keys_first=True)
         if kind == "fp8-warp-split":
             config = dataclasses.replace(config or decode_config(HEAD_DIM, 2, 1), warp_split=True)
+        if kind.endswith("-heads-first"):
+            config = dataclasses.replace(config or decode_config(HEAD_DIM, 2, k.element_size()), heads_first=True)
         nbytes = 2 * keys * HEAD_DIM * k.element_size() + (2 * keys * 4 if scales and scales[0].dim() > 1 else 0)
 
         def call():
@@ -119,6 +141,16 @@ def main() -> None:
     warp_split = paged_decode_attention(q, k8, v8_by_slots, tables, lens, scale, kv_scales=scales_by_slots,
                                         config=dataclasses.replace(decode_config(HEAD_DIM, 2, 1), warp_split=True))
     per_tensor = paged_decode_attention(q, k8_tensor, v8_tensor, tables, lens, scale, kv_scales=tensor_scales)
+    variants_gap = 0.0
+    for kind, base in (("bf16-keys-by-heads", reference), ("bf16-heads-first", reference),
+                       ("fp8-per-tensor-keys-by-heads", per_tensor), ("fp8-per-tensor-heads-first", per_tensor)):
+        (k, v), scales = caches[kind]
+        config = (dataclasses.replace(decode_config(HEAD_DIM, 2, k.element_size()), heads_first=True)
+                  if kind.endswith("-heads-first") else None)
+        out = paged_decode_attention(q, k, v, tables, lens, scale, kv_scales=scales, config=config)
+        variants_gap = max(variants_gap, (out.float() - base.float()).abs().max().item())
+    if variants_gap > 0:
+        sys.exit(f"keys by heads or heads first changed the outputs (largest gap {variants_gap})")
     gap = (fp8_out.float() - reference.float()).abs().max().item()
     tensor_gap = (per_tensor.float() - reference.float()).abs().max().item()
     dot_gap = (fp8_dot.float() - reference.float()).abs().max().item()

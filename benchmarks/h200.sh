@@ -394,13 +394,14 @@ case "${1:-}" in
       $(output_json step-profile-8b-b512-fp8-kv-fp8-attention) 2>&1 | tail -10
     ;;
   fp8-attention-ncu)
-    # Nsight Compute on the decode attention kernel alone, 512 x 1024 keys: attention.py's first seven launches of
+    # Nsight Compute on the decode attention kernel alone, 512 x 1024 keys: attention.py's first eleven launches of
     # it are its eager reference calls, one per kind at the default tiles (bf16, FP8 by rows, values by slots,
-    # scales by slots too, FP8 products, warp slices, per-tensor scales). Memory throughput, occupancy and warp
-    # stalls per kind; the report, its details page and its raw metrics as text come back under $OUT.
+    # scales by slots too, FP8 products, warp slices, per-tensor scales; then bf16 and per-tensor with the keys by
+    # heads and with heads first). Memory throughput, occupancy and warp stalls per kind; the report, its details
+    # page and its raw metrics as text come back under $OUT.
     report="${OUT:-/tmp}/ncu-attention"
     which ncu || ls /usr/local/cuda*/bin/ncu
-    timeout 420 ncu --target-processes all -k regex:_decode_split_kernel -c 7 --set full --export "$report" \
+    timeout 420 ncu --target-processes all -k regex:_decode_split_kernel -c 11 --set full --export "$report" \
       --force-overwrite python benchmarks/attention.py --kinds bf16 --calls 1 > "$report.log" 2>&1
     tail -3 "$report.log"
     ncu --import "$report.ncu-rep" --page details > "$report-details.txt" 2>&1
@@ -477,6 +478,16 @@ case "${1:-}" in
     fp8_accuracy_tiny
     fp8_per_tensor_sweep
     latency latency-8b-b1-fp8 "$llama" 1 --set quant_config.quant_algo=FP8
+    ;;
+  attention-layouts)
+    # The decode kernel alone, 512 x 1024 and 256 x 2048 keys: bf16 and FP8 per-tensor with the keys stored head by
+    # head within their pages, and with a sequence's heads launched side by side, against the engine's layouts.
+    for shape in 512:1024 256:2048; do
+      batch=${shape%:*} context=${shape#*:}
+      timeout 150 python benchmarks/attention.py --batch "$batch" --context "$context" --kinds bf16 bf16-keys-by-heads \
+        bf16-heads-first fp8-values-by-slots fp8-per-tensor fp8-per-tensor-keys-by-heads fp8-per-tensor-heads-first \
+        $(output_json "attention-decode-8b-b$batch-l$context-layouts") 2>&1 | tail -9
+    done
     ;;
   fp8-next)
     # The FP8 issue's open figures, most wanted first: the GPU tests of FP8 rows handed to the GEMV (before

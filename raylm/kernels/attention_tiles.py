@@ -52,7 +52,9 @@ class TileConfig:
     """Tile sizes and launch options of an attention kernel (block_m: query rows; block_n: keys). keys_first
     (decode over an FP8 cache with its values by slots): the keys and values are the products' first operands
     (_attend_tile_keys_first), the query rows padded to 8, not block_m. warp_split (decode over a cache with its
-    values by slots): each tile cut into num_warps slices of keys with a softmax state each (_attend_slices)."""
+    values by slots): each tile cut into num_warps slices of keys with a softmax state each (_attend_slices).
+    heads_first (decode): the launch grid's fastest dimension is the KV head, so that a sequence's heads run side by
+    side and read the same pages together."""
 
     block_m: int
     block_n: int
@@ -60,6 +62,7 @@ class TileConfig:
     num_stages: int
     keys_first: bool = False
     warp_split: bool = False
+    heads_first: bool = False
 
 
 @triton.jit

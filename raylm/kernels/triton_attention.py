@@ -70,7 +70,7 @@ def _decode_split_kernel(
     ROPE: tl.constexpr = False, KV_FP8: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
     V_BY_SLOTS: tl.constexpr = False, V_RUN: tl.constexpr = 16, FP8_DOT: tl.constexpr = False,
     KEYS_FIRST: tl.constexpr = False, WARP_SPLIT: tl.constexpr = 0, q_add_ptr=None, k_add_ptr=None, v_add_ptr=None,
-    ADD: tl.constexpr = False,
+    ADD: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False,
 ):
     """One (sequence, KV head, split): attends the group's query heads over the split's range of keys.
 
@@ -79,8 +79,12 @@ def _decode_split_kernel(
     the rotated key and the value (k, v) at the sequence's slot (none for a negative slot), then reads them
     back from the cache like every other key, after a barrier of the program's threads. With ADD, float32 addends
     laid out as q, k and v (a LoRA qkv layer's products: models/lora.py) join them as they load (rows_plus)."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FIRST:  # the grid is (KV heads, sequences, splits): a sequence's heads launch side by side
+        seq = tl.program_id(1)
+        kv_head = tl.program_id(0)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     pdl_wait(USE_PDL)
     context_len = tl.load(context_lens_ptr + seq)
@@ -387,6 +391,8 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
                          f"multiple of 16 keys (and of the value runs) per warp; got values "
                          f"{'by slots' if values_by_slots else 'by rows'}, block_n {config.block_n}, "
                          f"{config.num_warps} warps")
+    if config.heads_first and batch > 65535:  # a grid's second dimension
+        raise ValueError(f"heads_first tiles take at most 65535 sequences, got {batch}")
     keys_first = fp8_dot or config.keys_first
     direct = num_splits == 1
     if direct:
@@ -399,7 +405,8 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
         k, v, cos, sin, slots, addends = q, q, q, q, context_lens, None
     else:
         k, v, cos, sin, slots, addends = rope
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, batch, num_splits) if config.heads_first else (batch, num_kv_heads, num_splits)
+    _decode_split_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_max, part_sum,
         scale * _LOG2_E, window, num_q_heads, num_splits, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -411,7 +418,8 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
         ROPE=rope is not None, KV_FP8=fp8, V_BY_SLOTS=values_by_slots, V_RUN=run, FP8_DOT=fp8_dot,
         KEYS_FIRST=keys_first, WARP_SPLIT=config.num_warps if config.warp_split else 0,
         q_add_ptr=q if addends is None else addends[0], k_add_ptr=k if addends is None else addends[1],
-        v_add_ptr=v if addends is None else addends[2], ADD=addends is not None, num_warps=config.num_warps,
+        v_add_ptr=v if addends is None else addends[2], ADD=addends is not None, HEADS_FIRST=config.heads_first,
+        num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(pdl),
     )

@@ -8,7 +8,7 @@ leave the caches exactly as the reference's write does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -23,6 +23,7 @@ from raylm.kernels.attention_tiles import TileConfig  # noqa: E402
 from raylm.kernels.fp8 import dequantize_fp8, quantize_fp8, quantize_fp8_by  # noqa: E402
 from raylm.kernels.triton_attention import (  # noqa: E402
     choose_num_splits,
+    decode_config,
     paged_decode_attention,
     rotary_decode_attention,
 )
@@ -547,6 +548,39 @@ def test_fp8_cache_with_per_tensor_scales_matches_the_reference(device, dtype, t
 def test_per_tensor_scales_reach_the_slices_and_keys_first_tiles(device, tiles):
     _run_step(device, torch.float32, Shape(16, 2, 4, 64), [1, 17, 40, 300], [], num_splits=3, fp8=True,
               transposed_values=True, decode_tiles=tiles, tensor_scales=True)
+
+
+def keys_by_heads(cache: torch.Tensor) -> torch.Tensor:
+    """cache's contents in a cache stored head by head within its pages: [blocks, heads, slots, dims] in memory."""
+    blocks, page, heads, dims = cache.shape
+    stored = torch.empty((blocks, heads, page, dims), dtype=cache.dtype, device=cache.device).permute(0, 2, 1, 3)
+    stored.view(torch.uint8).copy_(cache.view(torch.uint8))
+    return stored
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8-per-tensor"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_heads_first_grid_and_keys_by_heads_give_the_default_outputs(device, fp8, num_splits):
+    """TileConfig.heads_first (the grid's fastest dimension the KV head) and keys stored head by head within their
+    pages change what runs side by side and where a tile's keys lie, not one sum: the outputs are the same bits."""
+    keys, values = torch.randn(40, 16, 2, 64, device=device), torch.randn(40, 16, 2, 64, device=device)
+    scales = ()
+    if fp8:
+        scales = (torch.tensor([0.02], device=device), torch.tensor([0.01], device=device))
+        keys, values = quantize_fp8_by(keys, scales[0]), transposed_within_pages(quantize_fp8_by(values, scales[1]))
+    q = torch.randn(3, 8, 64, device=device)
+    table = torch.randperm(40, device=device)[:30].view(3, 10).to(torch.int32)
+    lens = torch.tensor([1, 77, 160], dtype=torch.int32, device=device)
+    tiles = decode_config(64, 4, keys.element_size())
+
+    def attend(k, v, config):
+        return paged_decode_attention(q, k, v, table, lens, 0.125, num_splits=num_splits, kv_scales=scales,
+                                      config=config)
+
+    expected = attend(keys, values, tiles)
+    torch.testing.assert_close(attend(keys, values, replace(tiles, heads_first=True)), expected, rtol=0, atol=0)
+    by_heads_values = values if fp8 else keys_by_heads(values)  # by rows, values take the keys' strides
+    torch.testing.assert_close(attend(keys_by_heads(keys), by_heads_values, tiles), expected, rtol=0, atol=0)
 
 
 def test_fp8_cache_refuses_missing_or_misshapen_scales(device):
