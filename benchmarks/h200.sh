@@ -230,6 +230,12 @@ fp8_rows_latency() {  # batch: 8B latency with FP8 weights (fp8_gemv_input fp8_r
   latency "latency-8b-b$1" "$llama" "$1"
 }
 
+fp8_prefill_profile() {  # where the 256 x (512, 1) prefill's time goes with FP8 weights
+  watched 150 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 256 \
+    --batch_size 256 --input_len 512 --output_len 1 --kernels 16 --gaps 0 --set quant_config.quant_algo=FP8 \
+    --set kernel_config.decode_gemv=false $(output_json step-profile-8b-prefill-512-fp8) 2>&1 | tail -26
+}
+
 fp8_accuracy_tiny() {
   # fp8-accuracy on the tests' tiny random models (no weights to carry): FP8 weights on llama and qwen3_moe, the FP8
   # cache on llama; 16 prompts x 64 greedy tokens each.
@@ -489,15 +495,19 @@ case "${1:-}" in
         $(output_json "attention-decode-8b-b$batch-l$context-layouts") 2>&1 | tail -9
     done
     ;;
+  fp8-rows-tests)
+    fp8_rows_tests
+    ;;
+  fp8-prefill-profile)
+    fp8_prefill_profile
+    ;;
   fp8-next)
     # The FP8 issue's open figures, most wanted first: the GPU tests of FP8 rows handed to the GEMV (before
     # fp8_gemv_input defaults to fp8_rows), the step profile of the 256 x (512, 1) prefill with FP8 weights (what
     # besides the GEMMs keeps it under 1.6x bf16), then the 1000 x (1024, 1024) workload with FP8 weights and the FP8
     # cache with per-tensor scales.
     fp8_rows_tests
-    watched 150 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 256 \
-      --batch_size 256 --input_len 512 --output_len 1 --kernels 16 --gaps 0 --set quant_config.quant_algo=FP8 \
-      --set kernel_config.decode_gemv=false $(output_json step-profile-8b-prefill-512-fp8) 2>&1 | tail -26
+    fp8_prefill_profile
     throughput throughput-8b-fp8-kv-per-tensor "$llama" 1000 1024 1024 512 330 --set quant_config.quant_algo=FP8 \
       --set kv_cache_config.dtype=fp8 --set kv_cache_config.fp8_scales=per_tensor --set kernel_config.decode_gemv=false
     ;;
