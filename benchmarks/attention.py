@@ -20,7 +20,8 @@ and two variants of bf16 and of fp8-per-tensor:
                          heads run side by side and read the same pages together
 
 Each is timed per call, with the rate at which it reads the cache (keys, values and an FP8 cache's scales). With
---sweep, the FP8 kinds are also timed under every tile configuration of a small grid, to choose decode_config's.
+--sweep, each kind is also timed under every tile configuration of a small grid (keys a tile, warps, stages), to
+choose decode_config's.
 
     python benchmarks/attention.py                        # B 512, L 1024 (the FP8 throughput workload's steps)
     python benchmarks/attention.py --batch 64 --context 4096 --sweep
@@ -68,7 +69,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--context", type=int, default=1024, help="cached keys per sequence (a multiple of 16)")
     parser.add_argument("--calls", type=int, default=4, help="calls per CUDA graph")
-    parser.add_argument("--sweep", action="store_true", help="also time each FP8 layout under a grid of tiles")
+    parser.add_argument("--sweep", action="store_true", help="also time each kind under a grid of tiles")
+    parser.add_argument("--sweep_warps", type=int, nargs="+", default=[1, 2, 4, 8], help="warps a program in the grid")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS), help="the kinds to time")
     parser.add_argument("--output_json", default=None)
     args = parser.parse_args()
@@ -170,13 +172,13 @@ def main() -> None:
     for kind in kinds:
         result[kind] = timed(kind, None)
     if args.sweep:
-        for kind in [kind for kind in ("fp8", "fp8-values-by-slots", "fp8-scales-by-slots", "fp8-dot",
-                                       "fp8-warp-split", "fp8-per-tensor") if kind in kinds]:
-            # the FP8 MMA takes 64 keys at a time; a warp's slice at least 16
+        for kind in [kind for kind in kinds if kind not in ("fp8-keys-first",)]:
+            # the FP8 MMA takes 64 keys at a time, on a warpgroup (4 warps); a warp's slice at least 16
             tiles = {"fp8-dot": (64, 128), "fp8-warp-split": (64, 128, 256)}.get(kind, (32, 64, 128))
+            warps_grid = [warps for warps in args.sweep_warps if kind != "fp8-dot" or warps >= 4]
             result[f"{kind}_sweep"] = [timed(kind, TileConfig(block_m=16, block_n=block_n, num_warps=warps,
                                                               num_stages=stages))
-                                       for block_n in tiles for warps in (4, 8) for stages in (2, 3)
+                                       for block_n in tiles for warps in warps_grid for stages in (2, 3)
                                        if kind != "fp8-warp-split" or block_n % (16 * warps) == 0]
             best = min(result[f"{kind}_sweep"], key=lambda entry: entry["us"])
             print(f"fastest {kind} tiles: {best['config']} ({best['tb_per_s']:.2f} TB/s)")

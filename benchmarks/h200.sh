@@ -501,6 +501,12 @@ case "${1:-}" in
   fp8-prefill-profile)
     fp8_prefill_profile
     ;;
+  attention-warps)
+    # The decode kernel alone at 512 x 1024 keys under a tile grid with 1, 2 and 4 warps a program (fewer warps, fewer
+    # exchanges between them a tile: 14-22 barriers a 4-warp FP8 program's loop, none across warps with one).
+    timeout 400 python benchmarks/attention.py --kinds bf16 fp8-values-by-slots fp8-per-tensor --sweep --sweep_warps 1 2 4 \
+      $(output_json attention-decode-8b-b512-l1024-warps) 2>&1 | grep -E "fastest|default|gap|Error|error"
+    ;;
   fp8-next)
     # The FP8 issue's open figures, most wanted first: the GPU tests of FP8 rows handed to the GEMV (before
     # fp8_gemv_input defaults to fp8_rows), the step profile of the 256 x (512, 1) prefill with FP8 weights (what
