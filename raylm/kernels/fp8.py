@@ -21,7 +21,7 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
 FP8_SCALE_DTYPE = torch.float32  # the scales' dtype, per weight row or per cached key / value row
 # A row of zeros gets this scale rather than 0, so quantizing it divides by something finite.
 FP8_MIN_SCALE = torch.finfo(torch.float32).tiny
-_SCALED_MM_CAPABILITY = (8, 9)
+FP8_CAPABILITY = (8, 9)  # FP8 tensor cores: torch._scaled_mm, and the GEMV's FP8 products
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -93,7 +93,7 @@ def scaled_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 @functools.cache
 def _multiplies_fp8(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) >= _SCALED_MM_CAPABILITY
+    return torch.cuda.get_device_capability(device) >= FP8_CAPABILITY
 
 
 def _scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from raylm.kernels.fp8 import FP8_CAPABILITY
+
 # The most rows (tokens) the decode GEMV kernel takes; larger inputs are matmuls, left to cuBLAS.
 GEMV_MAX_ROWS = 8
 # kernel_config.pdl's values and the trigger mode each selects (the kernels' USE_PDL constexpr; 0 is off).
@@ -54,7 +56,7 @@ class KernelPolicy:
     triton: bool = False
     decode_gemv: bool = False
     pdl: int = 0
-    fp8_gemv_input: str = "float16"  # how GEMVs on FP8 weights take their input (INPUT_MODES or "fp8_rows")
+    fp8_gemv_input: str = "fp8_rows"  # how GEMVs on FP8 weights take their input (INPUT_MODES or "fp8_rows")
     lora_beside: bool = False  # LoRA's products computed on a second stream beside the GEMV, added after it
     fp8_attention_dot: bool = False  # decode attention over an FP8 cache multiplies on FP8 tensor cores
     fp8_attention_slices: bool = False  # ... or widens, each tile in a slice of keys a warp (TileConfig.warp_split)
@@ -107,7 +109,7 @@ def streams_weights(weight_bytes: int) -> bool:
 
 def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool = True,
                          decode_gemv: bool | None = None, pdl: str = "auto",
-                         fp8_gemv_input: str = "float16", lora_expand: str = "beside",
+                         fp8_gemv_input: str = "fp8_rows", lora_expand: str = "beside",
                          fp8_attention: str = "float16", gemv_tiles: str = "shipped",
                          gemv_prefetch: int = 0) -> KernelPolicy:
     """The policy for a model of `weight_bytes` per rank on `device`, from kernel_config's fields: Triton where
@@ -116,12 +118,15 @@ def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool =
     the GEMV where lora_expand is "beside" (else by a kernel after it); FP8 products in the decode attention over
     an FP8 cache where fp8_attention is "fp8", tiles in slices a warp where it is "float16_slices"; the GEMV's tiles
     as gemv_tiles says (kernels/gemv_tiles.py); gemv_prefetch bytes of each weight row asked of the L2 before a
-    GEMV's PDL wait, where PDL is on."""
+    GEMV's PDL wait, where PDL is on. FP8 rows into the GEMV (fp8_gemv_input "fp8" or "fp8_rows") need FP8 tensor
+    cores (compute capability 8.9+); below that the GEMV takes float16."""
     if pdl != "auto" and pdl not in PDL_TRIGGERS:
         raise ValueError(f"kernel_config.pdl must be 'auto' or one of {sorted(PDL_TRIGGERS)}, got {pdl!r}")
     on_triton = triton and device.type == "cuda" and triton_available()
     if not on_triton:
         return KernelPolicy()
+    if fp8_gemv_input in ("fp8", "fp8_rows") and torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
+        fp8_gemv_input = "float16"
     streaming = streams_weights(weight_bytes)
     mode = PDL_TRIGGERS[(STREAMING_PDL_MODE if streaming else "off") if pdl == "auto" else pdl]
     if mode and (triton_interpreted() or torch.cuda.get_device_capability(device) < _PDL_MIN_CAPABILITY):
