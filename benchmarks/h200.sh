@@ -507,6 +507,12 @@ case "${1:-}" in
     timeout 400 python benchmarks/attention.py --kinds bf16 fp8-values-by-slots fp8-per-tensor --sweep --sweep_warps 1 2 4 \
       $(output_json attention-decode-8b-b512-l1024-warps) 2>&1 | grep -E "fastest|default|gap|Error|error"
     ;;
+  activation)
+    # The SiLU-and-mul kernels alone on a prefill step (8,192 x 14,336): bf16 out, FP8 rows held whole (the default)
+    # and read twice in chunks; then the GPU tests of silu_and_mul_fp8 (bytes against silu_and_mul + quantize_fp8).
+    timeout 120 python benchmarks/activation.py $(output_json activation-8b-r8192) 2>&1 | tail -9
+    timeout 150 python -m pytest tests/kernels/test_triton_ops.py -m gpu -k "silu" -q -p no:cacheprovider 2>&1 | tail -3
+    ;;
   fp8-next)
     # The FP8 issue's open figures, most wanted first: the GPU tests of FP8 rows handed to the GEMV (before
     # fp8_gemv_input defaults to fp8_rows), the step profile of the 256 x (512, 1) prefill with FP8 weights (what

@@ -269,42 +269,62 @@ def _silu_and_mul_kernel(gate_up_ptr, out_ptr, size, stride_in, stride_out, BLOC
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# silu_and_mul_fp8 holds a whole row in one program: up to this many features.
-SILU_FP8_MAX_SIZE = 32768
+# silu_and_mul_fp8's chunk of a row (features): a row up to it is held whole in one program, a longer one read twice,
+# its amax first.
+SILU_FP8_CHUNK = 32768
 
 
 @triton.jit
 def _silu_and_mul_fp8_kernel(gate_up_ptr, out_ptr, scale_ptr, size, stride_in, stride_out, BLOCK: tl.constexpr,
                              USE_PDL: tl.constexpr = 0):
     """One program a row: silu(gate) * up rounded as _silu_and_mul_kernel rounds it, then quantized to FP8 by the
-    row's amax, as triton_fp8's quantize_rows_fp8 would."""
+    row's amax, as triton_fp8's quantize_rows_fp8 would. A row of at most BLOCK features is held whole; a longer one
+    is read in chunks of BLOCK twice, for its amax, then to quantize it (the second read mostly from the L2), so
+    that no program holds a row in registers and many rows' loads are in flight on each multiprocessor."""
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < size
-    out = _silu_mul_row(gate_up_ptr, row, cols, mask, size, stride_in, gate_up_ptr, 0, False)
-    scale = fp8_scale(tl.max(tl.abs(out), axis=0))
-    tl.store(out_ptr + row * stride_out + cols, to_fp8(out, scale), mask=mask)
+    if size <= BLOCK:
+        cols = tl.arange(0, BLOCK)
+        mask = cols < size
+        out = _silu_mul_row(gate_up_ptr, row, cols, mask, size, stride_in, gate_up_ptr, 0, False)
+        scale = fp8_scale(tl.max(tl.abs(out), axis=0))
+        tl.store(out_ptr + row * stride_out + cols, to_fp8(out, scale), mask=mask)
+    else:
+        top = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, size, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < size
+            top = tl.maximum(top, tl.abs(_silu_mul_row(gate_up_ptr, row, cols, mask, size, stride_in, gate_up_ptr, 0,
+                                                       False)))
+        scale = fp8_scale(tl.max(top, axis=0))
+        for start in range(0, size, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < size
+            out = _silu_mul_row(gate_up_ptr, row, cols, mask, size, stride_in, gate_up_ptr, 0, False)
+            tl.store(out_ptr + row * stride_out + cols, to_fp8(out, scale), mask=mask)
     tl.store(scale_ptr + row, scale)
 
 
-def silu_and_mul_fp8(gate_up: torch.Tensor, pdl: int = 0) -> Fp8Rows:
+def silu_and_mul_fp8(gate_up: torch.Tensor, pdl: int = 0, chunk: int = SILU_FP8_CHUNK,
+                     num_warps: int | None = None) -> Fp8Rows:
     """silu_and_mul whose rows come out quantized to FP8 per token, for an FP8 matmul (Fp8Rows [rows, I]): the
-    bytes and scales quantize_fp8 gives for silu_and_mul's rows, without writing those first. I is at most
-    SILU_FP8_MAX_SIZE."""
+    bytes and scales quantize_fp8 gives for silu_and_mul's rows, without writing those first. chunk (a power of 2)
+    and num_warps (None: a warp per 512 features of the chunk, 4 to 16): the kernel's tiles
+    (benchmarks/activation.py times them)."""
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up's last dimension must be even (gate then up), got {gate_up.shape[-1]}")
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of 2 of at least 16, got {chunk}")
     size = gate_up.shape[-1] // 2
-    if size > SILU_FP8_MAX_SIZE:
-        raise ValueError(f"silu_and_mul_fp8 takes at most {SILU_FP8_MAX_SIZE} features a row, got {size}")
     rows = _rows(gate_up)
     out = torch.empty(rows.shape[0], size, dtype=FP8_DTYPE, device=gate_up.device)
     scale = torch.empty(rows.shape[0], dtype=FP8_SCALE_DTYPE, device=gate_up.device)
     if rows.shape[0] and size:
-        block = triton.next_power_of_2(size)
+        block = min(triton.next_power_of_2(size), chunk)
         _silu_and_mul_fp8_kernel[(rows.shape[0],)](
             rows, out, scale, size, rows.stride(0), out.stride(0), BLOCK=block,
-            num_warps=min(max(block // 512, 4), 16), **launch_options(pdl),
+            num_warps=num_warps or min(max(block // 512, 4), 16),
+            **launch_options(pdl),
         )
     return Fp8Rows(out, scale, gate_up.dtype)
 

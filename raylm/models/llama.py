@@ -119,7 +119,7 @@ class MLP(nn.Module):
             from raylm.kernels import triton_ops
 
             size = out.shape[-1] // 2  # the down projection's input quantized where it can be
-            if size <= triton_ops.SILU_FP8_MAX_SIZE and self.down_proj.takes_fp8_rows(out[..., :size]):
+            if self.down_proj.takes_fp8_rows(out[..., :size]):
                 out = out if pending is None else gate_up_out.materialize()
                 return self.down_proj(triton_ops.silu_and_mul_fp8(out, self.kernels.pdl), defer_reduce)
             return self.down_proj(triton_ops.silu_and_mul(out, self.kernels.pdl, extra=pending), defer_reduce)

@@ -205,22 +205,31 @@ def test_silu_and_mul_adds_lora_products_first_as_an_add_would(device, dtype, sh
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 64), (5, 2000), (2, 3, 14336 * 2)], ids=str)
-def test_fp8_rows_of_silu_and_mul_are_its_quantized_rows(device, dtype, shape):
+@pytest.mark.parametrize("chunk", [16384, 2048, 256], ids=lambda chunk: f"chunk{chunk}")
+def test_fp8_rows_of_silu_and_mul_are_its_quantized_rows(device, dtype, shape, chunk):
     """silu_and_mul_fp8: silu_and_mul's rows quantized per token as quantize_fp8 quantizes them (bytes compared on
-    the GPU; interpreted, the scales and most bytes: see test_fp8_rows_of_the_norm_are_the_quantized_norm)."""
+    the GPU; interpreted, the scales and most bytes: see test_fp8_rows_of_the_norm_are_the_quantized_norm), a row
+    held whole or read twice in chunks (its amax, then its bytes)."""
     torch.manual_seed(7)
     gate_up = torch.randn(shape, dtype=dtype, device=device) * 4
     values, scale = quantize_fp8(silu_and_mul(gate_up).reshape(-1, shape[-1] // 2))
-    rows = silu_and_mul_fp8(gate_up)
+    rows = silu_and_mul_fp8(gate_up, chunk=chunk)
     assert rows.dtype == dtype and rows.values.shape == values.shape
     torch.testing.assert_close(rows.scale, scale, rtol=1e-6, atol=0)
     same = rows.values.view(torch.uint8) == values.view(torch.uint8)
     assert same.all() if device.type == "cuda" else same.float().mean() > 0.9
 
 
-def test_silu_and_mul_fp8_refuses_rows_longer_than_one_program_holds(device):
-    with pytest.raises(ValueError, match="at most 32768 features a row, got 32769"):
-        silu_and_mul_fp8(torch.zeros(1, 2 * 32769, device=device))
+def test_silu_and_mul_fp8_chunks_give_the_same_bytes_whole_or_in_pieces(device):
+    """The two-pass kernel (chunks) and the one-pass kernel (the row held whole) compute the same values: bit for
+    bit, also interpreted."""
+    torch.manual_seed(9)
+    gate_up = torch.randn(3, 2 * 3000, device=device) * 4
+    whole, pieces = silu_and_mul_fp8(gate_up, chunk=4096), silu_and_mul_fp8(gate_up, chunk=512)
+    assert torch.equal(whole.scale, pieces.scale)
+    assert torch.equal(whole.values.view(torch.uint8), pieces.values.view(torch.uint8))
+    with pytest.raises(ValueError, match="chunk must be a power of 2 of at least 16, got 1000"):
+        silu_and_mul_fp8(gate_up, chunk=1000)
 
 
 @pytest.mark.gpu
