@@ -37,13 +37,14 @@ class KvCacheConfig(StrictModel):
         default="auto", description="What the cache stores keys and values in. auto: the model's dtype. fp8: "
                                     "float8_e4m3fn with a float32 scale per token and head (about 1/2 of bf16's "
                                     "bytes, 1/4 of float32's); on the triton and torch attention backends.")
-    fp8_scales: Literal["per_token", "per_tensor"] = Field(
-        default="per_token",
+    fp8_scales: Literal["auto", "per_token", "per_tensor"] = Field(
+        default="auto",
         description="How an FP8 cache scales what it stores. per_token: each token's key and value of each head by "
                     "its own amax / 448, a float32 beside its row (needs no calibration, follows every outlier). "
                     "per_tensor: one static scale for a layer's keys and one for its values, the checkpoint's "
                     "(k_scale / v_scale of an FP8-KV checkpoint) or else 1.0 (values past ±448 saturate): no scale "
-                    "stored or read per row.")
+                    "stored or read per row, the faster to decode. auto: per_tensor where the checkpoint has "
+                    "every layer's KV scales, else per_token.")
 
 
 class SchedulerConfig(StrictModel):

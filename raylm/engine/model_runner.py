@@ -124,10 +124,14 @@ class ModelRunner:
     def __init__(self, model: nn.Module, arch: ArchConfig, device: torch.device, dtype: torch.dtype,
                  block_size: int, seed: int = 0, attention_backend: str = "auto",
                  kernel_config: KernelConfig | None = None, capture_logits: bool = True,
-                 fp8_kv_scales: str = "per_token"):
+                 fp8_kv_scales: str = "auto"):
         """`kernel_config` chooses the model's kernels (kernels/policy.py); `capture_logits`: decode graphs compute
         the logits and greedy draws too (cuda_graph_config.capture_logits); `fp8_kv_scales`: how an FP8 cache
-        scales its rows (kv_cache_config.fp8_scales)."""
+        scales its rows (kv_cache_config.fp8_scales; "auto": per tensor where the checkpoint gave every layer here
+        its KV scales, else per token)."""
+        if fp8_kv_scales == "auto":
+            scaled = all(getattr(layer.self_attn, "kv_tensor_scales", None) is not None for layer in model.local_layers)
+            fp8_kv_scales = "per_tensor" if scaled and model.local_layers else "per_token"
         self.fp8_kv_scales = fp8_kv_scales
         self.model = model
         self.arch = arch

@@ -14,7 +14,8 @@ format "float-quantized", `weight_scale` per tensor or per channel). Activations
 run time, so a checkpoint's static activation scales (`input_scale`, `activation_scale`) are not used. A
 compressed-tensors checkpoint whose kv_cache_scheme is FP8 turns the FP8 KV cache on (unless kv_cache_config.dtype
 says otherwise). Its static KV scales (kv_tensor_scale) are what an FP8 cache with per-tensor scales divides by
-(kv_cache_config.fp8_scales='per_tensor'); by default the cache scales each token and head itself instead.
+(kv_cache_config.fp8_scales 'per_tensor', or 'auto', the default, where every layer has them); without them the cache
+scales each token and head itself.
 """
 
 from __future__ import annotations

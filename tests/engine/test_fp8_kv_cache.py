@@ -127,8 +127,8 @@ def test_per_tensor_scales_equal_a_float_cache_fed_keys_and_values_quantized_by_
 
 def test_per_tensor_scales_come_from_the_checkpoint_s_k_scale_and_v_scale(tiny_model_dirs, tmp_path):
     """An FP8-KV checkpoint's static scales, under either name they are published with (self_attn.k_scale /
-    v_scale, or k_proj / v_proj output_scale), are the per-tensor scales the cache divides by; a per-row cache
-    ignores them."""
+    v_scale, or k_proj / v_proj output_scale), are the per-tensor scales the cache divides by, and what
+    fp8_scales='auto' (the default) takes; a per-row cache ignores them."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -149,8 +149,11 @@ def test_per_tensor_scales_come_from_the_checkpoint_s_k_scale_and_v_scale(tiny_m
         llm._executor.worker.runner.zero_unwritten_kv()
         assert caches[0][2].item() == pytest.approx(0.02) and caches[1][2].item() == pytest.approx(0.03)
         assert llm.generate(TokensPrompt(prompt_token_ids=PROMPTS[0]), SamplingParams(max_tokens=2)).outputs
-    with LLM(str(path), skip_tokenizer_init=True, kv_cache_config=FP8_KV, executor="local") as llm:
+    per_token = FP8_KV.model_copy(update={"fp8_scales": "per_token"})
+    with LLM(str(path), skip_tokenizer_init=True, kv_cache_config=per_token, executor="local") as llm:
         assert llm._executor.worker.runner.kv_caches[0][2].shape[:2] == (2048 // 16 + 1, 16)
+    with LLM(str(path), skip_tokenizer_init=True, kv_cache_config=FP8_KV, executor="local") as llm:  # auto
+        assert [layer[2].item() for layer in llm._executor.worker.runner.kv_caches] == pytest.approx([0.02, 0.03])
     weights["model.layers.0.self_attn.v_scale"] = torch.ones(4)
     save_file(weights, path / "model.safetensors")
     with pytest.raises(ValueError, match="v_scale' must be one positive KV-cache scale"):
@@ -179,6 +182,14 @@ def test_a_prefix_reused_from_the_fp8_cache_gives_what_computing_it_gave(tiny_mo
         assert llm.get_stats(timeout=1)[-1]["kvCacheStats"]["reusedBlocks"] > 0
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     assert second.outputs[0].logprobs == first.outputs[0].logprobs
+
+
+def test_auto_scales_are_per_token_without_the_checkpoint_s_kv_scales(tiny_model_dirs):
+    """fp8_scales='auto' (the default) on a checkpoint without KV scales: a float32 scale per token and head."""
+    assert FP8_KV.fp8_scales == "auto"
+    with LLM(str(tiny_model_dirs["llama"]), skip_tokenizer_init=True, kv_cache_config=FP8_KV, executor="local") as llm:
+        runner = llm._executor.worker.runner
+        assert runner.fp8_kv_scales == "per_token" and runner.kv_caches[0][2].shape[:2] == (2048 // 16 + 1, 16)
 
 
 def test_the_cache_holds_four_times_the_tokens_of_float32_in_the_same_bytes(tiny_model_dirs):

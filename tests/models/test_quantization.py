@@ -276,8 +276,9 @@ def test_an_fp8_checkpoint_is_detected_by_llm_and_generates_as_quantizing_on_loa
         LLM(str(path), quant_config=QuantConfig(quant_algo="FP8", weight_scale="per_tensor"), skip_tokenizer_init=True)
 
 
-def test_a_checkpoint_made_for_an_fp8_kv_cache_turns_it_on_and_its_static_kv_scales_go_unused(tmp_path,
-                                                                                                tiny_model_dirs):
+def test_a_checkpoint_made_for_an_fp8_kv_cache_turns_it_on_with_its_static_kv_scales(tmp_path, tiny_model_dirs):
+    """kv_cache_scheme FP8 turns the FP8 cache on; its k_scale / v_scale are the cache's per-tensor scales under
+    fp8_scales='auto' (the default), and per_token ignores them."""
     source = tiny_model_dirs["llama"]
     plain = _fp8_checkpoint(tmp_path / "fp8", source, "compressed-tensors per channel")
     config = json.loads((plain / "config.json").read_text())["quantization_config"]
@@ -291,7 +292,9 @@ def test_a_checkpoint_made_for_an_fp8_kv_cache_turns_it_on_and_its_static_kv_sca
     assert resolve_fp8_weights(QuantConfig(), load_hf_config(resolve_model(str(path)))).kv_cache
     fp8_cache = KvCacheConfig(max_tokens=2048, tokens_per_block=16, dtype="fp8")
     with_kv = _generate(path)
-    assert with_kv == _generate(plain, kv_cache_config=fp8_cache)
+    assert with_kv == _generate(path, kv_cache_config=fp8_cache.model_copy(update={"fp8_scales": "per_tensor"}))
+    per_token = _generate(path, kv_cache_config=fp8_cache.model_copy(update={"fp8_scales": "per_token"}))
+    assert with_kv != per_token and per_token == _generate(plain, kv_cache_config=fp8_cache)
     assert with_kv != _generate(plain)
     float_cache = KvCacheConfig(max_tokens=2048, tokens_per_block=16, dtype="float32")
     assert _generate(path, kv_cache_config=float_cache) == _generate(plain)  # a dtype set says otherwise
