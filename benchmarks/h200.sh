@@ -501,6 +501,19 @@ case "${1:-}" in
   fp8-prefill-profile)
     fp8_prefill_profile
     ;;
+  attention-interior)
+    # The decode kernel alone with the tiles wholly inside a split unmasked (TileConfig.interior: a fifth fewer
+    # instructions a tile on sm_90), against the default, bf16 and FP8 (row scales by slots, per-tensor); 512 x 1024
+    # and 256 x 2048 keys, then the interior kinds under the tile grid with 1, 2 and 4 warps.
+    for shape in 512:1024 256:2048; do
+      batch=${shape%:*} context=${shape#*:}
+      timeout 150 python benchmarks/attention.py --batch "$batch" --context "$context" --kinds bf16 bf16-interior \
+        fp8-values-by-slots fp8-values-by-slots-interior fp8-per-tensor fp8-per-tensor-interior \
+        $(output_json "attention-decode-8b-b$batch-l$context-interior") 2>&1 | tail -8
+    done
+    timeout 300 python benchmarks/attention.py --kinds fp8-values-by-slots-interior fp8-per-tensor-interior --sweep \
+      --sweep_warps 1 2 4 $(output_json attention-decode-8b-b512-l1024-interior-sweep) 2>&1 | grep -E "fastest|Error"
+    ;;
   attention-warps)
     # The decode kernel alone at 512 x 1024 keys under a tile grid with 1, 2 and 4 warps a program (fewer warps, fewer
     # exchanges between them a tile: 14-22 barriers a 4-warp FP8 program's loop, none across warps with one).

@@ -70,7 +70,8 @@ def _decode_split_kernel(
     ROPE: tl.constexpr = False, KV_FP8: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
     V_BY_SLOTS: tl.constexpr = False, V_RUN: tl.constexpr = 16, FP8_DOT: tl.constexpr = False,
     KEYS_FIRST: tl.constexpr = False, WARP_SPLIT: tl.constexpr = 0, q_add_ptr=None, k_add_ptr=None, v_add_ptr=None,
-    ADD: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False,
+    ADD: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False, INTERIOR: tl.constexpr = False,
+    EVEN_D: tl.constexpr = False,
 ):
     """One (sequence, KV head, split): attends the group's query heads over the split's range of keys.
 
@@ -166,7 +167,26 @@ def _decode_split_kernel(
             acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
-        for tile_start in range(tiles_start, split_end, BLOCK_N):
+        loop_start, loop_step = tiles_start, BLOCK_N
+        if INTERIOR:  # the tiles wholly inside [split_start, split_end) first, their keys unmasked
+            head = tiles_start < split_start  # a first tile from a value run's start before the split
+            interior_start = tl.where(head, tiles_start + BLOCK_N, tiles_start)
+            interior_end = interior_start + tl.maximum(split_end - interior_start, 0) // BLOCK_N * BLOCK_N
+            every_key = tl.full([BLOCK_N], True, tl.int1)
+            for tile_start in range(interior_start, interior_end, BLOCK_N):
+                key_pos = tile_start + tl.arange(0, BLOCK_N)
+                k, v, k_scale, v_scale = _load_kv_tile(
+                    k_cache_ptr, v_cache_ptr, table_row, key_pos, every_key, kv_head, dims, dim_mask, stride_block,
+                    stride_slot, stride_head, stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
+                    k_scale_ptr, v_scale_ptr, stride_scale_block, stride_scale_slot, stride_scale_head, PAGE_SIZE,
+                    KV_FP8, V_BY_SLOTS, V_RUN, split_end, KEYS_MASKED=False, DIMS_MASKED=not EVEN_D)
+                m_i, l_i, acc = _attend_tile(q, k, v, k_scale, v_scale, every_key[None, :], m_i, l_i, acc,
+                                             scores_scale, False, DOT_PRECISION, KV_FP8, True)
+            # then the edge tiles below, masked: the head tile if any, then the partial last tile if any (one step
+            # from the head tile to it)
+            loop_start = tl.where(head, tiles_start, interior_end)
+            loop_step = tl.where(head, interior_end - tiles_start, BLOCK_N)
+        for tile_start in tl.range(loop_start, split_end, loop_step, num_stages=1 if INTERIOR else None):
             key_pos = tile_start + tl.arange(0, BLOCK_N)
             if V_BY_SLOTS:
                 key_mask = (key_pos >= split_start) & (key_pos < split_end)
@@ -419,6 +439,7 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
         KEYS_FIRST=keys_first, WARP_SPLIT=config.num_warps if config.warp_split else 0,
         q_add_ptr=q if addends is None else addends[0], k_add_ptr=k if addends is None else addends[1],
         v_add_ptr=v if addends is None else addends[2], ADD=addends is not None, HEADS_FIRST=config.heads_first,
+        INTERIOR=config.interior and not (keys_first or config.warp_split), EVEN_D=head_dim == block_d,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(pdl),
