@@ -514,6 +514,17 @@ case "${1:-}" in
     timeout 300 python benchmarks/attention.py --kinds fp8-values-by-slots-interior fp8-per-tensor-interior --sweep \
       --sweep_warps 1 2 4 $(output_json attention-decode-8b-b512-l1024-interior-sweep) 2>&1 | grep -E "fastest|Error"
     ;;
+  fp8-throughput-interior)
+    # The 1000 x (1024, 1024) workload with FP8 weights and the FP8 cache (per-tensor scales), decode attention's
+    # whole tiles unmasked (kernel_config.decode_interior), then without; the engine's GPU tests of it first.
+    timeout 120 python -m pytest tests/engine/test_fp8_kv_cache.py -m gpu -k interior -q -p no:cacheprovider 2>&1 \
+      | tail -2
+    for interior in true false; do
+      throughput "throughput-8b-fp8-kv-per-tensor-interior-$interior" "$llama" 1000 1024 1024 512 250 \
+        --set quant_config.quant_algo=FP8 --set kv_cache_config.dtype=fp8 --set kv_cache_config.fp8_scales=per_tensor \
+        --set kernel_config.decode_gemv=false --set kernel_config.decode_interior=$interior
+    done
+    ;;
   attention-warps)
     # The decode kernel alone at 512 x 1024 keys under a tile grid with 1, 2 and 4 warps a program (fewer warps, fewer
     # exchanges between them a tile: 14-22 barriers a 4-warp FP8 program's loop, none across warps with one).

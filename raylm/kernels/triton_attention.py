@@ -301,6 +301,7 @@ def paged_decode_attention(
     config: TileConfig | None = None,
     fp8_dot: bool = False,
     warp_split: bool = False,
+    interior: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; returns [B, H_q, D] in q's dtype.
 
@@ -313,10 +314,10 @@ def paged_decode_attention(
     tiles instead of decode_config's (for benchmarks; block_m is raised to the GQA group's power of two). fp8_dot
     (an FP8 cache with its values by slots): the products run on FP8 tensor cores, the queries and probabilities
     quantized to FP8 too (_attend_tile_keys_first). warp_split (values by slots): the tiles cut into a slice of
-    keys a warp (TileConfig.warp_split).
+    keys a warp (TileConfig.warp_split). interior: a split's whole tiles without key masks (TileConfig.interior).
     """
     return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, None, pdl,
-                   kv_scales, config, fp8_dot, warp_split)
+                   kv_scales, config, fp8_dot, warp_split, interior)
 
 
 def rotary_decode_attention(
@@ -338,6 +339,7 @@ def rotary_decode_attention(
     fp8_dot: bool = False,
     warp_split: bool = False,
     addends: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    interior: bool = False,
 ) -> torch.Tensor:
     """rotary_write_kv_cache then paged_decode_attention in one kernel launch (two with split-K): q, k [B, H, D]
     are the step's unrotated queries and keys, v its values, cos / sin one row per sequence; the rotated keys
@@ -361,11 +363,11 @@ def rotary_decode_attention(
                                  f"{addend.stride()}")
     rope = (k, v, cos_rows, sin_rows, slot_mapping, addends)
     return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope, pdl,
-                   kv_scales, None, fp8_dot, warp_split)
+                   kv_scales, None, fp8_dot, warp_split, interior)
 
 
 def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope, pdl,
-            kv_scales, config=None, fp8_dot=False, warp_split=False):
+            kv_scales, config=None, fp8_dot=False, warp_split=False, interior=False):
     """The decode attention launch of paged_decode_attention, and of rotary_decode_attention with rope =
     (k, v, cos_rows, sin_rows, slot_mapping, addends or None)."""
     batch, num_q_heads, head_dim = q.shape
@@ -396,6 +398,8 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
     config = config or decode_config(block_d, 2 if fp8_dot else q.element_size(), k_cache.element_size())
     if warp_split:  # a slice of at least 16 keys a warp (the products' reduction)
         config = dataclasses.replace(config, warp_split=True, block_n=max(config.block_n, 16 * config.num_warps))
+    if interior:
+        config = dataclasses.replace(config, interior=True)
     values_by_slots = v_cache.stride() != k_cache.stride()
     if fp8_dot and not (fp8 and values_by_slots and config.block_n % 64 == 0 and head_dim >= 32):
         raise ValueError(f"fp8_dot needs an FP8 cache with its values by slots, tiles of a multiple of 64 keys (the "
