@@ -64,6 +64,18 @@
 #   bash benchmarks/h200.sh fp8-per-tensor  # the FP8 cache with per-tensor scales: its GPU tests, the decode kernel
 #                                        # alone against bf16, scales by slots, warp slices, FP8 products   (~3 min);
 #                                        # fp8-first: that, then batch 1 (fp8_rows, float16, bf16)        (~9 min)
+#   bash benchmarks/h200.sh attention-interior  # the decode kernel alone with whole tiles unmasked (TileConfig.interior)
+#                                        # against the default, bf16 / FP8 row scales / per-tensor, then a tile sweep
+#                                        # (~4 min); fp8-throughput-interior: its GPU tests, then 1000 x (1024, 1024)
+#                                        # FP8 + per-tensor cache with kernel_config.decode_interior on, then off (~8 min)
+#   bash benchmarks/h200.sh activation   # the SiLU-and-mul kernels alone: FP8 rows held whole against read twice in
+#                                        # chunks, then their GPU tests                              (~2 min)
+#   bash benchmarks/h200.sh attention-layouts  # the decode kernel with keys by heads, heads first (~2 min);
+#                                        # attention-warps: tile sweep with 1 / 2 / 4 warps (~3 min);
+#                                        # fp8-attention-ncu: Nsight Compute's stalls per decode kind (~2 min)
+#   bash benchmarks/h200.sh fp8-next     # fp8-rows-tests, fp8-prefill-profile (the 512-token prefill's step profile),
+#                                        # then 1000 x (1024, 1024) FP8 + per-tensor cache (~5 min on an H100);
+#                                        # fp8-throughput-baselines: the same in bf16 and per-token (~5 min)
 #   bash benchmarks/h200.sh fp8-figures  # the FP8 GEMV tiles tuned into gemv_tiles.json, 8B batch 1 and 8 with FP8
 #                                        # weights and in bf16, then fp8-prefill-512                 (~9 min)
 #   bash benchmarks/h200.sh fp8-throughput  # 8B 1000 x (1024, 1024) in bf16, then with FP8 weights   (~9 min)
