@@ -73,12 +73,11 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, key_pos, key_ma
                   stride_block, stride_slot, stride_head, stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
                   k_scale_ptr, v_scale_ptr, stride_scale_block, stride_scale_slot, stride_scale_head,
                   PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, V_BY_SLOTS: tl.constexpr, V_RUN: tl.constexpr,
-                  run_end, KEYS_MASKED: tl.constexpr = True, DIMS_MASKED: tl.constexpr = True):
+                  run_end, KEYS_MASKED: tl.constexpr = True):
     """The keys and values at `key_pos` of one KV head, read through a sequence's block table (zeros where
     key_mask is false), and an FP8 cache's scales of those keys and values (1.0 for another cache). The values are
     stored by rows with the keys' strides, or transposed within their pages (V_BY_SLOTS, strides stride_v_*).
-    Without KEYS_MASKED every key of the tile is one to read (key_mask all true: no mask on the loads); without
-    DIMS_MASKED the head's dimensions fill `dims` (dim_mask all true).
+    Without KEYS_MASKED every key of the tile is one to read (key_mask all true: no mask on the keys' loads).
 
     V_RUN > 0 (values by slots, key_pos starting at a multiple of V_RUN, a divisor of the page): the values are
     read in whole runs of V_RUN keys of one page, every run that starts before run_end, so that each thread's load
@@ -98,10 +97,7 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, key_pos, key_ma
         kv_mask = key_mask[:, None] & dim_mask[None, :]
     else:
         kv_mask = dim_mask[None, :]
-    if KEYS_MASKED or DIMS_MASKED:
-        k = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    else:
-        k = tl.load(k_cache_ptr + rows[:, None] + dims[None, :])
+    k = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     if V_BY_SLOTS:  # loaded [dims, keys] as stored, then transposed: the dot reads it along keys, its reduction
         v_rows = block_id * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
         if V_RUN > 0:
@@ -113,14 +109,9 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, key_pos, key_ma
             v_mask = dim_mask[:, None] & run_mask[None, :]
         else:
             v_mask = dim_mask[:, None] & key_mask[None, :]
-        if KEYS_MASKED or DIMS_MASKED:
-            v = tl.trans(tl.load(v_ptrs, mask=v_mask, other=0.0))
-        else:
-            v = tl.trans(tl.load(v_ptrs))
-    elif KEYS_MASKED or DIMS_MASKED:  # by rows, at the keys' offsets (check_value_cache: the same strides)
+        v = tl.trans(tl.load(v_ptrs, mask=v_mask, other=0.0))
+    else:  # by rows, at the keys' offsets (check_value_cache: the same strides)
         v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    else:
-        v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :])
     k_scale, v_scale = _load_kv_scales(k_scale_ptr, v_scale_ptr, block_id, slot, kv_head, key_mask,
                                        stride_scale_block, stride_scale_slot, stride_scale_head, KV_FP8)
     return k, v, k_scale, v_scale

@@ -99,7 +99,10 @@ def _decode_split_kernel(
     dims = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + groups
     head_mask = groups < GROUP
-    dim_mask = dims < head_dim
+    if EVEN_D:  # the head fills BLOCK_D: no mask on its dimensions
+        dim_mask = tl.full([BLOCK_D], True, tl.int1)
+    else:
+        dim_mask = dims < head_dim
     q_offsets = seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
     q_mask = head_mask[:, None] & dim_mask[None, :]
     if ROPE:
@@ -179,7 +182,7 @@ def _decode_split_kernel(
                     k_cache_ptr, v_cache_ptr, table_row, key_pos, every_key, kv_head, dims, dim_mask, stride_block,
                     stride_slot, stride_head, stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
                     k_scale_ptr, v_scale_ptr, stride_scale_block, stride_scale_slot, stride_scale_head, PAGE_SIZE,
-                    KV_FP8, V_BY_SLOTS, V_RUN, split_end, KEYS_MASKED=False, DIMS_MASKED=not EVEN_D)
+                    KV_FP8, V_BY_SLOTS, V_RUN, split_end, KEYS_MASKED=False)
                 m_i, l_i, acc = _attend_tile(q, k, v, k_scale, v_scale, every_key[None, :], m_i, l_i, acc,
                                              scores_scale, False, DOT_PRECISION, KV_FP8, True)
             # then the edge tiles below, masked: the head tile if any, then the partial last tile if any (one step
@@ -418,6 +421,7 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
     if config.heads_first and batch > 65535:  # a grid's second dimension
         raise ValueError(f"heads_first tiles take at most 65535 sequences, got {batch}")
     keys_first = fp8_dot or config.keys_first
+    interior_tiles = config.interior and not (keys_first or config.warp_split)
     direct = num_splits == 1
     if direct:
         part_acc = part_max = part_sum = out  # unused by the kernel
@@ -443,7 +447,7 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
         KEYS_FIRST=keys_first, WARP_SPLIT=config.num_warps if config.warp_split else 0,
         q_add_ptr=q if addends is None else addends[0], k_add_ptr=k if addends is None else addends[1],
         v_add_ptr=v if addends is None else addends[2], ADD=addends is not None, HEADS_FIRST=config.heads_first,
-        INTERIOR=config.interior and not (keys_first or config.warp_split), EVEN_D=head_dim == block_d,
+        INTERIOR=interior_tiles, EVEN_D=interior_tiles and head_dim == block_d,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(pdl),
