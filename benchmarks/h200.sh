@@ -516,12 +516,14 @@ case "${1:-}" in
   attention-interior)
     # The decode kernel alone with the tiles wholly inside a split unmasked (TileConfig.interior: a fifth fewer
     # instructions a tile on sm_90), against the default, bf16 and FP8 (row scales by slots, per-tensor); 512 x 1024
-    # and 256 x 2048 keys, then the interior kinds under the tile grid with 1, 2 and 4 warps.
+    # and 256 x 2048 keys, with the default tiles' dimensions unmasked too (TileConfig.even_dims), then the interior
+    # kinds under the tile grid with 1, 2 and 4 warps.
     for shape in 512:1024 256:2048; do
       batch=${shape%:*} context=${shape#*:}
       timeout 150 python benchmarks/attention.py --batch "$batch" --context "$context" --kinds bf16 bf16-interior \
-        fp8-values-by-slots fp8-values-by-slots-interior fp8-per-tensor fp8-per-tensor-interior \
-        $(output_json "attention-decode-8b-b$batch-l$context-interior") 2>&1 | tail -8
+        bf16-even-dims fp8-values-by-slots fp8-values-by-slots-interior fp8-values-by-slots-even-dims fp8-per-tensor \
+        fp8-per-tensor-interior fp8-per-tensor-even-dims \
+        $(output_json "attention-decode-8b-b$batch-l$context-interior") 2>&1 | tail -11
     done
     timeout 300 python benchmarks/attention.py --kinds fp8-values-by-slots-interior fp8-per-tensor-interior --sweep \
       --sweep_warps 1 2 4 $(output_json attention-decode-8b-b512-l1024-interior-sweep) 2>&1 | grep -E "fastest|Error"

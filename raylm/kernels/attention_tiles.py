@@ -56,7 +56,8 @@ class TileConfig:
     heads_first (decode): the launch grid's fastest dimension is the KV head, so that a sequence's heads run side by
     side and read the same pages together. interior (decode, neither keys_first nor warp_split): the tiles wholly
     inside a split run first without a mask on their keys (a fifth fewer instructions a tile on sm_90), then the
-    split's edge tiles masked."""
+    split's edge tiles masked. even_dims (decode): no mask on the head's dimensions where the head fills the tile
+    (head_dim a power of 2; set with interior too): fewer instructions and registers a tile."""
 
     block_m: int
     block_n: int
@@ -66,6 +67,7 @@ class TileConfig:
     warp_split: bool = False
     heads_first: bool = False
     interior: bool = False
+    even_dims: bool = False
 
 
 @triton.jit

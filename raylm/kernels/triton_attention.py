@@ -447,7 +447,7 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
         KEYS_FIRST=keys_first, WARP_SPLIT=config.num_warps if config.warp_split else 0,
         q_add_ptr=q if addends is None else addends[0], k_add_ptr=k if addends is None else addends[1],
         v_add_ptr=v if addends is None else addends[2], ADD=addends is not None, HEADS_FIRST=config.heads_first,
-        INTERIOR=interior_tiles, EVEN_D=interior_tiles and head_dim == block_d,
+        INTERIOR=interior_tiles, EVEN_D=(interior_tiles or config.even_dims) and head_dim == block_d,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(pdl),

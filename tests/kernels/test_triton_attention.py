@@ -574,15 +574,19 @@ def keys_by_heads(cache: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8-per-tensor"])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_heads_first_grid_and_keys_by_heads_give_the_default_outputs(device, fp8, num_splits):
-    """TileConfig.heads_first (the grid's fastest dimension the KV head) and keys stored head by head within their
-    pages change what runs side by side and where a tile's keys lie, not one sum: the outputs are the same bits."""
-    keys, values = torch.randn(40, 16, 2, 64, device=device), torch.randn(40, 16, 2, 64, device=device)
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_heads_first_grid_and_keys_by_heads_give_the_default_outputs(device, fp8, num_splits, head_dim):
+    """TileConfig.heads_first (the grid's fastest dimension the KV head), even_dims (the dimensions unmasked where
+    the head fills the tile; a 48-dimension head keeps its mask) and keys stored head by head within their pages
+    change what runs side by side, which loads are masked and where a tile's keys lie, not one sum: the outputs are
+    the same bits."""
+    keys = torch.randn(40, 16, 2, head_dim, device=device)
+    values = torch.randn(40, 16, 2, head_dim, device=device)
     scales = ()
     if fp8:
         scales = (torch.tensor([0.02], device=device), torch.tensor([0.01], device=device))
         keys, values = quantize_fp8_by(keys, scales[0]), transposed_within_pages(quantize_fp8_by(values, scales[1]))
-    q = torch.randn(3, 8, 64, device=device)
+    q = torch.randn(3, 8, head_dim, device=device)
     table = torch.randperm(40, device=device)[:30].view(3, 10).to(torch.int32)
     lens = torch.tensor([1, 77, 160], dtype=torch.int32, device=device)
     tiles = decode_config(64, 4, keys.element_size())
@@ -593,6 +597,7 @@ def test_heads_first_grid_and_keys_by_heads_give_the_default_outputs(device, fp8
 
     expected = attend(keys, values, tiles)
     torch.testing.assert_close(attend(keys, values, replace(tiles, heads_first=True)), expected, rtol=0, atol=0)
+    torch.testing.assert_close(attend(keys, values, replace(tiles, even_dims=True)), expected, rtol=0, atol=0)
     by_heads_values = values if fp8 else keys_by_heads(values)  # by rows, values take the keys' strides
     torch.testing.assert_close(attend(keys_by_heads(keys), by_heads_values, tiles), expected, rtol=0, atol=0)
 
