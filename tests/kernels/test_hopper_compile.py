@@ -288,6 +288,23 @@ def test_interior_tiles_take_a_fifth_fewer_instructions_a_tile(kv_fp8):
     assert registers <= 65536 // (3 * 128), registers
 
 
+def test_even_dims_tiles_fit_four_programs_an_sm():
+    """TileConfig.even_dims: the default decode tile (values by slots, 128 keys, 4 warps, per-tensor scales) without
+    a mask on the head's dimensions (sm_90: 802 instructions a tile against 836, 128 registers against 150), so that
+    4 programs fit an SM, not 3."""
+    from raylm.kernels.triton_attention import _decode_split_kernel
+
+    constexprs = {"GROUP": 4, "BLOCK_G": 16, "BLOCK_D": 128, "BLOCK_N": 128, "PAGE_SIZE": 16, "DIRECT_OUTPUT": True,
+                  "DOT_PRECISION": "tf32", "ROPE": True, "USE_PDL": 0, "stride_v_slot": 1, "V_BY_SLOTS": True,
+                  "V_RUN": 16, "KV_FP8": 2}
+    pointers = {**ATTENTION, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+    (masked,) = _loop_instructions(_decode_split_kernel, constexprs, pointers)
+    (even,) = _loop_instructions(_decode_split_kernel, {**constexprs, "EVEN_D": True}, pointers)
+    assert even < masked, (even, masked)
+    registers = _registers_and_instructions(_decode_split_kernel, {**constexprs, "EVEN_D": True}, pointers)[0]
+    assert registers <= 65536 // (4 * 128), registers
+
+
 def test_warp_split_tiles_give_each_warp_a_slice_of_keys():
     """warp_split: the products are batched over the tile's slices with one warp each (the MMA's warps along the
     batch), so that the softmax's reductions over keys stay within a warp; keys and values still load through
