@@ -1,7 +1,8 @@
 """The SiLU-and-mul kernels alone on a prefill step of the Llama-3.1-8B shape (8,192 rows of gate and up, 14,336
-features each, bf16): silu_and_mul (bf16 out), and silu_and_mul_fp8 (FP8 rows and their scales out, for the FP8
-down projection) under its tiles: a row held whole in one program (the default), or read twice in chunks (its amax,
-then its bytes). Each is timed per call from a CUDA graph, with the rate at which it moves its bytes.
+features each, bf16): silu_and_mul (bf16 out), and silu_and_mul_fp8 (FP8 rows and their scales out, for the FP8 down
+projection) under its tiles: a row held whole in one program (the default: a warp per 512 features, at most 16; or
+--whole_warps), or read twice in chunks (its amax, then its bytes). Each is timed per call from a CUDA graph, with the
+rate at which it moves its bytes.
 
     python benchmarks/activation.py
     python benchmarks/activation.py --rows 4096 --chunks 1024:4 2048:4 2048:8 4096:8
@@ -25,6 +26,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=14336, help="features of gate (and of up)")
     parser.add_argument("--chunks", nargs="+", default=["1024:4", "2048:4", "2048:8", "4096:8", "4096:16"],
                         help="chunk:warps of the two-pass silu_and_mul_fp8 to time")
+    parser.add_argument("--whole_warps", type=int, nargs="*", default=[4, 8, 32],
+                        help="warps a program of the whole-row silu_and_mul_fp8 to time beside its default")
     parser.add_argument("--calls", type=int, default=4, help="calls per CUDA graph")
     parser.add_argument("--output_json", default=None)
     args = parser.parse_args()
@@ -46,6 +49,9 @@ def main() -> None:
     timed("silu_and_mul (bf16 out)", lambda: silu_and_mul(gate_up), args.rows * args.size * 2)
     fp8_bytes = args.rows * (args.size + 4)
     timed("silu_and_mul_fp8 whole rows", lambda: silu_and_mul_fp8(gate_up), fp8_bytes)
+    for warps in args.whole_warps:
+        timed(f"silu_and_mul_fp8 whole:{warps}", lambda warps=warps: silu_and_mul_fp8(gate_up, num_warps=warps),
+              fp8_bytes)
     for entry in args.chunks:
         chunk, warps = (int(part) for part in entry.split(":"))
         rows = silu_and_mul_fp8(gate_up, chunk=chunk, num_warps=warps)

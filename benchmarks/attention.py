@@ -18,10 +18,6 @@ and two variants of bf16 and of fp8-per-tensor:
                          (bf16: its values too, with the keys' strides)
     ...-heads-first      the launch grid's fastest dimension is the KV head (TileConfig.heads_first): a sequence's
                          heads run side by side and read the same pages together
-    ...-interior         the tiles wholly inside a split first, their keys unmasked (TileConfig.interior); also
-                         fp8-values-by-slots-interior, the engine's FP8 layout with row scales
-    ...-even-dims        the default tiles without a mask on the head's dimensions (TileConfig.even_dims); also
-                         fp8-values-by-slots-even-dims
 
 Each is timed per call, with the rate at which it reads the cache (keys, values and an FP8 cache's scales). With
 --sweep, each kind is also timed under every tile configuration of a small grid (keys a tile, warps, stages), to
@@ -48,10 +44,8 @@ from benchmarks.common import graph_call_us, write_result  # noqa: E402
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 KINDS = ("bf16", "fp8", "fp8-values-by-slots", "fp8-scales-by-slots", "fp8-keys-first", "fp8-dot",
          "fp8-warp-split", "fp8-per-tensor", "bf16-keys-by-heads", "bf16-heads-first", "fp8-per-tensor-keys-by-heads",
-         "fp8-per-tensor-heads-first", "bf16-interior", "fp8-values-by-slots-interior", "fp8-per-tensor-interior",
-         "bf16-even-dims", "fp8-values-by-slots-even-dims", "fp8-per-tensor-even-dims")
-# kind suffix: the TileConfig field it sets
-VARIANTS = {"-heads-first": "heads_first", "-interior": "interior", "-even-dims": "even_dims"}
+         "fp8-per-tensor-heads-first")
+VARIANTS = {"-heads-first": "heads_first"}  # kind suffix: the TileConfig field it sets
 
 
 def _variant(kind: str, config, cache: torch.Tensor):
@@ -124,13 +118,7 @@ def main() -> None:
               "bf16-keys-by-heads": ((_by_heads(k_cache), _by_heads(v_cache)), ()),
               "bf16-heads-first": ((k_cache, v_cache), ()),
               "fp8-per-tensor-keys-by-heads": ((_by_heads(k8_tensor), v8_tensor), tensor_scales),
-              "fp8-per-tensor-heads-first": ((k8_tensor, v8_tensor), tensor_scales),
-              "bf16-interior": ((k_cache, v_cache), ()),
-              "fp8-values-by-slots-interior": ((k8, v8_by_slots), (k_scale, v_scale)),
-              "fp8-per-tensor-interior": ((k8_tensor, v8_tensor), tensor_scales),
-              "bf16-even-dims": ((k_cache, v_cache), ()),
-              "fp8-values-by-slots-even-dims": ((k8, v8_by_slots), (k_scale, v_scale)),
-              "fp8-per-tensor-even-dims": ((k8_tensor, v8_tensor), tensor_scales)}
+              "fp8-per-tensor-heads-first": ((k8_tensor, v8_tensor), tensor_scales)}
     keys = args.batch * args.context * KV_HEADS
     result: dict = {"batch": args.batch, "context": args.context}
     scale = HEAD_DIM ** -0.5
@@ -167,15 +155,13 @@ def main() -> None:
     per_tensor = paged_decode_attention(q, k8_tensor, v8_tensor, tables, lens, scale, kv_scales=tensor_scales)
     variants_gap = 0.0
     for kind, base in (("bf16-keys-by-heads", reference), ("bf16-heads-first", reference),
-                       ("fp8-per-tensor-keys-by-heads", per_tensor), ("fp8-per-tensor-heads-first", per_tensor),
-                       ("bf16-interior", reference), ("fp8-values-by-slots-interior", by_slots),
-                       ("fp8-per-tensor-interior", per_tensor), ("bf16-even-dims", reference),
-                       ("fp8-values-by-slots-even-dims", by_slots), ("fp8-per-tensor-even-dims", per_tensor)):
+                       ("fp8-per-tensor-keys-by-heads", per_tensor), ("fp8-per-tensor-heads-first", per_tensor)):
         (k, v), scales = caches[kind]
         out = paged_decode_attention(q, k, v, tables, lens, scale, kv_scales=scales, config=_variant(kind, None, k))
         variants_gap = max(variants_gap, (out.float() - base.float()).abs().max().item())
-    if variants_gap > 0:  # every tile is whole here (L a multiple of the tiles): the same sums in the same order
-        sys.exit(f"keys by heads, heads first, interior tiles or even dims changed the outputs (largest gap {variants_gap})")
+    # every tile is whole here (L a multiple of the tiles): the same sums, their order up to the compiler (a bf16 ulp)
+    if variants_gap > 2e-3:
+        sys.exit(f"keys by heads or heads first changed the outputs (largest gap {variants_gap})")
     gap = (fp8_out.float() - reference.float()).abs().max().item()
     tensor_gap = (per_tensor.float() - reference.float()).abs().max().item()
     dot_gap = (fp8_dot.float() - reference.float()).abs().max().item()

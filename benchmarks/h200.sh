@@ -64,10 +64,11 @@
 #   bash benchmarks/h200.sh fp8-per-tensor  # the FP8 cache with per-tensor scales: its GPU tests, the decode kernel
 #                                        # alone against bf16, scales by slots, warp slices, FP8 products   (~3 min);
 #                                        # fp8-first: that, then batch 1 (fp8_rows, float16, bf16)        (~9 min)
-#   bash benchmarks/h200.sh attention-interior  # the decode kernel alone with whole tiles unmasked (TileConfig.interior)
-#                                        # against the default, bf16 / FP8 row scales / per-tensor, then a tile sweep
-#                                        # (~4 min); fp8-throughput-interior: its GPU tests, then 1000 x (1024, 1024)
-#                                        # FP8 + per-tensor cache with kernel_config.decode_interior on, then off (~8 min)
+#   bash benchmarks/h200.sh fp8-throughput-per-tensor  # 1000 x (1024, 1024), FP8 weights + per-tensor cache, then
+#                                        # bf16 (~5 min on an H200); fp8-throughput-profile-per-tensor: its step profile
+#                                        # at 512 x (1024, 256), then the per-tensor decode kernel's tile sweep (~2 min);
+#                                        # fp8-latency-prefill: 8B batch 1 / 8 with FP8 weights and bf16, then the
+#                                        # 512-token prefill (~4 min)
 #   bash benchmarks/h200.sh activation   # the SiLU-and-mul kernels alone: FP8 rows held whole against read twice in
 #                                        # chunks, then their GPU tests                              (~2 min)
 #   bash benchmarks/h200.sh attention-layouts  # the decode kernel with keys by heads, heads first (~2 min);
@@ -513,32 +514,6 @@ case "${1:-}" in
   fp8-prefill-profile)
     fp8_prefill_profile
     ;;
-  attention-interior)
-    # The decode kernel alone with the tiles wholly inside a split unmasked (TileConfig.interior: a fifth fewer
-    # instructions a tile on sm_90), against the default, bf16 and FP8 (row scales by slots, per-tensor); 512 x 1024
-    # and 256 x 2048 keys, with the default tiles' dimensions unmasked too (TileConfig.even_dims), then the interior
-    # kinds under the tile grid with 1, 2 and 4 warps.
-    for shape in 512:1024 256:2048; do
-      batch=${shape%:*} context=${shape#*:}
-      timeout 150 python benchmarks/attention.py --batch "$batch" --context "$context" --kinds bf16 bf16-interior \
-        bf16-even-dims fp8-values-by-slots fp8-values-by-slots-interior fp8-values-by-slots-even-dims fp8-per-tensor \
-        fp8-per-tensor-interior fp8-per-tensor-even-dims \
-        $(output_json "attention-decode-8b-b$batch-l$context-interior") 2>&1 | tail -11
-    done
-    timeout 300 python benchmarks/attention.py --kinds fp8-values-by-slots-interior fp8-per-tensor-interior --sweep \
-      --sweep_warps 1 2 4 $(output_json attention-decode-8b-b512-l1024-interior-sweep) 2>&1 | grep -E "fastest|Error"
-    ;;
-  fp8-throughput-interior)
-    # The 1000 x (1024, 1024) workload with FP8 weights and the FP8 cache (per-tensor scales), decode attention's
-    # whole tiles unmasked (kernel_config.decode_interior), then without; the engine's GPU tests of it first.
-    timeout 120 python -m pytest tests/engine/test_fp8_kv_cache.py -m gpu -k interior -q -p no:cacheprovider 2>&1 \
-      | tail -2
-    for interior in true false; do
-      throughput "throughput-8b-fp8-kv-per-tensor-interior-$interior" "$llama" 1000 1024 1024 512 250 \
-        --set quant_config.quant_algo=FP8 --set kv_cache_config.dtype=fp8 --set kv_cache_config.fp8_scales=per_tensor \
-        --set kernel_config.decode_gemv=false --set kernel_config.decode_interior=$interior
-    done
-    ;;
   attention-warps)
     # The decode kernel alone at 512 x 1024 keys under a tile grid with 1, 2 and 4 warps a program (fewer warps, fewer
     # exchanges between them a tile: 14-22 barriers a 4-warp FP8 program's loop, none across warps with one).
@@ -546,9 +521,9 @@ case "${1:-}" in
       $(output_json attention-decode-8b-b512-l1024-warps) 2>&1 | grep -E "fastest|default|gap|Error|error"
     ;;
   activation)
-    # The SiLU-and-mul kernels alone on a prefill step (8,192 x 14,336): bf16 out, FP8 rows held whole (the default)
-    # and read twice in chunks; then the GPU tests of silu_and_mul_fp8 (bytes against silu_and_mul + quantize_fp8).
-    timeout 120 python benchmarks/activation.py $(output_json activation-8b-r8192) 2>&1 | tail -9
+    # The SiLU-and-mul kernels alone on a prefill step (8,192 x 14,336): bf16 out, FP8 rows held whole (the default,
+    # then with 4, 8 and 32 warps) and read twice in chunks; then the GPU tests of silu_and_mul_fp8 (bytes against silu_and_mul + quantize_fp8).
+    timeout 120 python benchmarks/activation.py $(output_json activation-8b-r8192) 2>&1 | tail -12
     timeout 150 python -m pytest tests/kernels/test_triton_ops.py -m gpu -k "silu" -q -p no:cacheprovider 2>&1 | tail -3
     ;;
   fp8-next)
@@ -560,6 +535,31 @@ case "${1:-}" in
     fp8_prefill_profile
     throughput throughput-8b-fp8-kv-per-tensor "$llama" 1000 1024 1024 512 330 --set quant_config.quant_algo=FP8 \
       --set kv_cache_config.dtype=fp8 --set kv_cache_config.fp8_scales=per_tensor --set kernel_config.decode_gemv=false
+    ;;
+  fp8-throughput-per-tensor)
+    # 1000 x (1024, 1024) with FP8 weights and the FP8 cache's per-tensor scales, then bf16, in one call.
+    throughput throughput-8b-fp8-kv-per-tensor "$llama" 1000 1024 1024 512 250 \
+      --set quant_config.quant_algo=FP8 --set kv_cache_config.dtype=fp8 --set kv_cache_config.fp8_scales=per_tensor \
+      --set kernel_config.decode_gemv=false
+    throughput throughput-8b "$llama" 1000 1024 1024 512 250 --set kernel_config.decode_gemv=false
+    ;;
+  fp8-latency-prefill)
+    # 8B batch 1 and 8 with FP8 weights (the defaults: FP8 rows into the GEMV) and in bf16, then the 512-token prefill.
+    for batch in 1 8; do
+      latency "latency-8b-b$batch-fp8" "$llama" "$batch" --set quant_config.quant_algo=FP8
+      latency "latency-8b-b$batch" "$llama" "$batch"
+    done
+    prefill_512
+    ;;
+  fp8-throughput-profile-per-tensor)
+    # fp8-throughput-profile with the per-tensor cache and the GEMV off (the throughput figure's settings), then the
+    # per-tensor decode kernel alone under the tile grid (1, 2, 4 warps).
+    watched 240 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 512 \
+      --batch_size 512 --input_len 1024 --output_len 256 --kernels 15 --gaps 4 --set quant_config.quant_algo=FP8 \
+      --set kv_cache_config.dtype=fp8 --set kv_cache_config.fp8_scales=per_tensor --set kernel_config.decode_gemv=false \
+      $(output_json step-profile-8b-b512-fp8-kv-per-tensor) 2>&1 | tail -24
+    timeout 200 python benchmarks/attention.py --kinds fp8-per-tensor --sweep --sweep_warps 1 2 4 \
+      $(output_json attention-decode-8b-b512-l1024-per-tensor-sweep) 2>&1 | grep -E "fastest|Error"
     ;;
   fp8-throughput-baselines)
     # The same workload in bf16 and with FP8 weights and the FP8 cache's per-token scales (the default).

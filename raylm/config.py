@@ -128,11 +128,6 @@ class KernelConfig(StrictModel):
                                        "stored on FP8 tensor cores, the queries and the softmax's probabilities "
                                        "quantized to FP8 too (their rounding changes results more than float16's: "
                                        "docs/benchmarks.md; heads of fewer than 32 dimensions stay on float16).")
-    decode_interior: bool = Field(
-        default=False, description="Decode attention on the Triton backend runs each split's whole tiles of keys "
-                                   "first without masks on them, then its edge tiles masked: a fifth fewer "
-                                   "instructions a tile on an H100 or H200, which an FP8 cache's decode is bound by "
-                                   "(docs/benchmarks.md); the same results up to the sums' order.")
     gemv_tiles: Literal["shipped", "tune"] = Field(
         default="shipped", description="The decode GEMV's tiles per layer shape: 'shipped' launches those raylm ships "
                                        "for the GPU model (raylm/kernels/gemv_tiles.json, tuned with "

@@ -152,8 +152,7 @@ class ModelRunner:
         config = kernel_config or KernelConfig()
         self.kernels = choose_kernel_policy(device, weight_bytes(model), config.triton, config.decode_gemv,
                                             config.pdl, config.fp8_gemv_input, config.lora_expand,
-                                            config.fp8_attention, config.gemv_tiles, config.gemv_prefetch,
-                                            config.decode_interior)
+                                            config.fp8_attention, config.gemv_tiles, config.gemv_prefetch)
         set_kernel_policy(model, self.kernels)
         self.capture_logits = capture_logits
         self.lora = None  # a LoraRuntime (models/lora.py) on engines serving LoRA adapters

@@ -54,10 +54,7 @@ class TileConfig:
     (_attend_tile_keys_first), the query rows padded to 8, not block_m. warp_split (decode over a cache with its
     values by slots): each tile cut into num_warps slices of keys with a softmax state each (_attend_slices).
     heads_first (decode): the launch grid's fastest dimension is the KV head, so that a sequence's heads run side by
-    side and read the same pages together. interior (decode, neither keys_first nor warp_split): the tiles wholly
-    inside a split run first without a mask on their keys (a fifth fewer instructions a tile on sm_90), then the
-    split's edge tiles masked. even_dims (decode): no mask on the head's dimensions where the head fills the tile
-    (head_dim a power of 2; set with interior too): fewer instructions and registers a tile."""
+    side and read the same pages together."""
 
     block_m: int
     block_n: int
@@ -66,8 +63,6 @@ class TileConfig:
     keys_first: bool = False
     warp_split: bool = False
     heads_first: bool = False
-    interior: bool = False
-    even_dims: bool = False
 
 
 @triton.jit
@@ -75,43 +70,35 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_table_row_ptr, key_pos, key_ma
                   stride_block, stride_slot, stride_head, stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
                   k_scale_ptr, v_scale_ptr, stride_scale_block, stride_scale_slot, stride_scale_head,
                   PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr, V_BY_SLOTS: tl.constexpr, V_RUN: tl.constexpr,
-                  run_end, KEYS_MASKED: tl.constexpr = True):
+                  run_end):
     """The keys and values at `key_pos` of one KV head, read through a sequence's block table (zeros where
     key_mask is false), and an FP8 cache's scales of those keys and values (1.0 for another cache). The values are
     stored by rows with the keys' strides, or transposed within their pages (V_BY_SLOTS, strides stride_v_*).
-    Without KEYS_MASKED every key of the tile is one to read (key_mask all true: no mask on the keys' loads).
 
     V_RUN > 0 (values by slots, key_pos starting at a multiple of V_RUN, a divisor of the page): the values are
     read in whole runs of V_RUN keys of one page, every run that starts before run_end, so that each thread's load
     is a vector. Keys of a run past key_mask get their slots' values (finite: written, or the cache's zeros) and
     zero weight in _attend_tile, as their scales load as 0. The block table is read once for keys and values (for
     every key of those runs: the keys' own loads stay masked by key_mask)."""
-    if not KEYS_MASKED:
-        block_id = tl.load(block_table_row_ptr + key_pos // PAGE_SIZE).to(tl.int64)
-    elif V_BY_SLOTS and V_RUN > 0:
+    if V_BY_SLOTS and V_RUN > 0:
         run_mask = key_pos // V_RUN * V_RUN < run_end
-        block_id = tl.load(block_table_row_ptr + key_pos // PAGE_SIZE, mask=run_mask, other=0).to(tl.int64)
+        table_mask = run_mask
     else:
-        block_id = tl.load(block_table_row_ptr + key_pos // PAGE_SIZE, mask=key_mask, other=0).to(tl.int64)
+        table_mask = key_mask
+    block_id = tl.load(block_table_row_ptr + key_pos // PAGE_SIZE, mask=table_mask, other=0).to(tl.int64)
     slot = key_pos % PAGE_SIZE
     rows = block_id * stride_block + slot * stride_slot + kv_head * stride_head
-    if KEYS_MASKED:
-        kv_mask = key_mask[:, None] & dim_mask[None, :]
-    else:
-        kv_mask = dim_mask[None, :]
+    kv_mask = key_mask[:, None] & dim_mask[None, :]
     k = tl.load(k_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     if V_BY_SLOTS:  # loaded [dims, keys] as stored, then transposed: the dot reads it along keys, its reduction
-        v_rows = block_id * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
         if V_RUN > 0:
+            v_rows = block_id * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
             v_rows = tl.max_contiguous(tl.multiple_of(v_rows, [V_RUN]), [V_RUN])
-        v_ptrs = v_cache_ptr + v_rows[None, :] + dims[:, None] * stride_v_dim
-        if not KEYS_MASKED:
-            v_mask = dim_mask[:, None]
-        elif V_RUN > 0:
             v_mask = dim_mask[:, None] & run_mask[None, :]
         else:
+            v_rows = block_id * stride_v_block + slot * stride_v_slot + kv_head * stride_v_head
             v_mask = dim_mask[:, None] & key_mask[None, :]
-        v = tl.trans(tl.load(v_ptrs, mask=v_mask, other=0.0))
+        v = tl.trans(tl.load(v_cache_ptr + v_rows[None, :] + dims[:, None] * stride_v_dim, mask=v_mask, other=0.0))
     else:  # by rows, at the keys' offsets (check_value_cache: the same strides)
         v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     k_scale, v_scale = _load_kv_scales(k_scale_ptr, v_scale_ptr, block_id, slot, kv_head, key_mask,

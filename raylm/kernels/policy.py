@@ -60,7 +60,6 @@ class KernelPolicy:
     lora_beside: bool = False  # LoRA's products computed on a second stream beside the GEMV, added after it
     fp8_attention_dot: bool = False  # decode attention over an FP8 cache multiplies on FP8 tensor cores
     fp8_attention_slices: bool = False  # ... or widens, each tile in a slice of keys a warp (TileConfig.warp_split)
-    decode_interior: bool = False  # decode attention's whole tiles unmasked (TileConfig.interior)
     gemv_tiles: str = "shipped"  # the GEMV's tiles: shipped for the GPU model where known, else tuned (triton_gemv)
     gemv_prefetch: int = 0  # bytes of each weight row a GEMV program asks the L2 for before its PDL wait
 
@@ -112,16 +111,15 @@ def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool =
                          decode_gemv: bool | None = None, pdl: str = "auto",
                          fp8_gemv_input: str = "fp8_rows", lora_expand: str = "beside",
                          fp8_attention: str = "float16", gemv_tiles: str = "shipped",
-                         gemv_prefetch: int = 0, decode_interior: bool = False) -> KernelPolicy:
-    """The policy for a model of `weight_bytes` per rank on `device`, from kernel_config's fields: Triton where
-    asked for, on CUDA, and importable; the GEMV (decode_gemv None) and PDL (pdl "auto") for models that stream
-    weights; PDL only on compute capability 9.0+ and never interpreted; LoRA's products on a second stream beside
-    the GEMV where lora_expand is "beside" (else by a kernel after it); FP8 products in the decode attention over
-    an FP8 cache where fp8_attention is "fp8", tiles in slices a warp where it is "float16_slices"; the GEMV's tiles
-    as gemv_tiles says (kernels/gemv_tiles.py); gemv_prefetch bytes of each weight row asked of the L2 before a
-    GEMV's PDL wait, where PDL is on; decode attention's whole tiles unmasked where decode_interior. FP8 rows into
-    the GEMV (fp8_gemv_input "fp8" or "fp8_rows") need FP8 tensor cores (compute capability 8.9+); below that the
-    GEMV takes float16."""
+                         gemv_prefetch: int = 0) -> KernelPolicy:
+    """The policy for a model of `weight_bytes` per rank on `device`, from kernel_config's fields: Triton where asked
+    for, on CUDA, and importable; the GEMV (decode_gemv None) and PDL (pdl "auto") for models that stream weights; PDL
+    only on compute capability 9.0+ and never interpreted; LoRA's products on a second stream beside the GEMV where
+    lora_expand is "beside" (else by a kernel after it); FP8 products in the decode attention over an FP8 cache where
+    fp8_attention is "fp8", tiles in slices a warp where it is "float16_slices"; the GEMV's tiles as gemv_tiles says
+    (kernels/gemv_tiles.py); gemv_prefetch bytes of each weight row asked of the L2 before a GEMV's PDL wait, where PDL
+    is on. FP8 rows into the GEMV (fp8_gemv_input "fp8" or "fp8_rows") need FP8 tensor cores (compute capability 8.9+);
+    below that the GEMV takes float16."""
     if pdl != "auto" and pdl not in PDL_TRIGGERS:
         raise ValueError(f"kernel_config.pdl must be 'auto' or one of {sorted(PDL_TRIGGERS)}, got {pdl!r}")
     on_triton = triton and device.type == "cuda" and triton_available()
@@ -137,4 +135,4 @@ def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool =
                         fp8_gemv_input=fp8_gemv_input, lora_beside=lora_expand == "beside",
                         fp8_attention_dot=fp8_attention == "fp8",
                         fp8_attention_slices=fp8_attention == "float16_slices", gemv_tiles=gemv_tiles,
-                        gemv_prefetch=gemv_prefetch if mode else 0, decode_interior=decode_interior)
+                        gemv_prefetch=gemv_prefetch if mode else 0)

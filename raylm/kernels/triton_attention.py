@@ -70,8 +70,7 @@ def _decode_split_kernel(
     ROPE: tl.constexpr = False, KV_FP8: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
     V_BY_SLOTS: tl.constexpr = False, V_RUN: tl.constexpr = 16, FP8_DOT: tl.constexpr = False,
     KEYS_FIRST: tl.constexpr = False, WARP_SPLIT: tl.constexpr = 0, q_add_ptr=None, k_add_ptr=None, v_add_ptr=None,
-    ADD: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False, INTERIOR: tl.constexpr = False,
-    EVEN_D: tl.constexpr = False,
+    ADD: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False, EVEN_D: tl.constexpr = False,
 ):
     """One (sequence, KV head, split): attends the group's query heads over the split's range of keys.
 
@@ -170,26 +169,7 @@ def _decode_split_kernel(
             acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
-        loop_start, loop_step = tiles_start, BLOCK_N
-        if INTERIOR:  # the tiles wholly inside [split_start, split_end) first, their keys unmasked
-            head = tiles_start < split_start  # a first tile from a value run's start before the split
-            interior_start = tl.where(head, tiles_start + BLOCK_N, tiles_start)
-            interior_end = interior_start + tl.maximum(split_end - interior_start, 0) // BLOCK_N * BLOCK_N
-            every_key = tl.full([BLOCK_N], True, tl.int1)
-            for tile_start in range(interior_start, interior_end, BLOCK_N):
-                key_pos = tile_start + tl.arange(0, BLOCK_N)
-                k, v, k_scale, v_scale = _load_kv_tile(
-                    k_cache_ptr, v_cache_ptr, table_row, key_pos, every_key, kv_head, dims, dim_mask, stride_block,
-                    stride_slot, stride_head, stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
-                    k_scale_ptr, v_scale_ptr, stride_scale_block, stride_scale_slot, stride_scale_head, PAGE_SIZE,
-                    KV_FP8, V_BY_SLOTS, V_RUN, split_end, KEYS_MASKED=False)
-                m_i, l_i, acc = _attend_tile(q, k, v, k_scale, v_scale, every_key[None, :], m_i, l_i, acc,
-                                             scores_scale, False, DOT_PRECISION, KV_FP8, True)
-            # then the edge tiles below, masked: the head tile if any, then the partial last tile if any (one step
-            # from the head tile to it)
-            loop_start = tl.where(head, tiles_start, interior_end)
-            loop_step = tl.where(head, interior_end - tiles_start, BLOCK_N)
-        for tile_start in tl.range(loop_start, split_end, loop_step, num_stages=1 if INTERIOR else None):
+        for tile_start in range(tiles_start, split_end, BLOCK_N):
             key_pos = tile_start + tl.arange(0, BLOCK_N)
             if V_BY_SLOTS:
                 key_mask = (key_pos >= split_start) & (key_pos < split_end)
@@ -304,7 +284,6 @@ def paged_decode_attention(
     config: TileConfig | None = None,
     fp8_dot: bool = False,
     warp_split: bool = False,
-    interior: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; returns [B, H_q, D] in q's dtype.
 
@@ -317,10 +296,10 @@ def paged_decode_attention(
     tiles instead of decode_config's (for benchmarks; block_m is raised to the GQA group's power of two). fp8_dot
     (an FP8 cache with its values by slots): the products run on FP8 tensor cores, the queries and probabilities
     quantized to FP8 too (_attend_tile_keys_first). warp_split (values by slots): the tiles cut into a slice of
-    keys a warp (TileConfig.warp_split). interior: a split's whole tiles without key masks (TileConfig.interior).
+    keys a warp (TileConfig.warp_split).
     """
     return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, None, pdl,
-                   kv_scales, config, fp8_dot, warp_split, interior)
+                   kv_scales, config, fp8_dot, warp_split)
 
 
 def rotary_decode_attention(
@@ -342,7 +321,6 @@ def rotary_decode_attention(
     fp8_dot: bool = False,
     warp_split: bool = False,
     addends: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    interior: bool = False,
 ) -> torch.Tensor:
     """rotary_write_kv_cache then paged_decode_attention in one kernel launch (two with split-K): q, k [B, H, D]
     are the step's unrotated queries and keys, v its values, cos / sin one row per sequence; the rotated keys
@@ -366,11 +344,11 @@ def rotary_decode_attention(
                                  f"{addend.stride()}")
     rope = (k, v, cos_rows, sin_rows, slot_mapping, addends)
     return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope, pdl,
-                   kv_scales, None, fp8_dot, warp_split, interior)
+                   kv_scales, None, fp8_dot, warp_split)
 
 
 def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope, pdl,
-            kv_scales, config=None, fp8_dot=False, warp_split=False, interior=False):
+            kv_scales, config=None, fp8_dot=False, warp_split=False):
     """The decode attention launch of paged_decode_attention, and of rotary_decode_attention with rope =
     (k, v, cos_rows, sin_rows, slot_mapping, addends or None)."""
     batch, num_q_heads, head_dim = q.shape
@@ -401,8 +379,6 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
     config = config or decode_config(block_d, 2 if fp8_dot else q.element_size(), k_cache.element_size())
     if warp_split:  # a slice of at least 16 keys a warp (the products' reduction)
         config = dataclasses.replace(config, warp_split=True, block_n=max(config.block_n, 16 * config.num_warps))
-    if interior:
-        config = dataclasses.replace(config, interior=True)
     values_by_slots = v_cache.stride() != k_cache.stride()
     if fp8_dot and not (fp8 and values_by_slots and config.block_n % 64 == 0 and head_dim >= 32):
         raise ValueError(f"fp8_dot needs an FP8 cache with its values by slots, tiles of a multiple of 64 keys (the "
@@ -421,7 +397,6 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
     if config.heads_first and batch > 65535:  # a grid's second dimension
         raise ValueError(f"heads_first tiles take at most 65535 sequences, got {batch}")
     keys_first = fp8_dot or config.keys_first
-    interior_tiles = config.interior and not (keys_first or config.warp_split)
     direct = num_splits == 1
     if direct:
         part_acc = part_max = part_sum = out  # unused by the kernel
@@ -447,7 +422,7 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
         KEYS_FIRST=keys_first, WARP_SPLIT=config.num_warps if config.warp_split else 0,
         q_add_ptr=q if addends is None else addends[0], k_add_ptr=k if addends is None else addends[1],
         v_add_ptr=v if addends is None else addends[2], ADD=addends is not None, HEADS_FIRST=config.heads_first,
-        INTERIOR=interior_tiles, EVEN_D=(interior_tiles or config.even_dims) and head_dim == block_d,
+        EVEN_D=head_dim == block_d,  # no mask on the dimensions: 4 programs an SM, not 3 (sm_90, FP8 per-tensor)
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(pdl),

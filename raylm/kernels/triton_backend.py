@@ -57,8 +57,6 @@ class TritonAttentionMetadata:
             decode_fp8 = {**fp8, "warp_split": True}
         else:
             decode_fp8 = fp8
-        if kernels.decode_interior:
-            decode_fp8 = {**decode_fp8, "interior": True}
         from raylm.kernels.triton_attention import paged_decode_attention, rotary_decode_attention
         from raylm.kernels.triton_kv_cache import rotary_write_kv_cache, write_kv_cache
         from raylm.kernels.triton_prefill_attention import paged_prefill_attention

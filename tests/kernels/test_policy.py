@@ -69,7 +69,6 @@ def test_kernel_config_overrides_the_defaults(hopper):
         chosen = choose_kernel_policy(GPU, LARGE, fp8_attention=fp8_attention)
         assert (chosen.fp8_attention_dot, chosen.fp8_attention_slices) == (dot, slices)
     assert choose_kernel_policy(GPU, LARGE, gemv_tiles="tune").gemv_tiles == "tune"
-    assert choose_kernel_policy(GPU, LARGE, decode_interior=True).decode_interior
 
 
 def test_pdl_needs_hopper_and_compiled_triton(hopper, monkeypatch):

@@ -550,20 +550,6 @@ def test_per_tensor_scales_reach_the_slices_and_keys_first_tiles(device, tiles):
               transposed_values=True, decode_tiles=tiles, tensor_scales=True)
 
 
-@pytest.mark.parametrize("cache", ["fp32", "fp8-by-rows", "fp8-by-slots", "fp8-per-tensor"])
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("sliding_window", [None, 37])
-def test_interior_tiles_without_key_masks_match_the_reference(device, cache, num_splits, sliding_window):
-    """TileConfig.interior: the tiles wholly inside a split run first with their keys unmasked, then the split's
-    edges (a head tile from a value run's start before the split, a partial last tile) masked; contexts of 1 to
-    300 keys, whole and partial tiles, a window that starts mid-run."""
-    fp8 = cache != "fp32"
-    tiles = replace(decode_config(64, 4, 1 if fp8 else 4), interior=True)
-    _run_step(device, torch.float32, Shape(16, 2, 4, 64), [1, 17, 40, 128, 300], [], sliding_window=sliding_window,
-              num_splits=num_splits, fp8=fp8, transposed_values=cache in ("fp8-by-slots", "fp8-per-tensor"),
-              tensor_scales=cache == "fp8-per-tensor", decode_tiles=tiles)
-
-
 def keys_by_heads(cache: torch.Tensor) -> torch.Tensor:
     """cache's contents in a cache stored head by head within its pages: [blocks, heads, slots, dims] in memory."""
     blocks, page, heads, dims = cache.shape
@@ -576,10 +562,9 @@ def keys_by_heads(cache: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("head_dim", [64, 48])
 def test_heads_first_grid_and_keys_by_heads_give_the_default_outputs(device, fp8, num_splits, head_dim):
-    """TileConfig.heads_first (the grid's fastest dimension the KV head), even_dims (the dimensions unmasked where
-    the head fills the tile; a 48-dimension head keeps its mask) and keys stored head by head within their pages
-    change what runs side by side, which loads are masked and where a tile's keys lie, not one sum: the outputs are
-    the same bits."""
+    """TileConfig.heads_first (the grid's fastest dimension the KV head) and keys stored head by head within their
+    pages change what runs side by side and where a tile's keys lie, not one sum: the outputs are the same bits;
+    with heads that fill the tile (64 dimensions: unmasked) and heads that do not (48: masked)."""
     keys = torch.randn(40, 16, 2, head_dim, device=device)
     values = torch.randn(40, 16, 2, head_dim, device=device)
     scales = ()
@@ -597,7 +582,6 @@ def test_heads_first_grid_and_keys_by_heads_give_the_default_outputs(device, fp8
 
     expected = attend(keys, values, tiles)
     torch.testing.assert_close(attend(keys, values, replace(tiles, heads_first=True)), expected, rtol=0, atol=0)
-    torch.testing.assert_close(attend(keys, values, replace(tiles, even_dims=True)), expected, rtol=0, atol=0)
     by_heads_values = values if fp8 else keys_by_heads(values)  # by rows, values take the keys' strides
     torch.testing.assert_close(attend(keys_by_heads(keys), by_heads_values, tiles), expected, rtol=0, atol=0)
 
