@@ -69,6 +69,8 @@
 #                                        # at 512 x (1024, 256), then the per-tensor decode kernel's tile sweep (~2 min);
 #                                        # fp8-latency-prefill: 8B batch 1 / 8 with FP8 weights and bf16, then the
 #                                        # 512-token prefill (~4 min)
+#   bash benchmarks/h200.sh attention-registers  # the FP8 row-scale decode kernel capped at 128 registers against
+#                                        # uncapped, then the SiLU kernels (whole rows under 4 / 8 / 32 warps) (~2 min)
 #   bash benchmarks/h200.sh activation   # the SiLU-and-mul kernels alone: FP8 rows held whole against read twice in
 #                                        # chunks, then their GPU tests                              (~2 min)
 #   bash benchmarks/h200.sh attention-layouts  # the decode kernel with keys by heads, heads first (~2 min);
@@ -513,6 +515,18 @@ case "${1:-}" in
     ;;
   fp8-prefill-profile)
     fp8_prefill_profile
+    ;;
+  attention-registers)
+    # The decode kernel alone, 512 x 1024 and 256 x 2048 keys: FP8 with row scales by slots (the engine's per-token
+    # cache) with its threads capped at 128 registers (4 programs an SM, not 3), against uncapped, bf16, per-tensor;
+    # then whole SiLU rows under other warp counts (activation).
+    for shape in 512:1024 256:2048; do
+      batch=${shape%:*} context=${shape#*:}
+      timeout 150 python benchmarks/attention.py --batch "$batch" --context "$context" --kinds bf16 \
+        fp8-values-by-slots fp8-values-by-slots-128-registers fp8-per-tensor \
+        $(output_json "attention-decode-8b-b$batch-l$context-registers") 2>&1 | tail -5
+    done
+    timeout 120 python benchmarks/activation.py $(output_json activation-8b-r8192) 2>&1 | tail -12
     ;;
   attention-warps)
     # The decode kernel alone at 512 x 1024 keys under a tile grid with 1, 2 and 4 warps a program (fewer warps, fewer

@@ -54,7 +54,8 @@ class TileConfig:
     (_attend_tile_keys_first), the query rows padded to 8, not block_m. warp_split (decode over a cache with its
     values by slots): each tile cut into num_warps slices of keys with a softmax state each (_attend_slices).
     heads_first (decode): the launch grid's fastest dimension is the KV head, so that a sequence's heads run side by
-    side and read the same pages together."""
+    side and read the same pages together. max_registers (0: the compiler's choice): a cap on a thread's registers
+    (ptxas spills what does not fit), e.g. 128 for 4 programs of 4 warps an SM."""
 
     block_m: int
     block_n: int
@@ -63,6 +64,7 @@ class TileConfig:
     keys_first: bool = False
     warp_split: bool = False
     heads_first: bool = False
+    max_registers: int = 0
 
 
 @triton.jit

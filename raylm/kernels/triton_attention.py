@@ -426,6 +426,7 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(pdl),
+        **({"maxnreg": config.max_registers} if config.max_registers else {}),
     )
     if not direct:  # one BLOCK_S for every split count up to _MAX_SPLITS: one compiled variant
         _decode_reduce_kernel[(batch, num_q_heads)](

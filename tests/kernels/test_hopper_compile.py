@@ -29,11 +29,12 @@ MULTIPLES_OF_16 = {"N", "K", "stride_xm", "stride_wn", "stride_ym", "head_dim", 
 
 
 def compile_for_hopper(kernel, constexprs: dict, pointers: dict | None = None, num_warps: int = 4,
-                       num_stages: int = 3, asm: str = "ptx") -> str:
+                       num_stages: int = 3, asm: str = "ptx", max_registers: int = 0) -> str:
     """The kernel's PTX (or another of Triton's stages, `asm`) for sm_90, its pointer arguments typed by POINTERS
     (and `pointers`), the rest int32, marked as the launcher would mark a model's arguments; `constexprs` the
     kernel does not take are left out, and those it takes but are not given take their defaults (left out, they
-    would compile as runtime arguments, their branches as runtime branches)."""
+    would compile as runtime arguments, their branches as runtime branches). max_registers: ptxas's cap a thread
+    (maxnreg; 0: none)."""
     from triton.compiler import ASTSource
 
     types = {**POINTERS, **(pointers or {})}
@@ -43,7 +44,10 @@ def compile_for_hopper(kernel, constexprs: dict, pointers: dict | None = None, n
     attrs = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(kernel.arg_names)
              if name not in constexprs and (signature[name].startswith("*") or name in MULTIPLES_OF_16)}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "num_stages": num_stages}).asm[asm]
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if max_registers:
+        options["maxnreg"] = max_registers
+    return triton.compile(source, target=HOPPER, options=options).asm[asm]
 
 
 GEMV = {"HAS_BIAS": False, "HAS_SCALE": False, "BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "USE_PDL": 0,
@@ -219,7 +223,7 @@ def test_an_fp8_tile_reduces_its_scores_and_value_scales_together(keys_first):
     assert loop.count('"tt.reduce"') == 2
 
 
-def _cuobjdump(kernel, constexprs: dict, pointers: dict, what: str) -> str:
+def _cuobjdump(kernel, constexprs: dict, pointers: dict, what: str, max_registers: int = 0) -> str:
     """cuobjdump's `what` (-sass, -res-usage) of the kernel's sm_90 machine code (cuobjdump ships with Triton)."""
     import subprocess
     import tempfile
@@ -227,7 +231,7 @@ def _cuobjdump(kernel, constexprs: dict, pointers: dict, what: str) -> str:
 
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compile_for_hopper(kernel, constexprs, pointers, asm="cubin"))
+        cubin.write(compile_for_hopper(kernel, constexprs, pointers, asm="cubin", max_registers=max_registers))
         cubin.flush()
         return subprocess.run([tools / "cuobjdump", what, cubin.name], capture_output=True, text=True,
                               check=True).stdout
@@ -284,6 +288,24 @@ def test_decode_tiles_of_heads_that_fill_them_fit_four_programs_an_sm():
     assert even < masked, (even, masked)
     registers = _registers_and_instructions(_decode_split_kernel, {**constexprs, "EVEN_D": True}, pointers)[0]
     assert registers <= 65536 // (4 * 128), registers
+
+
+def test_a_register_cap_fits_four_fp8_row_scale_programs_an_sm():
+    """TileConfig.max_registers: the default decode tile over an FP8 cache with row scales (values by slots, 128 keys,
+    4 warps) takes 140 registers (3 programs an SM); capped at 128 it fits 4, spilling a few bytes at most."""
+    import re
+
+    from raylm.kernels.triton_attention import _decode_split_kernel
+
+    constexprs = {"GROUP": 4, "BLOCK_G": 16, "BLOCK_D": 128, "BLOCK_N": 128, "PAGE_SIZE": 16, "DIRECT_OUTPUT": True,
+                  "DOT_PRECISION": "tf32", "ROPE": True, "USE_PDL": 0, "stride_v_slot": 1, "V_BY_SLOTS": True,
+                  "V_RUN": 16, "KV_FP8": 1, "EVEN_D": True}
+    pointers = {**ATTENTION, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+    usage = {cap: _cuobjdump(_decode_split_kernel, constexprs, pointers, "-res-usage", max_registers=cap)
+             for cap in (0, 128)}
+    registers = {cap: int(re.search(r"REG:(\d+)", text).group(1)) for cap, text in usage.items()}
+    assert registers[0] > 128 >= registers[128], registers
+    assert int(re.search(r"STACK:(\d+)", usage[128]).group(1)) <= 32, usage[128]
 
 
 def test_warp_split_tiles_give_each_warp_a_slice_of_keys():

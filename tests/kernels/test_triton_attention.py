@@ -562,8 +562,9 @@ def keys_by_heads(cache: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("head_dim", [64, 48])
 def test_heads_first_grid_and_keys_by_heads_give_the_default_outputs(device, fp8, num_splits, head_dim):
-    """TileConfig.heads_first (the grid's fastest dimension the KV head) and keys stored head by head within their
-    pages change what runs side by side and where a tile's keys lie, not one sum: the outputs are the same bits;
+    """TileConfig.heads_first (the grid's fastest dimension the KV head), a cap on registers (max_registers) and keys
+    stored head by head within their pages change what runs side by side, what spills and where a tile's keys lie,
+    not one sum: the outputs are the same bits;
     with heads that fill the tile (64 dimensions: unmasked) and heads that do not (48: masked)."""
     keys = torch.randn(40, 16, 2, head_dim, device=device)
     values = torch.randn(40, 16, 2, head_dim, device=device)
@@ -582,6 +583,7 @@ def test_heads_first_grid_and_keys_by_heads_give_the_default_outputs(device, fp8
 
     expected = attend(keys, values, tiles)
     torch.testing.assert_close(attend(keys, values, replace(tiles, heads_first=True)), expected, rtol=0, atol=0)
+    torch.testing.assert_close(attend(keys, values, replace(tiles, max_registers=128)), expected, rtol=0, atol=0)
     by_heads_values = values if fp8 else keys_by_heads(values)  # by rows, values take the keys' strides
     torch.testing.assert_close(attend(keys_by_heads(keys), by_heads_values, tiles), expected, rtol=0, atol=0)
 
