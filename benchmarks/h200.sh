@@ -70,7 +70,8 @@
 #                                        # fp8-latency-prefill: 8B batch 1 / 8 with FP8 weights and bf16, then the
 #                                        # 512-token prefill (~4 min)
 #   bash benchmarks/h200.sh attention-registers  # the FP8 row-scale decode kernel capped at 128 registers against
-#                                        # uncapped, then the SiLU kernels (whole rows under 4 / 8 / 32 warps) (~2 min)
+#                                        # uncapped, the row-scale tile sweep, then the SiLU kernels (whole rows
+#                                        # under 4 / 8 / 32 warps) (~3 min)
 #   bash benchmarks/h200.sh activation   # the SiLU-and-mul kernels alone: FP8 rows held whole against read twice in
 #                                        # chunks, then their GPU tests                              (~2 min)
 #   bash benchmarks/h200.sh attention-layouts  # the decode kernel with keys by heads, heads first (~2 min);
@@ -519,6 +520,7 @@ case "${1:-}" in
   attention-registers)
     # The decode kernel alone, 512 x 1024 and 256 x 2048 keys: FP8 with row scales by slots (the engine's per-token
     # cache) with its threads capped at 128 registers (4 programs an SM, not 3), against uncapped, bf16, per-tensor;
+    # the row-scale tiles under the grid of 1 / 2 / 4 warps (decode_config's FP8 tiles: 128 keys, 4 warps, 3 stages);
     # then whole SiLU rows under other warp counts (activation).
     for shape in 512:1024 256:2048; do
       batch=${shape%:*} context=${shape#*:}
@@ -526,6 +528,8 @@ case "${1:-}" in
         fp8-values-by-slots fp8-values-by-slots-128-registers fp8-per-tensor \
         $(output_json "attention-decode-8b-b$batch-l$context-registers") 2>&1 | tail -5
     done
+    timeout 200 python benchmarks/attention.py --kinds fp8-values-by-slots --sweep --sweep_warps 1 2 4 \
+      $(output_json attention-decode-8b-b512-l1024-row-scales-sweep) 2>&1 | grep -E "fastest|Error"
     timeout 120 python benchmarks/activation.py $(output_json activation-8b-r8192) 2>&1 | tail -12
     ;;
   attention-warps)
