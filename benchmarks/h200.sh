@@ -72,6 +72,9 @@
 #   bash benchmarks/h200.sh attention-registers  # the FP8 row-scale decode kernel capped at 128 registers against
 #                                        # uncapped, the row-scale tile sweep, then the SiLU kernels (whole rows
 #                                        # under 4 / 8 / 32 warps) (~3 min)
+#   bash benchmarks/h200.sh fp8-tiles-and-tests  # attention-registers, the GPU tests of decode attention and the
+#                                        # FP8 cache to their end, then 1000 x (1024, 1024) per-token (~14 min: two calls'
+#                                        # worth; what finishes lands under $OUT)
 #   bash benchmarks/h200.sh activation   # the SiLU-and-mul kernels alone: FP8 rows held whole against read twice in
 #                                        # chunks, then their GPU tests                              (~2 min)
 #   bash benchmarks/h200.sh attention-layouts  # the decode kernel with keys by heads, heads first (~2 min);
@@ -281,6 +284,22 @@ fp8_batch_1() {  # 8B batch 1 latency with FP8 weights and in bf16, then the FP8
   latency latency-8b-b1 "$llama" 1
   watched 100 python benchmarks/step_profile.py --model "$llama" "${dummy[@]}" --max_batch_size 1 --batch_size 1 \
     --kernels 10 --gaps 6 --set quant_config.quant_algo=FP8 $(output_json step-profile-8b-b1-fp8) 2>&1 | tail -16
+}
+
+attention_registers() {  # the FP8 row-scale decode tile capped at 128 registers, its sweep, the SiLU warps
+  # The decode kernel alone, 512 x 1024 and 256 x 2048 keys: FP8 with row scales by slots (the engine's per-token
+  # cache) with its threads capped at 128 registers (4 programs an SM, not 3), against uncapped, bf16, per-tensor;
+  # the row-scale tiles under the grid of 1 / 2 / 4 warps (decode_config's FP8 tiles: 128 keys, 4 warps, 3 stages);
+  # then whole SiLU rows under other warp counts (activation).
+  for shape in 512:1024 256:2048; do
+    batch=${shape%:*} context=${shape#*:}
+    timeout 150 python benchmarks/attention.py --batch "$batch" --context "$context" --kinds bf16 \
+      fp8-values-by-slots fp8-values-by-slots-128-registers fp8-per-tensor \
+      $(output_json "attention-decode-8b-b$batch-l$context-registers") 2>&1 | tail -5
+  done
+  timeout 200 python benchmarks/attention.py --kinds fp8-values-by-slots --sweep --sweep_warps 1 2 4 \
+    $(output_json attention-decode-8b-b512-l1024-row-scales-sweep) 2>&1 | grep -E "fastest|Error"
+  timeout 120 python benchmarks/activation.py $(output_json activation-8b-r8192) 2>&1 | tail -12
 }
 
 case "${1:-}" in
@@ -518,19 +537,17 @@ case "${1:-}" in
     fp8_prefill_profile
     ;;
   attention-registers)
-    # The decode kernel alone, 512 x 1024 and 256 x 2048 keys: FP8 with row scales by slots (the engine's per-token
-    # cache) with its threads capped at 128 registers (4 programs an SM, not 3), against uncapped, bf16, per-tensor;
-    # the row-scale tiles under the grid of 1 / 2 / 4 warps (decode_config's FP8 tiles: 128 keys, 4 warps, 3 stages);
-    # then whole SiLU rows under other warp counts (activation).
-    for shape in 512:1024 256:2048; do
-      batch=${shape%:*} context=${shape#*:}
-      timeout 150 python benchmarks/attention.py --batch "$batch" --context "$context" --kinds bf16 \
-        fp8-values-by-slots fp8-values-by-slots-128-registers fp8-per-tensor \
-        $(output_json "attention-decode-8b-b$batch-l$context-registers") 2>&1 | tail -5
-    done
-    timeout 200 python benchmarks/attention.py --kinds fp8-values-by-slots --sweep --sweep_warps 1 2 4 \
-      $(output_json attention-decode-8b-b512-l1024-row-scales-sweep) 2>&1 | grep -E "fastest|Error"
-    timeout 120 python benchmarks/activation.py $(output_json activation-8b-r8192) 2>&1 | tail -12
+    attention_registers
+    ;;
+  fp8-tiles-and-tests)
+    # The next call's work, most wanted first: attention-registers (the row-scale tile capped at 128 registers, its
+    # sweep, whole SiLU rows under other warp counts), then the GPU tests of decode attention and the FP8 cache run
+    # to their end (the mask-free default tiles), then the per-token throughput run.
+    attention_registers
+    timeout 330 python -m pytest tests/kernels/test_triton_attention.py tests/engine/test_fp8_kv_cache.py -m gpu -q \
+      -p no:cacheprovider 2>&1 | tail -4
+    throughput throughput-8b-fp8-kv "$llama" 1000 1024 1024 512 250 --set quant_config.quant_algo=FP8 \
+      --set kv_cache_config.dtype=fp8 --set kernel_config.decode_gemv=false
     ;;
   attention-warps)
     # The decode kernel alone at 512 x 1024 keys under a tile grid with 1, 2 and 4 warps a program (fewer warps, fewer
