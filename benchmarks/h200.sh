@@ -72,9 +72,8 @@
 #   bash benchmarks/h200.sh attention-registers  # the FP8 row-scale decode kernel capped at 128 registers against
 #                                        # uncapped, the row-scale tile sweep, then the SiLU kernels (whole rows
 #                                        # under 4 / 8 / 32 warps) (~3 min)
-#   bash benchmarks/h200.sh fp8-tiles-and-tests  # attention-registers, the GPU tests of decode attention and the
-#                                        # FP8 cache to their end, then 1000 x (1024, 1024) per-token (~14 min: two calls'
-#                                        # worth; what finishes lands under $OUT)
+#   bash benchmarks/h200.sh fp8-tiles-and-tests  # attention-registers, then the GPU tests of decode attention and
+#                                        # the FP8 cache to their end (~9 min)
 #   bash benchmarks/h200.sh activation   # the SiLU-and-mul kernels alone: FP8 rows held whole against read twice in
 #                                        # chunks, then their GPU tests                              (~2 min)
 #   bash benchmarks/h200.sh attention-layouts  # the decode kernel with keys by heads, heads first (~2 min);
@@ -542,12 +541,10 @@ case "${1:-}" in
   fp8-tiles-and-tests)
     # The next call's work, most wanted first: attention-registers (the row-scale tile capped at 128 registers, its
     # sweep, whole SiLU rows under other warp counts), then the GPU tests of decode attention and the FP8 cache run
-    # to their end (the mask-free default tiles), then the per-token throughput run.
+    # to their end (the mask-free default tiles).
     attention_registers
     timeout 330 python -m pytest tests/kernels/test_triton_attention.py tests/engine/test_fp8_kv_cache.py -m gpu -q \
       -p no:cacheprovider 2>&1 | tail -4
-    throughput throughput-8b-fp8-kv "$llama" 1000 1024 1024 512 250 --set quant_config.quant_algo=FP8 \
-      --set kv_cache_config.dtype=fp8 --set kernel_config.decode_gemv=false
     ;;
   attention-warps)
     # The decode kernel alone at 512 x 1024 keys under a tile grid with 1, 2 and 4 warps a program (fewer warps, fewer
