@@ -285,6 +285,15 @@ fp8_batch_1() {  # 8B batch 1 latency with FP8 weights and in bf16, then the FP8
     --kernels 10 --gaps 6 --set quant_config.quant_algo=FP8 $(output_json step-profile-8b-b1-fp8) 2>&1 | tail -16
 }
 
+# The FP8 issue's throughput workload: 8B 1000 x (1024, 1024) at max batch 512, the decode GEMV off (it would run only
+# in the last steps, and its tuning would lengthen the start).
+throughput_1000() {  # name seconds [settings...]
+  local name=$1 seconds=$2; shift 2
+  throughput "$name" "$llama" 1000 1024 1024 512 "$seconds" --set kernel_config.decode_gemv=false "$@"
+}
+fp8_per_tensor_kv=(--set quant_config.quant_algo=FP8 --set kv_cache_config.dtype=fp8
+                   --set kv_cache_config.fp8_scales=per_tensor)
+
 attention_registers() {  # the FP8 row-scale decode tile capped at 128 registers, its sweep, the SiLU warps
   # The decode kernel alone, 512 x 1024 and 256 x 2048 keys: FP8 with row scales by slots (the engine's per-token
   # cache) with its threads capped at 128 registers (4 programs an SM, not 3), against uncapped, bf16, per-tensor;
@@ -565,15 +574,12 @@ case "${1:-}" in
     # cache with per-tensor scales.
     fp8_rows_tests
     fp8_prefill_profile
-    throughput throughput-8b-fp8-kv-per-tensor "$llama" 1000 1024 1024 512 330 --set quant_config.quant_algo=FP8 \
-      --set kv_cache_config.dtype=fp8 --set kv_cache_config.fp8_scales=per_tensor --set kernel_config.decode_gemv=false
+    throughput_1000 throughput-8b-fp8-kv-per-tensor 330 "${fp8_per_tensor_kv[@]}"
     ;;
   fp8-throughput-per-tensor)
     # 1000 x (1024, 1024) with FP8 weights and the FP8 cache's per-tensor scales, then bf16, in one call.
-    throughput throughput-8b-fp8-kv-per-tensor "$llama" 1000 1024 1024 512 250 \
-      --set quant_config.quant_algo=FP8 --set kv_cache_config.dtype=fp8 --set kv_cache_config.fp8_scales=per_tensor \
-      --set kernel_config.decode_gemv=false
-    throughput throughput-8b "$llama" 1000 1024 1024 512 250 --set kernel_config.decode_gemv=false
+    throughput_1000 throughput-8b-fp8-kv-per-tensor 250 "${fp8_per_tensor_kv[@]}"
+    throughput_1000 throughput-8b 250
     ;;
   fp8-latency-prefill)
     # 8B batch 1 and 8 with FP8 weights (the defaults: FP8 rows into the GEMV) and in bf16, then the 512-token prefill.
@@ -595,9 +601,8 @@ case "${1:-}" in
     ;;
   fp8-throughput-baselines)
     # The same workload in bf16 and with FP8 weights and the FP8 cache's per-token scales (the default).
-    throughput throughput-8b "$llama" 1000 1024 1024 512 300 --set kernel_config.decode_gemv=false
-    throughput throughput-8b-fp8-kv "$llama" 1000 1024 1024 512 250 --set quant_config.quant_algo=FP8 \
-      --set kv_cache_config.dtype=fp8 --set kernel_config.decode_gemv=false
+    throughput_1000 throughput-8b 300
+    throughput_1000 throughput-8b-fp8-kv 250 --set quant_config.quant_algo=FP8 --set kv_cache_config.dtype=fp8
     ;;
   fp8-short)
     # For a call with little device time left: 8B batch 1 with FP8 weights (fp8_rows, then float16) and in bf16,

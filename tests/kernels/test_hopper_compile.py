@@ -160,6 +160,12 @@ ATTENTION = {"q_ptr": "*bf16", "block_tables_ptr": "*i32", "context_lens_ptr": "
              "part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "k_ptr": "*bf16",
              "v_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slot_mapping_ptr": "*i64",
              "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "qk_scale": "fp32"}
+FP8_ATTENTION = {**ATTENTION, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+# The engine's decode tile over an FP8 cache (values by slots, 128 keys, the rotation inside, one split), with the
+# Llama-3.1-8B group: the tests add KV_FP8 (1 row scales, 2 per tensor) and what they vary.
+FP8_DECODE_TILE = {"GROUP": 4, "BLOCK_G": 16, "BLOCK_D": 128, "BLOCK_N": 128, "PAGE_SIZE": 16, "DIRECT_OUTPUT": True,
+                   "DOT_PRECISION": "tf32", "ROPE": True, "USE_PDL": 0, "stride_v_slot": 1, "V_BY_SLOTS": True,
+                   "V_RUN": 16}
 
 
 @pytest.mark.parametrize("rope", [False, True])
@@ -171,7 +177,7 @@ def test_the_fp8_cache_decode_attention_widens_its_tiles_to_float16(rope):
     constexprs = {"GROUP": 4, "BLOCK_G": 16, "BLOCK_D": 128, "BLOCK_N": 64, "PAGE_SIZE": 16, "DIRECT_OUTPUT": True,
                   "DOT_PRECISION": "tf32", "ROPE": rope, "KV_FP8": True, "USE_PDL": 0, "V_BY_SLOTS": False,
                   "V_RUN": 16}
-    pointers = {**ATTENTION, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+    pointers = FP8_ATTENTION
     ptx = compile_for_hopper(_decode_split_kernel, constexprs, pointers)
     assert "cvt.rn.f16x2.e4m3x2" in ptx and "cvt.bf16.f16" not in ptx and "mma" in ptx
 
@@ -187,7 +193,7 @@ def test_fp8_values_transposed_within_their_pages_reach_the_tensor_cores_without
     constexprs = {"GROUP": 4, "BLOCK_G": 16, "BLOCK_D": 128, "BLOCK_N": 64, "PAGE_SIZE": 16, "DIRECT_OUTPUT": True,
                   "DOT_PRECISION": "tf32", "ROPE": rope, "KV_FP8": True, "USE_PDL": 0, "stride_v_slot": 1,
                   "V_BY_SLOTS": True, "V_RUN": 16}
-    pointers = {**ATTENTION, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+    pointers = FP8_ATTENTION
     ptx = compile_for_hopper(_decode_split_kernel, constexprs, pointers)
     assert "ld.shared.b8" not in ptx and "ld.global.b8" not in ptx and "mma" in ptx
 
@@ -200,7 +206,7 @@ def test_fp8_dot_multiplies_fp8_on_the_warpgroup_mma():
     constexprs = {"GROUP": 4, "BLOCK_G": 8, "BLOCK_D": 128, "BLOCK_N": 128, "PAGE_SIZE": 16, "DIRECT_OUTPUT": False,
                   "DOT_PRECISION": "tf32", "ROPE": True, "KV_FP8": True, "USE_PDL": 0, "stride_v_slot": 1,
                   "V_BY_SLOTS": True, "V_RUN": 16, "FP8_DOT": True, "KEYS_FIRST": True}
-    pointers = {**ATTENTION, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+    pointers = FP8_ATTENTION
     ptx = compile_for_hopper(_decode_split_kernel, constexprs, pointers)
     assert "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3" in ptx and "mma.sync" not in ptx
     assert "cvt.rn.f16x2.e4m3x2" not in ptx  # no tile widened
@@ -217,7 +223,7 @@ def test_an_fp8_tile_reduces_its_scores_and_value_scales_together(keys_first):
                   "DIRECT_OUTPUT": True, "DOT_PRECISION": "tf32", "ROPE": True, "KV_FP8": True, "USE_PDL": 0,
                   "stride_v_slot": 1, "V_BY_SLOTS": True, "V_RUN": 16, "FP8_DOT": keys_first,
                   "KEYS_FIRST": keys_first}
-    pointers = {**ATTENTION, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+    pointers = FP8_ATTENTION
     ir = compile_for_hopper(_decode_split_kernel, constexprs, pointers, asm="ttgir")
     loop = ir[ir.index("scf.for"):]
     assert loop.count('"tt.reduce"') == 2
@@ -256,7 +262,7 @@ def test_per_tensor_scales_take_the_fp8_decode_fewer_registers_and_instructions(
     constexprs = {"GROUP": 4, "BLOCK_G": 16, "BLOCK_D": 128, "BLOCK_N": 128, "PAGE_SIZE": 16, "DIRECT_OUTPUT": False,
                   "DOT_PRECISION": "tf32", "ROPE": True, "USE_PDL": 0, "stride_v_slot": 1, "V_BY_SLOTS": True,
                   "V_RUN": 16}
-    pointers = {**ATTENTION, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+    pointers = FP8_ATTENTION
     per_row = _registers_and_instructions(_decode_split_kernel, {**constexprs, "KV_FP8": 1}, pointers)
     per_tensor = _registers_and_instructions(_decode_split_kernel, {**constexprs, "KV_FP8": 2}, pointers)
     assert per_tensor[0] < per_row[0] and per_tensor[1] < 0.9 * per_row[1], (per_tensor, per_row)
@@ -279,10 +285,7 @@ def test_decode_tiles_of_heads_that_fill_them_fit_four_programs_an_sm():
     128 registers against 150), so that 4 programs fit an SM, not 3: 10% faster on an H200 (docs/benchmarks.md)."""
     from raylm.kernels.triton_attention import _decode_split_kernel
 
-    constexprs = {"GROUP": 4, "BLOCK_G": 16, "BLOCK_D": 128, "BLOCK_N": 128, "PAGE_SIZE": 16, "DIRECT_OUTPUT": True,
-                  "DOT_PRECISION": "tf32", "ROPE": True, "USE_PDL": 0, "stride_v_slot": 1, "V_BY_SLOTS": True,
-                  "V_RUN": 16, "KV_FP8": 2}
-    pointers = {**ATTENTION, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+    constexprs, pointers = {**FP8_DECODE_TILE, "KV_FP8": 2}, FP8_ATTENTION
     (masked,) = _loop_instructions(_decode_split_kernel, constexprs, pointers)
     (even,) = _loop_instructions(_decode_split_kernel, {**constexprs, "EVEN_D": True}, pointers)
     assert even < masked, (even, masked)
@@ -297,10 +300,7 @@ def test_a_register_cap_fits_four_fp8_row_scale_programs_an_sm():
 
     from raylm.kernels.triton_attention import _decode_split_kernel
 
-    constexprs = {"GROUP": 4, "BLOCK_G": 16, "BLOCK_D": 128, "BLOCK_N": 128, "PAGE_SIZE": 16, "DIRECT_OUTPUT": True,
-                  "DOT_PRECISION": "tf32", "ROPE": True, "USE_PDL": 0, "stride_v_slot": 1, "V_BY_SLOTS": True,
-                  "V_RUN": 16, "KV_FP8": 1, "EVEN_D": True}
-    pointers = {**ATTENTION, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+    constexprs, pointers = {**FP8_DECODE_TILE, "KV_FP8": 1, "EVEN_D": True}, FP8_ATTENTION
     usage = {cap: _cuobjdump(_decode_split_kernel, constexprs, pointers, "-res-usage", max_registers=cap)
              for cap in (0, 128)}
     registers = {cap: int(re.search(r"REG:(\d+)", text).group(1)) for cap, text in usage.items()}
@@ -314,10 +314,7 @@ def test_warp_split_tiles_give_each_warp_a_slice_of_keys():
     asynchronous copies (sm_90: 4 barriers a 128-key tile, against 11 for the tile spread over the warps)."""
     from raylm.kernels.triton_attention import _decode_split_kernel
 
-    constexprs = {"GROUP": 4, "BLOCK_G": 16, "BLOCK_D": 128, "BLOCK_N": 128, "PAGE_SIZE": 16, "DIRECT_OUTPUT": True,
-                  "DOT_PRECISION": "tf32", "ROPE": True, "KV_FP8": True, "USE_PDL": 0, "stride_v_slot": 1,
-                  "V_BY_SLOTS": True, "V_RUN": 16, "WARP_SPLIT": 4}
-    pointers = {**ATTENTION, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+    constexprs, pointers = {**FP8_DECODE_TILE, "KV_FP8": True, "WARP_SPLIT": 4}, FP8_ATTENTION
     ir = compile_for_hopper(_decode_split_kernel, constexprs, pointers, asm="ttgir")
     assert "versionMajor = 2" in ir and "warpsPerCTA = [4, 1, 1]" in ir
     ptx = compile_for_hopper(_decode_split_kernel, constexprs, pointers)

@@ -564,8 +564,8 @@ def keys_by_heads(cache: torch.Tensor) -> torch.Tensor:
 def test_heads_first_grid_and_keys_by_heads_give_the_default_outputs(device, fp8, num_splits, head_dim):
     """TileConfig.heads_first (the grid's fastest dimension the KV head), a cap on registers (max_registers) and keys
     stored head by head within their pages change what runs side by side, what spills and where a tile's keys lie,
-    not one sum: the outputs are the same bits;
-    with heads that fill the tile (64 dimensions: unmasked) and heads that do not (48: masked)."""
+    not one sum: the outputs are the same bits, with heads that fill the tile (64 dimensions: unmasked) and heads that
+    do not (48: masked)."""
     keys = torch.randn(40, 16, 2, head_dim, device=device)
     values = torch.randn(40, 16, 2, head_dim, device=device)
     scales = ()
