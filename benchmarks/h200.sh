@@ -72,6 +72,7 @@
 #   bash benchmarks/h200.sh attention-registers  # the FP8 row-scale decode kernel capped at 128 registers against
 #                                        # uncapped, the row-scale tile sweep, then the SiLU kernels (whole rows
 #                                        # under 4 / 8 / 32 warps) (~3 min)
+#   bash benchmarks/h200.sh fp8-throughput-batch-1024  # 1000 x (1024, 1024) FP8 at up to 1,024 a step (~3 min)
 #   bash benchmarks/h200.sh fp8-tiles-and-tests  # attention-registers, then the GPU tests of decode attention and
 #                                        # the FP8 cache to their end (~9 min)
 #   bash benchmarks/h200.sh activation   # the SiLU-and-mul kernels alone: FP8 rows held whole against read twice in
@@ -580,6 +581,13 @@ case "${1:-}" in
     # 1000 x (1024, 1024) with FP8 weights and the FP8 cache's per-tensor scales, then bf16, in one call.
     throughput_1000 throughput-8b-fp8-kv-per-tensor 250 "${fp8_per_tensor_kv[@]}"
     throughput_1000 throughput-8b 250
+    ;;
+  fp8-throughput-batch-1024)
+    # 1000 x (1024, 1024), FP8 weights + per-tensor FP8 cache, with up to 1,024 requests a step (all 1,000 at once
+    # where the cache holds them; none preempted): the GEMMs at ~1,000 rows, past the FP8 ridge (~400 on an H200).
+    throughput throughput-8b-fp8-kv-per-tensor-b1024 "$llama" 1000 1024 1024 1024 250 \
+      --set kernel_config.decode_gemv=false "${fp8_per_tensor_kv[@]}" \
+      --set scheduler_config.capacity_scheduler_policy=GUARANTEED_NO_EVICT
     ;;
   fp8-latency-prefill)
     # 8B batch 1 and 8 with FP8 weights (the defaults: FP8 rows into the GEMV) and in bf16, then the 512-token prefill.
