@@ -1,8 +1,9 @@
 """The SiLU-and-mul kernels alone on a prefill step of the Llama-3.1-8B shape (8,192 rows of gate and up, 14,336
 features each, bf16): silu_and_mul (bf16 out), and silu_and_mul_fp8 (FP8 rows and their scales out, for the FP8 down
 projection) under its tiles: a row held whole in one program (the default: a warp per 512 features, at most 16; or
---whole_warps), or read twice in chunks (its amax, then its bytes). Each is timed per call from a CUDA graph, with the
-rate at which it moves its bytes.
+--whole_warps), read twice in chunks (its amax, then its bytes), or whole rows from a fixed number of programs, each
+requesting its next row before it computes the current one (--programs programs:warps). Each is timed per call from
+a CUDA graph, with the rate at which it moves its bytes.
 
     python benchmarks/activation.py
     python benchmarks/activation.py --rows 4096 --chunks 1024:4 2048:4 2048:8 4096:8
@@ -28,6 +29,9 @@ def main() -> None:
                         help="chunk:warps of the two-pass silu_and_mul_fp8 to time")
     parser.add_argument("--whole_warps", type=int, nargs="*", default=[4, 8, 32],
                         help="warps a program of the whole-row silu_and_mul_fp8 to time beside its default")
+    parser.add_argument("--programs", nargs="*", default=["sms:16", "sms:32", "2sms:16"],
+                        help="programs:warps of silu_and_mul_fp8's whole rows from a fixed number of programs "
+                             "(sms: one an SM, 2sms: two)")
     parser.add_argument("--calls", type=int, default=4, help="calls per CUDA graph")
     parser.add_argument("--output_json", default=None)
     args = parser.parse_args()
@@ -60,6 +64,17 @@ def main() -> None:
             sys.exit(f"chunk {chunk}, {warps} warps: other bytes than whole rows")
         timed(f"silu_and_mul_fp8 {chunk}:{warps}",
               lambda chunk=chunk, warps=warps: silu_and_mul_fp8(gate_up, chunk=chunk, num_warps=warps), fp8_bytes)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for entry in args.programs:
+        count, warps = entry.split(":")
+        programs = {"sms": sms, "2sms": 2 * sms}.get(count) or int(count)
+        rows = silu_and_mul_fp8(gate_up, num_warps=int(warps), programs=programs)
+        if not (torch.equal(rows.scale, reference.scale)
+                and torch.equal(rows.values.view(torch.uint8), reference.values.view(torch.uint8))):
+            sys.exit(f"{programs} programs, {warps} warps: other bytes than one program a row")
+        timed(f"silu_and_mul_fp8 programs {programs}:{warps}",
+              lambda programs=programs, warps=int(warps): silu_and_mul_fp8(gate_up, num_warps=warps,
+                                                                          programs=programs), fp8_bytes)
     path = write_result(f"activation-8b-r{args.rows}", args, result)
     print(f"wrote {path}")
 

@@ -72,6 +72,7 @@
 #   bash benchmarks/h200.sh attention-registers  # the FP8 row-scale decode kernel capped at 128 registers against
 #                                        # uncapped, the row-scale tile sweep, then the SiLU kernels (whole rows
 #                                        # under 4 / 8 / 32 warps) (~3 min)
+#   bash benchmarks/h200.sh fp8-kernels  # decode attention with the keys first, row-scale tiles, SiLU rows (~6 min)
 #   bash benchmarks/h200.sh fp8-throughput-batch-1024  # 1000 x (1024, 1024) FP8 at up to 1,024 a step (~3 min)
 #   bash benchmarks/h200.sh fp8-tiles-and-tests  # attention-registers, then the GPU tests of decode attention and
 #                                        # the FP8 cache to their end (~9 min)
@@ -547,6 +548,20 @@ case "${1:-}" in
     ;;
   attention-registers)
     attention_registers
+    ;;
+  fp8-kernels)
+    # The decode kernel alone at 512 x 1024 keys: per-tensor scales with the keys first (fewer instructions a key)
+    # against the default tiles, row scales capped at 128 registers; the keys-first tiles under 1 / 2 warps; the
+    # row-scale tiles under 1 / 2 / 4 warps; then the SiLU-and-mul kernels (whole rows from one program an SM,
+    # requesting the next row first) and their GPU tests (~6 min).
+    timeout 150 python benchmarks/attention.py --kinds bf16 fp8-values-by-slots fp8-values-by-slots-128-registers \
+      fp8-per-tensor fp8-per-tensor-keys-first $(output_json attention-decode-8b-b512-l1024-keys-first) 2>&1 | tail -7
+    timeout 150 python benchmarks/attention.py --kinds fp8-per-tensor-keys-first --sweep --sweep_warps 1 2 \
+      $(output_json attention-decode-8b-b512-l1024-keys-first-sweep) 2>&1 | grep -E "keys-first|Error"
+    timeout 150 python benchmarks/attention.py --kinds fp8-values-by-slots --sweep --sweep_warps 1 2 4 \
+      $(output_json attention-decode-8b-b512-l1024-row-scales-sweep) 2>&1 | grep -E "fastest|default|Error"
+    timeout 120 python benchmarks/activation.py --chunks 2048:4 $(output_json activation-8b-r8192) 2>&1 | tail -12
+    timeout 100 python -m pytest tests/kernels/test_triton_ops.py -m gpu -k "silu" -q -p no:cacheprovider 2>&1 | tail -3
     ;;
   fp8-tiles-and-tests)
     # The next call's work, most wanted first: attention-registers (the row-scale tile capped at 128 registers, its

@@ -242,10 +242,18 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
 
 
 @triton.jit
+def _silu_mul(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up in float32, rounded to dtype where the reference rounds: the activation before the product,
+    as F.silu(gate) * up rounds it, and the product."""
+    gate = gate.to(tl.float32)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+    return (activated.to(tl.float32) * up.to(tl.float32)).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _silu_mul_row(gate_up_ptr, row, cols, mask, size, stride_in, extra_ptr, stride_extra, HAS_EXTRA: tl.constexpr):
-    """silu(gate) * up at `cols` of a row, in float32, rounded to gate_up's dtype where the reference rounds: the
-    activation before the product, as F.silu(gate) * up rounds it, and the product. HAS_EXTRA: gate and up first
-    gain the row's float32 values at extra_ptr (LoRA products left to add), rounded as gate_up.add_(extra) would."""
+    """_silu_mul at `cols` of a row. HAS_EXTRA: gate and up first gain the row's float32 values at extra_ptr (LoRA
+    products left to add), rounded as gate_up.add_(extra) would."""
     dtype = gate_up_ptr.dtype.element_ty
     gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=mask, other=0.0)
     up = tl.load(gate_up_ptr + row * stride_in + size + cols, mask=mask, other=0.0)
@@ -253,9 +261,7 @@ def _silu_mul_row(gate_up_ptr, row, cols, mask, size, stride_in, extra_ptr, stri
         extra = extra_ptr + row * stride_extra + cols
         gate = (gate.to(tl.float32) + tl.load(extra, mask=mask, other=0.0)).to(dtype)
         up = (up.to(tl.float32) + tl.load(extra + size, mask=mask, other=0.0)).to(dtype)
-    gate = gate.to(tl.float32)
-    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype)
-    return (activated.to(tl.float32) * up.to(tl.float32)).to(dtype).to(tl.float32)
+    return _silu_mul(gate, up, dtype)
 
 
 @triton.jit
@@ -305,21 +311,63 @@ def _silu_and_mul_fp8_kernel(gate_up_ptr, out_ptr, scale_ptr, size, stride_in, s
     tl.store(scale_ptr + row, scale)
 
 
+@triton.jit
+def _silu_and_mul_fp8_rows_kernel(gate_up_ptr, out_ptr, scale_ptr, num_rows, size, stride_in, stride_out,
+                                  BLOCK: tl.constexpr, USE_PDL: tl.constexpr = 0):
+    """_silu_and_mul_fp8_kernel's whole rows from a fixed number of programs: program p takes rows p, p + P, p + 2P,
+    ... (P programs), and requests each row's gate and up before it multiplies and quantizes the row before, so that
+    a multiprocessor's loads of the next row run under its arithmetic on this one (one program a row leaves the
+    memory idle while the row's arithmetic and reductions run: one such program fills an SM's registers). The same
+    values as _silu_and_mul_fp8_kernel's."""
+    pdl_wait(USE_PDL)
+    dtype = gate_up_ptr.dtype.element_ty
+    first = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < size
+    row_in = gate_up_ptr + first.to(tl.int64) * stride_in + cols
+    row_out = out_ptr + first.to(tl.int64) * stride_out + cols
+    gate = tl.load(row_in, mask=mask, other=0.0)
+    up = tl.load(row_in + size, mask=mask, other=0.0)
+    for row in range(first, num_rows, programs):
+        row_in += programs.to(tl.int64) * stride_in
+        following = cols < tl.where(row + programs < num_rows, size, 0)  # none past the last row
+        gate_next = tl.load(row_in, mask=following, other=0.0)
+        up_next = tl.load(row_in + size, mask=following, other=0.0)
+        out = _silu_mul(gate, up, dtype)
+        scale = fp8_scale(tl.max(tl.abs(out), axis=0))
+        tl.store(row_out, to_fp8(out, scale), mask=mask)
+        tl.store(scale_ptr + row, scale)
+        row_out += programs.to(tl.int64) * stride_out
+        gate, up = gate_next, up_next
+
+
 def silu_and_mul_fp8(gate_up: torch.Tensor, pdl: int = 0, chunk: int = SILU_FP8_CHUNK,
-                     num_warps: int | None = None) -> Fp8Rows:
+                     num_warps: int | None = None, programs: int | None = None) -> Fp8Rows:
     """silu_and_mul whose rows come out quantized to FP8 per token, for an FP8 matmul (Fp8Rows [rows, I]): the
     bytes and scales quantize_fp8 gives for silu_and_mul's rows, without writing those first. chunk (a power of 2)
-    and num_warps (None: a warp per 512 features of the chunk, 4 to 16): the kernel's tiles
-    (benchmarks/activation.py times them)."""
+    and num_warps (None: a warp per 512 features of the chunk, 4 to 16): the kernel's tiles; programs (None: one
+    a row): whole rows (up to chunk features) from this many programs, each requesting its next row before it
+    computes the current one (benchmarks/activation.py times them)."""
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up's last dimension must be even (gate then up), got {gate_up.shape[-1]}")
     if chunk < 16 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of 2 of at least 16, got {chunk}")
+    if programs is not None and programs < 1:
+        raise ValueError(f"programs must be at least 1 (or None: one a row), got {programs}")
     size = gate_up.shape[-1] // 2
+    if programs is not None and size > chunk:
+        raise ValueError(f"programs holds whole rows: gate_up's {size} features a row exceed chunk={chunk}")
     rows = _rows(gate_up)
     out = torch.empty(rows.shape[0], size, dtype=FP8_DTYPE, device=gate_up.device)
     scale = torch.empty(rows.shape[0], dtype=FP8_SCALE_DTYPE, device=gate_up.device)
-    if rows.shape[0] and size:
+    if rows.shape[0] and size and programs is not None:
+        block = triton.next_power_of_2(size)
+        _silu_and_mul_fp8_rows_kernel[(min(programs, rows.shape[0]),)](
+            rows, out, scale, rows.shape[0], size, rows.stride(0), out.stride(0), BLOCK=block,
+            num_warps=num_warps or min(max(block // 512, 4), 16), **launch_options(pdl),
+        )
+    elif rows.shape[0] and size:
         block = min(triton.next_power_of_2(size), chunk)
         _silu_and_mul_fp8_kernel[(rows.shape[0],)](
             rows, out, scale, size, rows.stride(0), out.stride(0), BLOCK=block,

@@ -232,6 +232,23 @@ def test_silu_and_mul_fp8_chunks_give_the_same_bytes_whole_or_in_pieces(device):
         silu_and_mul_fp8(gate_up, chunk=1000)
 
 
+@pytest.mark.parametrize("programs", [1, 3, 64])
+def test_silu_and_mul_fp8_from_fewer_programs_than_rows_gives_the_same_bytes(device, programs):
+    """Whole rows from a fixed number of programs, each requesting its next row before computing the current one:
+    every row written once, the same bytes and scales as one program a row (bit for bit, also interpreted),
+    bf16 rows of an odd width included."""
+    torch.manual_seed(10)
+    gate_up = torch.randn(7, 2 * 1500, device=device, dtype=torch.bfloat16) * 4
+    reference = silu_and_mul_fp8(gate_up)
+    rows = silu_and_mul_fp8(gate_up, programs=programs)
+    assert torch.equal(rows.scale, reference.scale)
+    assert torch.equal(rows.values.view(torch.uint8), reference.values.view(torch.uint8))
+    with pytest.raises(ValueError, match="programs must be at least 1"):
+        silu_and_mul_fp8(gate_up, programs=0)
+    with pytest.raises(ValueError, match="exceed chunk=1024"):
+        silu_and_mul_fp8(gate_up, chunk=1024, programs=4)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
