@@ -24,7 +24,8 @@ and fp8-values-by-slots-128-registers: the engine's FP8 layout with row scales, 
 per-tensor scales with the keys and values first in the products (the queries padded to 8 rows, not 16; sm_90 at
 2 warps and 64 keys: 19.6 warp instructions a key against the default tiles' 25.1, of them 51 register moves a tile
 against 181, the queries read from shared memory as the products' second operand, not moved into the first's
-register quads).
+register quads); fp8-scales-by-slots-keys-first: the same with row scales by slots (the engine's per-token cache;
+20.6 a key against 28.7).
 
 Each is timed per call, with the rate at which it reads the cache (keys, values and an FP8 cache's scales). With
 --sweep, each kind is also timed under every tile configuration of a small grid (keys a tile, warps, stages), to
@@ -51,7 +52,8 @@ from benchmarks.common import graph_call_us, write_result  # noqa: E402
 Q_HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 KINDS = ("bf16", "fp8", "fp8-values-by-slots", "fp8-scales-by-slots", "fp8-keys-first", "fp8-dot",
          "fp8-warp-split", "fp8-per-tensor", "bf16-keys-by-heads", "bf16-heads-first", "fp8-per-tensor-keys-by-heads",
-         "fp8-per-tensor-heads-first", "fp8-values-by-slots-128-registers", "fp8-per-tensor-keys-first")
+         "fp8-per-tensor-heads-first", "fp8-values-by-slots-128-registers", "fp8-per-tensor-keys-first",
+         "fp8-scales-by-slots-keys-first")
 # kind suffix: the TileConfig field it sets, and its value
 VARIANTS = {"-heads-first": ("heads_first", True), "-128-registers": ("max_registers", 128),
             "-keys-first": ("keys_first", True)}
@@ -129,7 +131,8 @@ def main() -> None:
               "fp8-per-tensor-keys-by-heads": ((_by_heads(k8_tensor), v8_tensor), tensor_scales),
               "fp8-per-tensor-heads-first": ((k8_tensor, v8_tensor), tensor_scales),
               "fp8-values-by-slots-128-registers": ((k8, v8_by_slots), (k_scale, v_scale)),
-              "fp8-per-tensor-keys-first": ((k8_tensor, v8_tensor), tensor_scales)}
+              "fp8-per-tensor-keys-first": ((k8_tensor, v8_tensor), tensor_scales),
+              "fp8-scales-by-slots-keys-first": ((k8, v8_by_slots), scales_by_slots)}
     keys = args.batch * args.context * KV_HEADS
     result: dict = {"batch": args.batch, "context": args.context}
     scale = HEAD_DIM ** -0.5
@@ -167,7 +170,8 @@ def main() -> None:
     variants_gap = 0.0
     for kind, base in (("bf16-keys-by-heads", reference), ("bf16-heads-first", reference),
                        ("fp8-per-tensor-keys-by-heads", per_tensor), ("fp8-per-tensor-heads-first", per_tensor),
-                       ("fp8-values-by-slots-128-registers", by_slots), ("fp8-per-tensor-keys-first", per_tensor)):
+                       ("fp8-values-by-slots-128-registers", by_slots), ("fp8-per-tensor-keys-first", per_tensor),
+                       ("fp8-scales-by-slots-keys-first", scales_by_slots_out)):
         (k, v), scales = caches[kind]
         out = paged_decode_attention(q, k, v, tables, lens, scale, kv_scales=scales, config=_variant(kind, None, k))
         variants_gap = max(variants_gap, (out.float() - base.float()).abs().max().item())

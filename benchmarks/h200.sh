@@ -551,15 +551,15 @@ case "${1:-}" in
     ;;
   fp8-kernels)
     # The decode kernel alone at 512 x 1024 keys: per-tensor scales with the keys first (fewer instructions a key)
-    # against the default tiles, row scales capped at 128 registers; the keys-first tiles under 1 / 2 warps; the
-    # row-scale tiles under 1 / 2 / 4 warps; then the SiLU-and-mul kernels (whole rows from one program an SM,
+    # against the default tiles (per-tensor and row scales by slots), row scales by rows capped at 128 registers; the
+    # keys-first tiles under 1 / 2 warps; then the SiLU-and-mul kernels (whole rows from one program an SM,
     # requesting the next row first) and their GPU tests (~6 min).
     timeout 150 python benchmarks/attention.py --kinds bf16 fp8-values-by-slots fp8-values-by-slots-128-registers \
-      fp8-per-tensor fp8-per-tensor-keys-first $(output_json attention-decode-8b-b512-l1024-keys-first) 2>&1 | tail -7
-    timeout 150 python benchmarks/attention.py --kinds fp8-per-tensor-keys-first --sweep --sweep_warps 1 2 \
+      fp8-scales-by-slots fp8-scales-by-slots-keys-first fp8-per-tensor fp8-per-tensor-keys-first \
+      $(output_json attention-decode-8b-b512-l1024-keys-first) 2>&1 | tail -9
+    timeout 200 python benchmarks/attention.py --kinds fp8-per-tensor-keys-first fp8-scales-by-slots-keys-first \
+      --sweep --sweep_warps 1 2 \
       $(output_json attention-decode-8b-b512-l1024-keys-first-sweep) 2>&1 | grep -E "keys-first|Error"
-    timeout 150 python benchmarks/attention.py --kinds fp8-values-by-slots --sweep --sweep_warps 1 2 4 \
-      $(output_json attention-decode-8b-b512-l1024-row-scales-sweep) 2>&1 | grep -E "fastest|default|Error"
     timeout 120 python benchmarks/activation.py --chunks 2048:4 $(output_json activation-8b-r8192) 2>&1 | tail -12
     timeout 100 python -m pytest tests/kernels/test_triton_ops.py -m gpu -k "silu" -q -p no:cacheprovider 2>&1 | tail -3
     ;;
