@@ -73,6 +73,7 @@
 #                                        # uncapped, the row-scale tile sweep, then the SiLU kernels (whole rows
 #                                        # under 4 / 8 / 32 warps) (~3 min)
 #   bash benchmarks/h200.sh fp8-kernels  # decode attention with the keys first, row-scale tiles, SiLU rows (~6 min)
+#   bash benchmarks/h200.sh fp8-throughput-keys-first  # 1000 x (1024, 1024) with the keys first, its tests (~6 min)
 #   bash benchmarks/h200.sh fp8-throughput-batch-1024  # 1000 x (1024, 1024) FP8 at up to 1,024 a step (~3 min)
 #   bash benchmarks/h200.sh fp8-tiles-and-tests  # attention-registers, then the GPU tests of decode attention and
 #                                        # the FP8 cache to their end (~9 min)
@@ -562,6 +563,14 @@ case "${1:-}" in
       $(output_json attention-decode-8b-b512-l1024-keys-first-sweep) 2>&1 | grep -E "keys-first|Error"
     timeout 120 python benchmarks/activation.py --chunks 2048:4 $(output_json activation-8b-r8192) 2>&1 | tail -12
     timeout 100 python -m pytest tests/kernels/test_triton_ops.py -m gpu -k "silu" -q -p no:cacheprovider 2>&1 | tail -3
+    ;;
+  fp8-throughput-keys-first)
+    # 1000 x (1024, 1024), FP8 weights + per-tensor FP8 cache, decode attention with the keys first
+    # (kernel_config.fp8_attention=float16_keys_first), then the GPU tests of its kernels and of the engine with it.
+    throughput_1000 throughput-8b-fp8-kv-per-tensor-keys-first 250 "${fp8_per_tensor_kv[@]}" \
+      --set kernel_config.fp8_attention=float16_keys_first
+    timeout 200 python -m pytest tests/kernels/test_triton_attention.py tests/engine/test_fp8_kv_cache.py -m gpu -q \
+      -p no:cacheprovider -k "keys_first or rotary_decode_stores" 2>&1 | tail -3
     ;;
   fp8-tiles-and-tests)
     # The next call's work, most wanted first: attention-registers (the row-scale tile capped at 128 registers, its

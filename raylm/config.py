@@ -120,11 +120,13 @@ class KernelConfig(StrictModel):
                                       "CUDA stream while the layer's GEMV runs (a branch of the decode graph) and "
                                       "adds them to its output after; 'kernel' computes and adds them in kernels "
                                       "after the GEMV.")
-    fp8_attention: Literal["float16", "float16_slices", "fp8"] = Field(
+    fp8_attention: Literal["float16", "float16_slices", "float16_keys_first", "fp8"] = Field(
         default="float16", description="Decode attention over an FP8 KV cache on the Triton backend: 'float16' widens "
                                        "the cached keys and values to float16 for the tensor cores; 'float16_slices' "
                                        "does too, each tile of keys cut into a slice a warp with a softmax state of "
-                                       "its own (fewer exchanges between warps a tile); 'fp8' multiplies them as "
+                                       "its own (fewer exchanges between warps a tile); 'float16_keys_first' does "
+                                       "too, the keys and values first in the products (the GQA group's queries "
+                                       "padded to 8, not 16: fewer instructions a key); 'fp8' multiplies them as "
                                        "stored on FP8 tensor cores, the queries and the softmax's probabilities "
                                        "quantized to FP8 too (their rounding changes results more than float16's: "
                                        "docs/benchmarks.md; heads of fewer than 32 dimensions stay on float16).")

@@ -60,6 +60,7 @@ class KernelPolicy:
     lora_beside: bool = False  # LoRA's products computed on a second stream beside the GEMV, added after it
     fp8_attention_dot: bool = False  # decode attention over an FP8 cache multiplies on FP8 tensor cores
     fp8_attention_slices: bool = False  # ... or widens, each tile in a slice of keys a warp (TileConfig.warp_split)
+    fp8_attention_keys_first: bool = False  # ... or widens, the keys and values first in the products (keys_first)
     gemv_tiles: str = "shipped"  # the GEMV's tiles: shipped for the GPU model where known, else tuned (triton_gemv)
     gemv_prefetch: int = 0  # bytes of each weight row a GEMV program asks the L2 for before its PDL wait
 
@@ -116,7 +117,8 @@ def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool =
     for, on CUDA, and importable; the GEMV (decode_gemv None) and PDL (pdl "auto") for models that stream weights; PDL
     only on compute capability 9.0+ and never interpreted; LoRA's products on a second stream beside the GEMV where
     lora_expand is "beside" (else by a kernel after it); FP8 products in the decode attention over an FP8 cache where
-    fp8_attention is "fp8", tiles in slices a warp where it is "float16_slices"; the GEMV's tiles as gemv_tiles says
+    fp8_attention is "fp8", tiles in slices a warp where it is "float16_slices", the keys and values first in the
+    products where it is "float16_keys_first"; the GEMV's tiles as gemv_tiles says
     (kernels/gemv_tiles.py); gemv_prefetch bytes of each weight row asked of the L2 before a GEMV's PDL wait, where PDL
     is on. FP8 rows into the GEMV (fp8_gemv_input "fp8" or "fp8_rows") need FP8 tensor cores (compute capability 8.9+);
     below that the GEMV takes float16."""
@@ -134,5 +136,6 @@ def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool =
     return KernelPolicy(triton=True, decode_gemv=streaming if decode_gemv is None else decode_gemv, pdl=mode,
                         fp8_gemv_input=fp8_gemv_input, lora_beside=lora_expand == "beside",
                         fp8_attention_dot=fp8_attention == "fp8",
-                        fp8_attention_slices=fp8_attention == "float16_slices", gemv_tiles=gemv_tiles,
+                        fp8_attention_slices=fp8_attention == "float16_slices",
+                        fp8_attention_keys_first=fp8_attention == "float16_keys_first", gemv_tiles=gemv_tiles,
                         gemv_prefetch=gemv_prefetch if mode else 0)

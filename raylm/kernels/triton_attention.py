@@ -251,6 +251,15 @@ def decode_config(head_dim: int, query_size: int, cache_size: int) -> TileConfig
     return TileConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=stages)
 
 
+def keys_first_config(head_dim: int) -> TileConfig:
+    """Decode tiles over an FP8 cache (16-bit queries, values by slots) with the keys and values first in the
+    products (kernel_config.fp8_attention 'float16_keys_first'): the GQA group's queries padded to 8 columns, not 16
+    rows, read from shared memory as the products' second operand. 2 warps and 64 keys (d128): on sm_90, 19.6 warp
+    instructions a key with per-tensor scales and 20.6 with row scales, against 25.1 and 28.7 at decode_config's
+    tiles (register moves assembling the queries' operand quads: 51 a tile against 181), no spills."""
+    return TileConfig(block_m=16, block_n=64 if head_dim <= 128 else 32, num_warps=2, num_stages=2, keys_first=True)
+
+
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -284,6 +293,7 @@ def paged_decode_attention(
     config: TileConfig | None = None,
     fp8_dot: bool = False,
     warp_split: bool = False,
+    keys_first: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context; returns [B, H_q, D] in q's dtype.
 
@@ -296,10 +306,11 @@ def paged_decode_attention(
     tiles instead of decode_config's (for benchmarks; block_m is raised to the GQA group's power of two). fp8_dot
     (an FP8 cache with its values by slots): the products run on FP8 tensor cores, the queries and probabilities
     quantized to FP8 too (_attend_tile_keys_first). warp_split (values by slots): the tiles cut into a slice of
-    keys a warp (TileConfig.warp_split).
+    keys a warp (TileConfig.warp_split). keys_first (an FP8 cache with its values by slots): the keys and values
+    first in the products, at keys_first_config's tiles unless `config` says others.
     """
     return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, None, pdl,
-                   kv_scales, config, fp8_dot, warp_split)
+                   kv_scales, config, fp8_dot, warp_split, keys_first)
 
 
 def rotary_decode_attention(
@@ -321,6 +332,7 @@ def rotary_decode_attention(
     fp8_dot: bool = False,
     warp_split: bool = False,
     addends: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    keys_first: bool = False,
 ) -> torch.Tensor:
     """rotary_write_kv_cache then paged_decode_attention in one kernel launch (two with split-K): q, k [B, H, D]
     are the step's unrotated queries and keys, v its values, cos / sin one row per sequence; the rotated keys
@@ -344,11 +356,11 @@ def rotary_decode_attention(
                                  f"{addend.stride()}")
     rope = (k, v, cos_rows, sin_rows, slot_mapping, addends)
     return _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope, pdl,
-                   kv_scales, None, fp8_dot, warp_split)
+                   kv_scales, None, fp8_dot, warp_split, keys_first)
 
 
 def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, num_splits, rope, pdl,
-            kv_scales, config=None, fp8_dot=False, warp_split=False):
+            kv_scales, config=None, fp8_dot=False, warp_split=False, keys_first=False):
     """The decode attention launch of paged_decode_attention, and of rotary_decode_attention with rope =
     (k, v, cos_rows, sin_rows, slot_mapping, addends or None)."""
     batch, num_q_heads, head_dim = q.shape
@@ -375,6 +387,8 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_wind
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     block_d = triton.next_power_of_2(head_dim)
+    if keys_first and not fp8_dot:
+        config = dataclasses.replace(config, keys_first=True) if config else keys_first_config(block_d)
     # FP8 products take the queries in FP8: the tiles stay FP8 whatever the queries' dtype.
     config = config or decode_config(block_d, 2 if fp8_dot else q.element_size(), k_cache.element_size())
     if warp_split:  # a slice of at least 16 keys a warp (the products' reduction)

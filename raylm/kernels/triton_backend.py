@@ -55,6 +55,8 @@ class TritonAttentionMetadata:
             decode_fp8 = {**fp8, "fp8_dot": True}
         elif kv_scales and kernels.fp8_attention_slices:  # tiles in slices of keys a warp (values by slots)
             decode_fp8 = {**fp8, "warp_split": True}
+        elif kv_scales and kernels.fp8_attention_keys_first:  # the keys and values first (values by slots)
+            decode_fp8 = {**fp8, "keys_first": True}
         else:
             decode_fp8 = fp8
         from raylm.kernels.triton_attention import paged_decode_attention, rotary_decode_attention

@@ -240,12 +240,12 @@ def test_release_and_resume_bring_back_an_fp8_cache_that_generates_the_same(tiny
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("fp8_attention", ["float16", "float16_slices"])
+@pytest.mark.parametrize("fp8_attention", ["float16", "float16_slices", "float16_keys_first"])
 @pytest.mark.parametrize("kv", [FP8_KV, FP8_KV_PER_TENSOR], ids=["per_token", "per_tensor"])
 def test_the_triton_kernels_on_an_fp8_cache_give_the_torch_reference_s_tokens(tiny_model_dirs, arch, fp8_attention,
                                                                                kv):
     """float32 on the GPU, the decode graphs on: the Triton writes and attention (prefill, decode with the rotation
-    inside, split K; decode tiles whole or in slices of keys a warp) against the torch backend on the same FP8 cache
+    inside, split K; decode tiles whole, in slices of keys a warp or with the keys first) against the torch backend on the same FP8 cache
     layout, scaled per token or per tensor."""
     path = tiny_model_dirs[arch]
     options = dict(kv_cache_config=kv, device="cuda", dtype="float32", executor="local")

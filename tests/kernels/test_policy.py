@@ -64,10 +64,11 @@ def test_kernel_config_overrides_the_defaults(hopper):
     assert choose_kernel_policy(GPU, LARGE, triton=False) == KernelPolicy()  # the torch reference throughout
     for lora_expand, beside in (("kernel", False), ("beside", True)):
         assert choose_kernel_policy(GPU, LARGE, lora_expand=lora_expand).lora_beside == beside
-    for fp8_attention, dot, slices in (("float16", False, False), ("float16_slices", False, True),
-                                       ("fp8", True, False)):
+    for fp8_attention, chosen_tiles in (("float16", (False, False, False)), ("float16_slices", (False, True, False)),
+                                        ("float16_keys_first", (False, False, True)), ("fp8", (True, False, False))):
         chosen = choose_kernel_policy(GPU, LARGE, fp8_attention=fp8_attention)
-        assert (chosen.fp8_attention_dot, chosen.fp8_attention_slices) == (dot, slices)
+        assert (chosen.fp8_attention_dot, chosen.fp8_attention_slices,
+                chosen.fp8_attention_keys_first) == chosen_tiles
     assert choose_kernel_policy(GPU, LARGE, gemv_tiles="tune").gemv_tiles == "tune"
 
 

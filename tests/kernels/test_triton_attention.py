@@ -495,13 +495,14 @@ def test_fp8_dot_decode_matches_the_reference_on_fp8_queries(device, dtype, num_
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 2])
-@pytest.mark.parametrize("warp_split", [False, True], ids=["", "warp-split"])
+@pytest.mark.parametrize("tiles", ["", "warp_split", "keys_first"])
 @pytest.mark.parametrize("per_tensor", [False, True], ids=["row-scales", "tensor-scales"])
-def test_fp8_cache_rotary_decode_stores_what_rotary_write_stores(device, dtype, num_splits, warp_split, per_tensor):
+def test_fp8_cache_rotary_decode_stores_what_rotary_write_stores(device, dtype, num_splits, tiles, per_tensor):
     """The decode kernel that rotates and stores the step's key quantizes it as rotary_write_kv_cache does, and
     attends over the cache as paged_decode_attention does (its value cache transposed within its pages, the other
-    kernels' by rows: the stores follow the value cache's strides), in slices of keys a warp too; with a scale per
-    row or per tensor (the keys' and values' scales then cover only part of them: the rest saturates)."""
+    kernels' by rows: the stores follow the value cache's strides), in slices of keys a warp too, or with the keys
+    first at keys_first_config's tiles (the engine's kernel_config.fp8_attention); with a scale per row or per
+    tensor (the keys' and values' scales then cover only part of them: the rest saturates)."""
     from raylm.kernels.rotary import RotaryEmbedding, rope_inv_freq
 
     torch.manual_seed(5)
@@ -520,7 +521,8 @@ def test_fp8_cache_rotary_decode_stores_what_rotary_write_stores(device, dtype, 
     fused = [fused[0], transposed_within_pages(fused[0]), fused[1], fused[1].clone() / (2 if per_tensor else 1)]
     split = [fused[0].clone(), fused[1].contiguous(), fused[2].clone(), fused[3].clone()]
     got = rotary_decode_attention(q, k, v, cos, sin, fused[0], fused[1], slots, table, lens, head_dim**-0.5,
-                                  num_splits=num_splits, kv_scales=(fused[2], fused[3]), warp_split=warp_split)
+                                  num_splits=num_splits, kv_scales=(fused[2], fused[3]),
+                                  **({tiles: True} if tiles else {}))
     rotated_q = rotary_write_kv_cache(q, k, v, cos, sin, split[0], split[1], slots, kv_scales=(split[2], split[3]))
     expected = paged_decode_attention(rotated_q, split[0], split[1], table, lens, head_dim**-0.5,
                                       num_splits=num_splits, kv_scales=(split[2], split[3]))
