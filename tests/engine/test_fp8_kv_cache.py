@@ -245,8 +245,8 @@ def test_release_and_resume_bring_back_an_fp8_cache_that_generates_the_same(tiny
 def test_the_triton_kernels_on_an_fp8_cache_give_the_torch_reference_s_tokens(tiny_model_dirs, arch, fp8_attention,
                                                                                kv):
     """float32 on the GPU, the decode graphs on: the Triton writes and attention (prefill, decode with the rotation
-    inside, split K; decode tiles whole, in slices of keys a warp or with the keys first) against the torch backend on the same FP8 cache
-    layout, scaled per token or per tensor."""
+    inside, split K; decode tiles whole, in slices of keys a warp or with the keys first) against the torch backend
+    on the same FP8 cache layout, scaled per token or per tensor."""
     path = tiny_model_dirs[arch]
     options = dict(kv_cache_config=kv, device="cuda", dtype="float32", executor="local")
     triton_run = _generate(path, GREEDY, attention_backend="triton", kernel_config={"fp8_attention": fp8_attention},
