@@ -73,6 +73,7 @@
 #                                        # uncapped, the row-scale tile sweep, then the SiLU kernels (whole rows
 #                                        # under 4 / 8 / 32 warps) (~3 min)
 #   bash benchmarks/h200.sh fp8-kernels  # decode attention with the keys first, row-scale tiles, SiLU rows (~6 min)
+#   bash benchmarks/h200.sh fp8-keys-first  # the keys-first decode kernel alone, then fp8-throughput-keys-first (~7 min)
 #   bash benchmarks/h200.sh fp8-throughput-keys-first  # 1000 x (1024, 1024) with the keys first, its tests (~6 min)
 #   bash benchmarks/h200.sh fp8-throughput-batch-1024  # 1000 x (1024, 1024) FP8 at up to 1,024 a step (~3 min)
 #   bash benchmarks/h200.sh fp8-tiles-and-tests  # attention-registers, then the GPU tests of decode attention and
@@ -296,6 +297,15 @@ throughput_1000() {  # name seconds [settings...]
 }
 fp8_per_tensor_kv=(--set quant_config.quant_algo=FP8 --set kv_cache_config.dtype=fp8
                    --set kv_cache_config.fp8_scales=per_tensor)
+
+throughput_keys_first() {
+  # 1000 x (1024, 1024), FP8 weights + per-tensor FP8 cache, decode attention with the keys first
+  # (kernel_config.fp8_attention=float16_keys_first), then the GPU tests of its kernels and of the engine with it.
+  throughput_1000 throughput-8b-fp8-kv-per-tensor-keys-first 250 "${fp8_per_tensor_kv[@]}" \
+    --set kernel_config.fp8_attention=float16_keys_first
+  timeout 200 python -m pytest tests/kernels/test_triton_attention.py tests/engine/test_fp8_kv_cache.py -m gpu -q \
+    -p no:cacheprovider -k "keys_first or rotary_decode_stores" 2>&1 | tail -3
+}
 
 attention_registers() {  # the FP8 row-scale decode tile capped at 128 registers, its sweep, the SiLU warps
   # The decode kernel alone, 512 x 1024 and 256 x 2048 keys: FP8 with row scales by slots (the engine's per-token
@@ -564,13 +574,15 @@ case "${1:-}" in
     timeout 120 python benchmarks/activation.py --chunks 2048:4 $(output_json activation-8b-r8192) 2>&1 | tail -12
     timeout 100 python -m pytest tests/kernels/test_triton_ops.py -m gpu -k "silu" -q -p no:cacheprovider 2>&1 | tail -3
     ;;
+  fp8-keys-first)
+    # The decode kernel alone with the keys first against the default tiles (per-tensor and row scales by slots),
+    # then fp8-throughput-keys-first (~7 min).
+    timeout 120 python benchmarks/attention.py --kinds fp8-scales-by-slots fp8-scales-by-slots-keys-first \
+      fp8-per-tensor fp8-per-tensor-keys-first $(output_json attention-decode-8b-b512-l1024-keys-first) 2>&1 | tail -6
+    throughput_keys_first
+    ;;
   fp8-throughput-keys-first)
-    # 1000 x (1024, 1024), FP8 weights + per-tensor FP8 cache, decode attention with the keys first
-    # (kernel_config.fp8_attention=float16_keys_first), then the GPU tests of its kernels and of the engine with it.
-    throughput_1000 throughput-8b-fp8-kv-per-tensor-keys-first 250 "${fp8_per_tensor_kv[@]}" \
-      --set kernel_config.fp8_attention=float16_keys_first
-    timeout 200 python -m pytest tests/kernels/test_triton_attention.py tests/engine/test_fp8_kv_cache.py -m gpu -q \
-      -p no:cacheprovider -k "keys_first or rotary_decode_stores" 2>&1 | tail -3
+    throughput_keys_first
     ;;
   fp8-tiles-and-tests)
     # The next call's work, most wanted first: attention-registers (the row-scale tile capped at 128 registers, its
