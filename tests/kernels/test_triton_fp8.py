@@ -9,8 +9,11 @@ from tests.kernels import GPU_ONLY, MODULE_MARKS, kernel_device
 
 DEVICE = kernel_device()
 
+import triton  # noqa: E402  (after kernel_device(), which may ask for Triton's interpreter)
+import triton.language as tl  # noqa: E402
+
 from raylm.kernels.fp8 import dequantize_fp8, quantize_fp8  # noqa: E402
-from raylm.kernels.triton_fp8 import quantize_rows_fp8  # noqa: E402
+from raylm.kernels.triton_fp8 import divide_by_scale, quantize_rows_fp8  # noqa: E402
 
 pytestmark = MODULE_MARKS
 
@@ -57,3 +60,33 @@ def test_refuses_rows_that_are_not_a_contiguous_matrix():
 def test_an_empty_input_gives_empty_rows(dtype):
     quantized, scale = quantize_rows_fp8(torch.empty(0, 64, device=DEVICE, dtype=dtype))
     assert quantized.shape == (0, 64) and scale.shape == (0,)
+
+
+@triton.jit
+def _divide_kernel(values_ptr, scales_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    values = tl.load(values_ptr + offsets, mask=mask, other=0.0)
+    scales = tl.load(scales_ptr + offsets, mask=mask, other=1.0)
+    tl.store(out_ptr + offsets, divide_by_scale(values, scales), mask=mask)
+
+
+def test_dividing_by_a_scale_rounds_as_torch_divides():
+    """divide_by_scale (every FP8 quantizer's division: a reciprocal and an FMA correction) gives torch's correctly
+    rounded quotients: bf16 values over 40 binades and by their groups' amax / 448, and float32 values at FP8's
+    rounding midpoints times the scale and one ulp either side, where a quotient an ulp off would round to another
+    FP8 value."""
+    generator = torch.Generator().manual_seed(3)
+    n = 1 << 16
+    values = (torch.randn(n, generator=generator) * torch.exp(torch.empty(n).uniform_(-14, 14, generator=generator)))
+    values = values.bfloat16().float()
+    scales = torch.clamp(values.abs().reshape(-1, 64).amax(dim=1) / 448.0, min=torch.finfo(torch.float32).tiny)
+    scales = scales.repeat_interleave(64)
+    midpoints = torch.randint(-447 * 8, 447 * 8, (n,), generator=generator) / 8.0 + 1 / 16
+    at_midpoints = midpoints * scales
+    sides = torch.where(torch.rand(n, generator=generator) < 0.5, -torch.inf, torch.inf)
+    values = torch.cat([values, at_midpoints, torch.nextafter(at_midpoints, sides)]).to(DEVICE)
+    scales = scales.repeat(3).to(DEVICE)
+    out = torch.empty_like(values)
+    _divide_kernel[(triton.cdiv(values.numel(), 1024),)](values, scales, out, values.numel(), BLOCK=1024)
+    assert torch.equal(out, values / scales)
