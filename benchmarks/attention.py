@@ -22,7 +22,7 @@ and two variants of bf16 and of fp8-per-tensor:
 and fp8-values-by-slots-128-registers: the engine's FP8 layout with row scales, its threads capped at 128 registers
 (TileConfig.max_registers; 140 uncapped on sm_90), so that 4 programs fit an SM, not 3; fp8-per-tensor-keys-first:
 per-tensor scales with the keys and values first in the products (the queries padded to 8 rows, not 16; sm_90 at
-2 warps and 64 keys: 19.6 warp instructions a key against the default tiles' 25.1, of them 51 register moves a tile
+2 warps and 64 keys: 16.9 warp instructions a key against the default tiles' 25.1, of them 45 register moves a tile
 against 181, the queries read from shared memory as the products' second operand, not moved into the first's
 register quads); fp8-scales-by-slots-keys-first: the same with row scales by slots (the engine's per-token cache;
 20.6 a key against 28.7).

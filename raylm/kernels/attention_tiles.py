@@ -204,18 +204,28 @@ def _attend_tile(q, k, v, k_scale, v_scale, visible, m_i, l_i, acc, qk_scale, MA
 
 @triton.jit
 def _attend_tile_keys_first(q, k, v, k_scale, v_scale, key_mask, m_i, l_i, acc_t, qk_scale,
-                            DOT_PRECISION: tl.constexpr, FP8_DOT: tl.constexpr):
+                            DOT_PRECISION: tl.constexpr, FP8_DOT: tl.constexpr, KV_FP8: tl.constexpr = 1):
     """_attend_tile on an FP8 cache with its values by slots, transposed: keys [N, D] and the values' transpose
     [D, N] are the products' first operands, whose rows the tensor cores take 16 (64 for the warpgroup MMA) at a
     time, the GQA group's queries [G, D] and probabilities [G, N] the second, whose G needs padding to 8 only, not
     16. Scores are [N, G], the accumulator acc_t [D, G]; qk_scale [1, G] or a scalar. With FP8_DOT the FP8 tiles
     are multiplied as stored (the queries in FP8, the probabilities rounded to FP8 over [0, _WEIGHT_SPAN]);
-    otherwise widened to q's dtype, as _attend_tile does."""
+    otherwise widened to q's dtype, as _attend_tile does. With per-tensor scales (KV_FP8 2) and widened tiles no key
+    has a scale of its own: the probabilities weigh the values as they are (the same sums as weighing them by 1.0)."""
     if not FP8_DOT:
         k = k.to(q.dtype)
         v = v.to(q.dtype)
-    scores = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale * k_scale[:, None]
-    scores = tl.where(key_mask[:, None], scores, float("-inf"))
+    scores = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+    if KV_FP8 == 2 and not FP8_DOT:
+        scores = tl.where(key_mask[:, None], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(scores - m_ref[None, :])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc_t = tl.dot(tl.trans(v), p.to(v.dtype), acc=acc_t * alpha[None, :], input_precision=DOT_PRECISION)
+        return m_new, l_i, acc_t
+    scores = tl.where(key_mask[:, None], scores * k_scale[:, None], float("-inf"))
     # the scores' and the value scales' maxima in one reduction (one exchange between warps, not two)
     tile_max, top = tl.reduce((scores, tl.broadcast_to(v_scale[:, None], scores.shape)), 0, _max_pair)
     m_new = tl.maximum(m_i, tile_max)
