@@ -574,6 +574,16 @@ case "${1:-}" in
     timeout 120 python benchmarks/activation.py --chunks 2048:4 $(output_json activation-8b-r8192) 2>&1 | tail -12
     timeout 100 python -m pytest tests/kernels/test_triton_ops.py -m gpu -k "silu" -q -p no:cacheprovider 2>&1 | tail -3
     ;;
+  fp8-keys-first-kernels)
+    # fp8-keys-first without the throughput run (~4 min): the quantizers' GPU tests, the decode kernel alone with the
+    # keys first, the GPU tests of its kernels.
+    timeout 100 python -m pytest tests/kernels/test_triton_fp8.py tests/kernels/test_triton_ops.py -m gpu -q \
+      -p no:cacheprovider -k "fp8 or dividing" 2>&1 | tail -3
+    timeout 120 python benchmarks/attention.py --kinds fp8-scales-by-slots fp8-scales-by-slots-keys-first \
+      fp8-per-tensor fp8-per-tensor-keys-first $(output_json attention-decode-8b-b512-l1024-keys-first) 2>&1 | tail -6
+    timeout 120 python -m pytest tests/kernels/test_triton_attention.py -m gpu -q -p no:cacheprovider \
+      -k "keys_first or rotary_decode_stores" 2>&1 | tail -3
+    ;;
   fp8-keys-first)
     # The decode kernel alone with the keys first against the default tiles (per-tensor and row scales by slots),
     # then fp8-throughput-keys-first (~7 min).
