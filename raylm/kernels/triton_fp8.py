@@ -38,7 +38,8 @@ def divide_by_scale(values, scale):
     the SiLU-and-mul into FP8 rows loses a fifth of its instructions)."""
     inverse = tl.div_rn(1.0, scale)
     quotient = values * inverse
-    return tl.fma(tl.fma(-quotient, scale, values), inverse, quotient)
+    # the remainder negated (quotient * scale - values, exact), so that -0.0 keeps its sign: torch gives -0.0 / s = -0.0
+    return tl.fma(-tl.fma(quotient, scale, -values), inverse, quotient)
 
 
 @triton.jit
