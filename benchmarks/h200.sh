@@ -72,8 +72,10 @@
 #   bash benchmarks/h200.sh attention-registers  # the FP8 row-scale decode kernel capped at 128 registers against
 #                                        # uncapped, the row-scale tile sweep, then the SiLU kernels (whole rows
 #                                        # under 4 / 8 / 32 warps) (~3 min)
-#   bash benchmarks/h200.sh fp8-kernels  # decode attention with the keys first, row-scale tiles, SiLU rows (~6 min)
-#   bash benchmarks/h200.sh fp8-keys-first  # the keys-first decode kernel alone, then fp8-throughput-keys-first (~7 min)
+#   bash benchmarks/h200.sh fp8-keys-first  # the next call: the FP8 quantizers' GPU tests, the keys-first decode kernel
+#                                        # alone, then fp8-throughput-keys-first (~7 min); fp8-keys-first-kernels:
+#                                        # the same without the throughput run (~4 min)
+#   bash benchmarks/h200.sh fp8-kernels  # decode attention with the keys first, their tile sweep, SiLU rows (~6 min)
 #   bash benchmarks/h200.sh fp8-throughput-keys-first  # 1000 x (1024, 1024) with the keys first, its tests (~6 min)
 #   bash benchmarks/h200.sh fp8-throughput-batch-1024  # 1000 x (1024, 1024) FP8 at up to 1,024 a step (~3 min)
 #   bash benchmarks/h200.sh fp8-tiles-and-tests  # attention-registers, then the GPU tests of decode attention and
