@@ -300,6 +300,15 @@ throughput_1000() {  # name seconds [settings...]
 fp8_per_tensor_kv=(--set quant_config.quant_algo=FP8 --set kv_cache_config.dtype=fp8
                    --set kv_cache_config.fp8_scales=per_tensor)
 
+keys_first_kernels() {
+  # The FP8 quantizers' division as a reciprocal and an FMA correction: their bytes against torch's (GPU tests); the
+  # decode kernel alone with the keys first against the default tiles, per-tensor and row scales by slots.
+  timeout 100 python -m pytest tests/kernels/test_triton_fp8.py tests/kernels/test_triton_ops.py -m gpu -q \
+    -p no:cacheprovider -k "fp8 or dividing" 2>&1 | tail -3
+  timeout 120 python benchmarks/attention.py --kinds fp8-scales-by-slots fp8-scales-by-slots-keys-first \
+    fp8-per-tensor fp8-per-tensor-keys-first $(output_json attention-decode-8b-b512-l1024-keys-first) 2>&1 | tail -6
+}
+
 throughput_keys_first() {
   # 1000 x (1024, 1024), FP8 weights + per-tensor FP8 cache, decode attention with the keys first
   # (kernel_config.fp8_attention=float16_keys_first), then the GPU tests of its kernels and of the engine with it.
@@ -577,23 +586,14 @@ case "${1:-}" in
     timeout 100 python -m pytest tests/kernels/test_triton_ops.py -m gpu -k "silu" -q -p no:cacheprovider 2>&1 | tail -3
     ;;
   fp8-keys-first-kernels)
-    # fp8-keys-first without the throughput run (~4 min): the quantizers' GPU tests, the decode kernel alone with the
-    # keys first, the GPU tests of its kernels.
-    timeout 100 python -m pytest tests/kernels/test_triton_fp8.py tests/kernels/test_triton_ops.py -m gpu -q \
-      -p no:cacheprovider -k "fp8 or dividing" 2>&1 | tail -3
-    timeout 120 python benchmarks/attention.py --kinds fp8-scales-by-slots fp8-scales-by-slots-keys-first \
-      fp8-per-tensor fp8-per-tensor-keys-first $(output_json attention-decode-8b-b512-l1024-keys-first) 2>&1 | tail -6
+    # fp8-keys-first without the throughput run (~4 min): keys_first_kernels, then the GPU tests of its kernels.
+    keys_first_kernels
     timeout 120 python -m pytest tests/kernels/test_triton_attention.py -m gpu -q -p no:cacheprovider \
       -k "keys_first or rotary_decode_stores" 2>&1 | tail -3
     ;;
   fp8-keys-first)
-    # The decode kernel alone with the keys first against the default tiles (per-tensor and row scales by slots),
-    # then fp8-throughput-keys-first (~7 min).
-    # the FP8 quantizers' division as a reciprocal and an FMA correction: their bytes against torch's
-    timeout 100 python -m pytest tests/kernels/test_triton_fp8.py tests/kernels/test_triton_ops.py -m gpu -q \
-      -p no:cacheprovider -k "fp8 or dividing" 2>&1 | tail -3
-    timeout 120 python benchmarks/attention.py --kinds fp8-scales-by-slots fp8-scales-by-slots-keys-first \
-      fp8-per-tensor fp8-per-tensor-keys-first $(output_json attention-decode-8b-b512-l1024-keys-first) 2>&1 | tail -6
+    # keys_first_kernels, then fp8-throughput-keys-first (~7 min).
+    keys_first_kernels
     throughput_keys_first
     ;;
   fp8-throughput-keys-first)

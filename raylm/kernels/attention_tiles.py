@@ -216,29 +216,26 @@ def _attend_tile_keys_first(q, k, v, k_scale, v_scale, key_mask, m_i, l_i, acc_t
         k = k.to(q.dtype)
         v = v.to(q.dtype)
     scores = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
-    if KV_FP8 == 2 and not FP8_DOT:
+    if KV_FP8 == 2 and not FP8_DOT:  # no scale a key
         scores = tl.where(key_mask[:, None], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(scores - m_ref[None, :])
-        alpha = tl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc_t = tl.dot(tl.trans(v), p.to(v.dtype), acc=acc_t * alpha[None, :], input_precision=DOT_PRECISION)
-        return m_new, l_i, acc_t
-    scores = tl.where(key_mask[:, None], scores * k_scale[:, None], float("-inf"))
-    # the scores' and the value scales' maxima in one reduction (one exchange between warps, not two)
-    tile_max, top = tl.reduce((scores, tl.broadcast_to(v_scale[:, None], scores.shape)), 0, _max_pair)
+        tile_max = tl.max(scores, axis=0)
+    else:  # the scores' and the value scales' maxima in one reduction (one exchange between warps, not two)
+        scores = tl.where(key_mask[:, None], scores * k_scale[:, None], float("-inf"))
+        tile_max, top = tl.reduce((scores, tl.broadcast_to(v_scale[:, None], scores.shape)), 0, _max_pair)
     m_new = tl.maximum(m_i, tile_max)
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(scores - m_ref[None, :])
     alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, axis=0)
-    top = tl.where(top > 0.0, top, 1.0)
-    if FP8_DOT:
-        top = top / _WEIGHT_SPAN
-    weights = (p * v_scale[:, None] * (1.0 / top)[None, :]).to(v.dtype)
-    acc_t = tl.dot(tl.trans(v), weights, acc=acc_t * (alpha / top)[None, :], input_precision=DOT_PRECISION)
-    acc_t = acc_t * top[None, :]
+    if KV_FP8 == 2 and not FP8_DOT:
+        acc_t = tl.dot(tl.trans(v), p.to(v.dtype), acc=acc_t * alpha[None, :], input_precision=DOT_PRECISION)
+    else:
+        top = tl.where(top > 0.0, top, 1.0)
+        if FP8_DOT:
+            top = top / _WEIGHT_SPAN
+        weights = (p * v_scale[:, None] * (1.0 / top)[None, :]).to(v.dtype)
+        acc_t = tl.dot(tl.trans(v), weights, acc=acc_t * (alpha / top)[None, :], input_precision=DOT_PRECISION)
+        acc_t = acc_t * top[None, :]
     return m_new, l_i, acc_t
 
 
