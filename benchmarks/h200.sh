@@ -72,6 +72,8 @@
 #   bash benchmarks/h200.sh attention-registers  # the FP8 row-scale decode kernel capped at 128 registers against
 #                                        # uncapped, the row-scale tile sweep, then the SiLU kernels (whole rows
 #                                        # under 4 / 8 / 32 warps) (~3 min)
+#   bash benchmarks/h200.sh fp8-tiles    # o's and down's input quantized a tile at a time in the GEMV: its GPU tests,
+#                                        # 8B batch 1 with it, fp8_rows and bf16 (~6 min); fp8-tiles-b8: batch 8 (~5 min)
 #   bash benchmarks/h200.sh fp8-keys-first  # the next call: the FP8 quantizers' GPU tests, the keys-first decode kernel
 #                                        # alone, then fp8-throughput-keys-first (~7 min); fp8-keys-first-kernels:
 #                                        # the same without the throughput run (~4 min)
@@ -250,6 +252,13 @@ fp8_rows_tests() {  # the GPU tests of the FP8 rows handed to the GEMV
 fp8_rows_latency() {  # batch: 8B latency with FP8 weights (fp8_gemv_input fp8_rows, then the default float16), bf16
   latency "latency-8b-b$1-fp8-fp8_rows-input" "$llama" "$1" --set quant_config.quant_algo=FP8 \
     --set kernel_config.fp8_gemv_input=fp8_rows
+  latency "latency-8b-b$1-fp8" "$llama" "$1" --set quant_config.quant_algo=FP8
+  latency "latency-8b-b$1" "$llama" "$1"
+}
+
+fp8_tiles_latency() {  # batch: 8B latency with FP8 weights, fp8_gemv_input fp8_tiles then the default, then bf16
+  latency "latency-8b-b$1-fp8-tiles" "$llama" "$1" --set quant_config.quant_algo=FP8 \
+    --set kernel_config.fp8_gemv_input=fp8_tiles
   latency "latency-8b-b$1-fp8" "$llama" "$1" --set quant_config.quant_algo=FP8
   latency "latency-8b-b$1" "$llama" "$1"
 }
@@ -590,6 +599,16 @@ case "${1:-}" in
     keys_first_kernels
     timeout 120 python -m pytest tests/kernels/test_triton_attention.py -m gpu -q -p no:cacheprovider \
       -k "keys_first or rotary_decode_stores" 2>&1 | tail -3
+    ;;
+  fp8-tiles)
+    # o's and down's input quantized a tile at a time in the GEMV (fp8_gemv_input=fp8_tiles): its GPU tests, then 8B
+    # batch 1 with it, with the default fp8_rows and in bf16 (~6 min); fp8-tiles-b8: batch 8 the same (~5 min).
+    timeout 120 python -m pytest tests/kernels/test_triton_gemv.py tests/kernels/test_triton_fp8.py -m gpu -q -rfEs \
+      -p no:cacheprovider -k "fp8_tiles or power_of_two or dividing" 2>&1 | tail -3
+    fp8_tiles_latency 1
+    ;;
+  fp8-tiles-b8)
+    fp8_tiles_latency 8
     ;;
   fp8-keys-first)
     # keys_first_kernels, then fp8-throughput-keys-first (~7 min).

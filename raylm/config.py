@@ -106,10 +106,13 @@ class KernelConfig(StrictModel):
         default=None, description="Decode-sized linear layers (at most 8 rows) through the Triton GEMV instead of "
                                   "cuBLAS; null: on for models with at least 4 GiB of weights per rank, whose decode "
                                   "steps stream weights.")
-    fp8_gemv_input: Literal["model_dtype", "float16", "fp8", "fp8_rows"] = Field(
+    fp8_gemv_input: Literal["model_dtype", "float16", "fp8", "fp8_rows", "fp8_tiles"] = Field(
         default="fp8_rows", description="Decode GEMVs on FP8 weights: 'fp8_rows' (the default, the fastest at "
                                         "batch 1 and 8) takes FP8 where the RMSNorm before wrote it (qkv, gate / up) "
-                                        "and float16 elsewhere (o, down), with no quantizer kernel; 'float16' "
+                                        "and float16 elsewhere (o, down), with no quantizer kernel; 'fp8_tiles' "
+                                        "takes the RMSNorm's FP8 rows too, and quantizes o's and down's input in the "
+                                        "GEMV, a scale per row and 128 values of K, for the FP8 tensor cores; "
+                                        "'float16' "
                                         "multiplies the weights widened to float16 with the activations rounded to "
                                         "float16; 'model_dtype' widens the weights to the activations' dtype; 'fp8' "
                                         "quantizes every layer's activations per token and multiplies FP8 by FP8. "

@@ -29,6 +29,10 @@ WEIGHT_STREAMING_BYTES = 4 << 30
 STREAMING_PDL_MODE = "tail"
 _PDL_MIN_CAPABILITY = (9, 0)
 _HALF = (torch.float16, torch.bfloat16)
+# fp8_gemv_input settings under which the GEMVs after an RMSNorm take the FP8 rows it writes (INPUT_MODES "fp8"), and
+# the input mode of the others (o, down), whose input comes as a tensor.
+_HANDED_FP8_ROWS = {"fp8_rows": "float16", "fp8_tiles": "fp8_tiles"}
+_FP8_INPUTS = ("fp8", *_HANDED_FP8_ROWS)  # the settings that need FP8 tensor cores
 
 
 @functools.cache
@@ -56,7 +60,7 @@ class KernelPolicy:
     triton: bool = False
     decode_gemv: bool = False
     pdl: int = 0
-    fp8_gemv_input: str = "fp8_rows"  # how GEMVs on FP8 weights take their input (INPUT_MODES or "fp8_rows")
+    fp8_gemv_input: str = "fp8_rows"  # how GEMVs on FP8 weights take their input (INPUT_MODES or _HANDED_FP8_ROWS)
     lora_beside: bool = False  # LoRA's products computed on a second stream beside the GEMV, added after it
     fp8_attention_dot: bool = False  # decode attention over an FP8 cache multiplies on FP8 tensor cores
     fp8_attention_slices: bool = False  # ... or widens, each tile in a slice of keys a warp (TileConfig.warp_split)
@@ -71,17 +75,17 @@ class KernelPolicy:
     def gemv_input_mode(self, weight_scale: torch.Tensor | None, x=None) -> str:
         """How the GEMV takes its input x for a weight (triton_gemv.INPUT_MODES): fp8_gemv_input for an FP8 weight
         (one with a weight_scale), "model_dtype" for any other. Under "fp8_rows", "fp8" for FP8 rows handed over
-        (kernels/fp8.py's Fp8Rows) and "float16" for a tensor."""
+        (kernels/fp8.py's Fp8Rows) and "float16" for a tensor; under "fp8_tiles", "fp8" and "fp8_tiles"."""
         if weight_scale is None:
             return "model_dtype"
-        if self.fp8_gemv_input == "fp8_rows":
-            return "float16" if isinstance(x, torch.Tensor) else "fp8"
+        if self.fp8_gemv_input in _HANDED_FP8_ROWS:
+            return _HANDED_FP8_ROWS[self.fp8_gemv_input] if isinstance(x, torch.Tensor) else "fp8"
         return self.fp8_gemv_input
 
     @property
     def gemv_takes_fp8_rows(self) -> bool:
         """Whether GEMVs on FP8 weights take FP8 rows that the kernel before them wrote (Fp8Rows)."""
-        return self.fp8_gemv_input in ("fp8", "fp8_rows")
+        return self.fp8_gemv_input in _FP8_INPUTS
 
     def gemv_applies(self, x, weight: torch.Tensor) -> bool:
         """Whether x @ weight.T goes to the Triton GEMV: a few rows of half-precision input on CUDA, the weight in
@@ -120,14 +124,14 @@ def choose_kernel_policy(device: torch.device, weight_bytes: int, triton: bool =
     fp8_attention is "fp8", tiles in slices a warp where it is "float16_slices", the keys and values first in the
     products where it is "float16_keys_first"; the GEMV's tiles as gemv_tiles says
     (kernels/gemv_tiles.py); gemv_prefetch bytes of each weight row asked of the L2 before a GEMV's PDL wait, where PDL
-    is on. FP8 rows into the GEMV (fp8_gemv_input "fp8" or "fp8_rows") need FP8 tensor cores (compute capability 8.9+);
-    below that the GEMV takes float16."""
+    is on. FP8 inputs to the GEMV (fp8_gemv_input "fp8", "fp8_rows" or "fp8_tiles") need FP8 tensor cores (compute
+    capability 8.9+); below that the GEMV takes float16."""
     if pdl != "auto" and pdl not in PDL_TRIGGERS:
         raise ValueError(f"kernel_config.pdl must be 'auto' or one of {sorted(PDL_TRIGGERS)}, got {pdl!r}")
     on_triton = triton and device.type == "cuda" and triton_available()
     if not on_triton:
         return KernelPolicy()
-    if fp8_gemv_input in ("fp8", "fp8_rows") and torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
+    if fp8_gemv_input in _FP8_INPUTS and torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
         fp8_gemv_input = "float16"
     streaming = streams_weights(weight_bytes)
     mode = PDL_TRIGGERS[(STREAMING_PDL_MODE if streaming else "off") if pdl == "auto" else pdl]

@@ -19,6 +19,7 @@ from raylm.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _MIN_SCALE = tl.constexpr(FP8_MIN_SCALE)
 _BLOCK_K = 1024
+_MIN_POWER_OF_TWO_AMAX = tl.constexpr(2.0 ** -60)
 
 
 # Divisions are rounded as torch rounds them (Triton's `/` is the GPU's approximate one), so kernels quantize to the
@@ -27,6 +28,18 @@ _BLOCK_K = 1024
 def fp8_scale(amax):
     """The scale of values whose largest magnitude is amax: amax / 448, the smallest normal float32 for zeros."""
     return tl.maximum(tl.div_rn(amax, _FP8_MAX), _MIN_SCALE)
+
+
+@triton.jit
+def power_of_two_scale(amax):
+    """(scale, 1 / scale) for values whose largest magnitude is amax: the smallest power of two with amax / scale <=
+    448, from amax's bits (amax held at 2^-60 or more, so both are normal float32). Dividing by it is exact, so a
+    value's quantization rounds once, to FP8, and FP8's relative precision is the same at any scale: a power of two
+    costs at most one binade of range at the bottom against amax / 448 (microscaling's E8M0 scales do the same)."""
+    bits = tl.maximum(amax, _MIN_POWER_OF_TWO_AMAX).to(tl.int32, bitcast=True)
+    # amax = 1.m x 2^e; amax <= 448 x 2^s = 1.75 x 2^(8 + s) holds for s = e - 8 where m <= 0.75, else e - 7
+    exponent = (bits >> 23) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    return ((exponent + 127) << 23).to(tl.float32, bitcast=True), ((127 - exponent) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit

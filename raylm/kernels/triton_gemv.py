@@ -22,7 +22,7 @@ with kernel_config.gemv_prefetch asks the L2 for that many more bytes of each of
 FP8 weights (float8_e4m3fn with a float32 scale per output row, kernels/fp8.py) stream half the bytes; the row's
 scale goes on the float32 sum, and their tiles are tuned apart, with wider K tiles (the same bytes in flight). How
 the FP8 tile meets x is kernel_config.fp8_gemv_input (INPUT_MODES):
-- "float16" (the default): the weight is widened to float16 (one conversion per two values; bfloat16 takes three)
+- "float16": the weight is widened to float16 (one conversion per two values; bfloat16 takes three)
   and x rounded to float16, exact for bfloat16 values of magnitude 2^-14 to 65504 (larger ones are held at 65504).
   Fastest on the H200: 8B batch 1 at 3.66 ms/token against 3.99 widening to bfloat16 (docs/benchmarks.md).
 - "model_dtype": the weight is widened to x's dtype (exactly: every e4m3 value is a bfloat16 / float16 value) and
@@ -33,6 +33,13 @@ the FP8 tile meets x is kernel_config.fp8_gemv_input (INPUT_MODES):
   product where 64+ weight rows go first: under one machine instruction a weight byte, against ~7 on the CUDA
   cores). One row tunes the CUDA-core tilings and the tensor-core ones together. (Each program re-reading x's
   whole row for its amax inside the GEMV measured 14.4 ms/token.)
+- "fp8_tiles": x as it comes (o's and down's input, which no kernel before them writes as FP8 rows), each
+  FP8_TILE_K-wide tile quantized in the loop with a scale per row and tile: the smallest power of two that brings the
+  tile's amax within 448 (an exact division; FP8's relative precision does not depend on the scale), the tile's FP8
+  product scaled by it as it is added. Every tiling is FP8_TILE_K wide in K, so the tuning cannot change the
+  results; finer than a scale per token. On the FP8 tensor cores at one row too (x padded to 16 rows).
+kernel_config.fp8_gemv_input "fp8_rows" (the default) and "fp8_tiles" take "fp8" for the rows an RMSNorm hands over
+and "float16" or "fp8_tiles" for o and down (kernels/policy.py).
 
 One input row on FP8 weights (batch-1 decode) skips the tensor cores in the plain GEMV (CORE): the dot pads x to 16
 rows and, in the float16 mode, converts all 16 every tile, as much work per tile as widening the weight when
@@ -64,16 +71,20 @@ from raylm.kernels.gemv_tiles import (
     SPLITS,
     candidates,
     core_candidates,
+    fp8_tile_candidates,
     tiling,
     without_splits_for_wide_layers,
 )
 from raylm.kernels.pdl import launch_options, pdl_trigger_at_tail, pdl_wait
 from raylm.kernels.policy import GEMV_MAX_ROWS
-from raylm.kernels.triton_fp8 import quantize_rows_fp8
+from raylm.kernels.triton_fp8 import power_of_two_scale, quantize_rows_fp8
 
 _BLOCK_M = 16  # tl.dot's smallest tile; rows past M are masked
 _FLOAT16_MAX = tl.constexpr(65504.0)
 _CORE_RUN = tl.constexpr(16)  # FP8 weights a thread loads in one 16-byte vector: summed in its registers each tile
+# The "fp8_tiles" input mode quantizes x per row and block of this many values of K, whatever the tiling: its tiles
+# are this wide in K, so that the results do not depend on which tiling the tuning chose.
+FP8_TILE_K = 128
 
 
 @triton.jit
@@ -98,16 +109,37 @@ def _x_scales(x_scale_ptr, rows, row_mask, BLOCK_M: tl.constexpr, X_MODE: tl.con
 
 
 @triton.jit
-def _dot(x, w, acc, X_MODE: tl.constexpr, SWAP_AB: tl.constexpr):
+def _x_operand(x, X_MODE: tl.constexpr):
+    """x's tile ([BLOCK_M, BLOCK_K]) as _dot takes it, and its rows' scales ([BLOCK_M] float32): X_MODE 1, rounded
+    to float16, inputs past its range held at its largest value rather than made infinite; 3, quantized to FP8 here
+    with a scale per row, the tile's amax / 448 (the tile is FP8_TILE_K wide); other modes as it is, scales 1.0."""
+    if X_MODE == 3:
+        values = x.to(tl.float32)
+        scale, inverse = power_of_two_scale(tl.max(tl.abs(values), axis=1))
+        return (values * inverse[:, None]).to(tl.float8e4nv), scale
+    elif X_MODE == 1:
+        return (tl.clamp(x.to(tl.float32), -_FLOAT16_MAX, _FLOAT16_MAX).to(tl.float16),
+                tl.full([x.shape[0]], 1.0, tl.float32))
+    else:
+        return x, tl.full([x.shape[0]], 1.0, tl.float32)
+
+
+@triton.jit
+def _dot(x, x_tile_scale, w, acc, X_MODE: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc + x w^T ([BLOCK_M, BLOCK_N]), or with SWAP_AB its transpose acc + w x^T ([BLOCK_N, BLOCK_M]: the weight
-    tile as the dot's first operand, in the order it is stored), by X_MODE: 0, w widened to x's dtype (a no-op for
-    a half-precision w); 1, both in float16; 2, x's FP8 rows (their scales go on in the epilogue) and the FP8 w as
-    they are."""
-    if X_MODE == 1:  # inputs past float16's range are held at its largest value rather than made infinite
-        x = tl.clamp(x.to(tl.float32), -_FLOAT16_MAX, _FLOAT16_MAX).to(tl.float16)
+    tile as the dot's first operand, in the order it is stored), x as _x_operand gives it, by X_MODE: 0, w widened
+    to x's dtype (a no-op for a half-precision w); 1, both in float16; 2, x's FP8 rows (their scales go on in the
+    epilogue) and the FP8 w as they are; 3, x's tile in FP8 and the FP8 w as they are, the product scaled by the
+    tile's scales (x_tile_scale) as it is added."""
+    if X_MODE == 1:
         w = w.to(tl.float16)
     elif X_MODE == 0:
         w = w.to(x.dtype)
+    if X_MODE == 3:
+        if SWAP_AB:
+            return acc + tl.dot(w, tl.trans(x)) * x_tile_scale[None, :]
+        else:
+            return acc + tl.dot(x, tl.trans(w)) * x_tile_scale[:, None]
     if SWAP_AB:
         return tl.dot(w, tl.trans(x), acc)
     else:
@@ -232,11 +264,12 @@ def _gemv_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr, partial_
         acc = _core_sums(x_ptr, w_rows, w, ks, col_mask, k_start, k_end, BLOCK_N, BLOCK_K, X_MODE, CORE_AHEAD)
         pdl_trigger_at_tail(USE_PDL)
     else:
-        acc = _dot(_x_tile(x_rows, ks, row_mask, k_end), w, _zero_sums(BLOCK_M, BLOCK_N, SWAP_AB), X_MODE, SWAP_AB)
+        x, x_tile_scale = _x_operand(_x_tile(x_rows, ks, row_mask, k_end), X_MODE)
+        acc = _dot(x, x_tile_scale, w, _zero_sums(BLOCK_M, BLOCK_N, SWAP_AB), X_MODE, SWAP_AB)
         for start in range(k_start + BLOCK_K, k_end, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
-            acc = _dot(_x_tile(x_rows, ks, row_mask, k_end), _w_tile(w_rows, ks, col_mask, k_end), acc, X_MODE,
-                       SWAP_AB)
+            x, x_tile_scale = _x_operand(_x_tile(x_rows, ks, row_mask, k_end), X_MODE)
+            acc = _dot(x, x_tile_scale, _w_tile(w_rows, ks, col_mask, k_end), acc, X_MODE, SWAP_AB)
         pdl_trigger_at_tail(USE_PDL)
         acc = _rows_first(acc, SWAP_AB)
     if SPLIT_K > 1:
@@ -293,14 +326,14 @@ def _gemv_silu_mul_kernel(x_ptr, x_scale_ptr, w_ptr, bias_ptr, scale_ptr, y_ptr,
         _prefetch_rows(up_rows, 0, K, HAS_SCALE, BLOCK_K, PREFETCH)
     pdl_wait(USE_PDL, TRIGGER_AT_TAIL=True)
     x_scale = _x_scales(x_scale_ptr, rows, row_mask, BLOCK_M, X_MODE)
-    x = _x_tile(x_rows, ks, row_mask, K)
-    acc_gate = _dot(x, w_gate, _zero_sums(BLOCK_M, BLOCK_N, SWAP_AB), X_MODE, SWAP_AB)
-    acc_up = _dot(x, w_up, _zero_sums(BLOCK_M, BLOCK_N, SWAP_AB), X_MODE, SWAP_AB)
+    x, x_tile_scale = _x_operand(_x_tile(x_rows, ks, row_mask, K), X_MODE)
+    acc_gate = _dot(x, x_tile_scale, w_gate, _zero_sums(BLOCK_M, BLOCK_N, SWAP_AB), X_MODE, SWAP_AB)
+    acc_up = _dot(x, x_tile_scale, w_up, _zero_sums(BLOCK_M, BLOCK_N, SWAP_AB), X_MODE, SWAP_AB)
     for start in range(BLOCK_K, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
-        x = _x_tile(x_rows, ks, row_mask, K)
-        acc_gate = _dot(x, _w_tile(gate_rows, ks, col_mask, K), acc_gate, X_MODE, SWAP_AB)
-        acc_up = _dot(x, _w_tile(up_rows, ks, col_mask, K), acc_up, X_MODE, SWAP_AB)
+        x, x_tile_scale = _x_operand(_x_tile(x_rows, ks, row_mask, K), X_MODE)
+        acc_gate = _dot(x, x_tile_scale, _w_tile(gate_rows, ks, col_mask, K), acc_gate, X_MODE, SWAP_AB)
+        acc_up = _dot(x, x_tile_scale, _w_tile(up_rows, ks, col_mask, K), acc_up, X_MODE, SWAP_AB)
     pdl_trigger_at_tail(USE_PDL)
     acc_gate = _rows_first(acc_gate, SWAP_AB)
     acc_up = _rows_first(acc_up, SWAP_AB)
@@ -334,6 +367,8 @@ def _tuned(kernel, split: bool, fp8: bool, core: bool, input_mode: int = 0):
         # whichever times faster; each tiling says which (CORE, BLOCK_M).
         configs = [_with(config, BLOCK_M=_CORE_ROWS) for config in core_candidates(split)]
         configs += [_with(config, BLOCK_M=_BLOCK_M, CORE=0) for config in candidates(split, fp8)]
+    elif input_mode == INPUT_MODES["fp8_tiles"]:
+        configs = fp8_tile_candidates(split, FP8_TILE_K)
     else:
         configs = core_candidates(split) if core else candidates(split, fp8)
     return gemv_tiles.autotune(kernel, configs, prune)
@@ -345,8 +380,8 @@ def _with(config: triton.Config, **kwargs) -> triton.Config:
 
 
 # How a GEMV on FP8 weights takes its input (X_MODE): "model_dtype" widens the weight to the input's dtype, "float16"
-# multiplies both in float16, "fp8" quantizes the input to FP8.
-INPUT_MODES = {"model_dtype": 0, "float16": 1, "fp8": 2}
+# multiplies both in float16, "fp8" quantizes the input to FP8 per row, "fp8_tiles" per row and FP8_TILE_K values of K.
+INPUT_MODES = {"model_dtype": 0, "float16": 1, "fp8": 2, "fp8_tiles": 3}
 # Where a GEMV's tiles come from when no config is given: timed at a layer shape's first call, or shipped for the GPU
 # model (kernels/gemv_tiles.py).
 TILE_SOURCES = ("tune", "shipped")
@@ -356,7 +391,7 @@ TILE_SOURCES = ("tune", "shipped")
 _CORE_ROWS = 1
 # Tuned kernels by (whether the weight is FP8, the input mode, whether they multiply on the CUDA cores); the CUDA
 # cores only for the plain GEMV.
-_VARIANTS = ((False, 0, False), *((True, mode, False) for mode in (0, 1, 2)))
+_VARIANTS = ((False, 0, False), *((True, mode, False) for mode in (0, 1, 2, 3)))
 _CORE_VARIANTS = tuple((True, mode, True) for mode in (0, 1, 2))
 _gemv_tuned = {(fp8, mode, core): _tuned(_gemv_kernel, True, fp8, core, mode)
                for fp8, mode, core in (*_VARIANTS, *_CORE_VARIANTS)}
@@ -495,16 +530,20 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
     args = (rows, x_scale if x_scale is not None else weight, weight, bias if bias is not None else weight,
             weight_scale if weight_scale is not None else weight,
             out, *(workspace or ()), M, N, K, rows.stride(0), weight.stride(0), out.stride(0))
+    # One row of a plain GEMV on FP8 weights multiplies on the CUDA cores (unless a given configuration says
+    # otherwise), except where x is quantized a tile at a time: for the FP8 tensor cores.
+    core_row = (kernel is _gemv_kernel and weight_scale is not None and M <= _CORE_ROWS
+                and input_mode != INPUT_MODES["fp8_tiles"])
     if config is None and tiles == "shipped":
-        core = kernel is _gemv_kernel and weight_scale is not None and M <= _CORE_ROWS
-        config = _shipped_tiling(kernel, weight.dtype, rows.dtype, input_mode, core, rows.device, N, K)
+        config = _shipped_tiling(kernel, weight.dtype, rows.dtype, input_mode, core_row, rows.device, N, K)
     if _INTERPRETED and config is None:
         config = _INTERPRETED_CONFIG
-    # One row of a plain GEMV on FP8 weights multiplies on the CUDA cores, unless a given configuration says otherwise.
-    core = bool(config.get("CORE", 0)) if config is not None else (
-        kernel is _gemv_kernel and weight_scale is not None and M <= _CORE_ROWS)
+    core = bool(config.get("CORE", 0)) if config is not None else core_row
     if core and (M > _CORE_ROWS or kernel is not _gemv_kernel):
         raise ValueError(f"CORE multiplies at most {_CORE_ROWS} input row, in the plain GEMV; got M={M}")
+    if input_mode == INPUT_MODES["fp8_tiles"] and config is not None and (core or config["BLOCK_K"] != FP8_TILE_K):
+        raise ValueError(f"input_mode 'fp8_tiles' takes tiles of BLOCK_K={FP8_TILE_K} on the tensor cores (the "
+                         f"quantization's block), got {config}")
     flags = {"HAS_BIAS": bias is not None, "HAS_SCALE": weight_scale is not None, "X_MODE": input_mode}
     if not ("BLOCK_M" in config if config is not None else _tiles_say_rows(core, input_mode)):
         flags["BLOCK_M"] = _CORE_ROWS if core else _BLOCK_M

@@ -84,10 +84,10 @@ def test_fp8_rows_into_the_gemv_need_fp8_tensor_cores(hopper, monkeypatch):
     """fp8_gemv_input's FP8 modes (the default fp8_rows, and fp8) multiply FP8 by FP8: from compute capability 8.9
     (Ada, Hopper); an Ampere GPU's GEMV takes float16 instead, whatever was asked."""
     assert choose_kernel_policy(GPU, LARGE).fp8_gemv_input == "fp8_rows"
-    for capability, modes in (((8, 9), ["fp8_rows", "fp8", "float16"]), ((8, 0), ["float16", "float16", "float16"])):
+    asked = ("fp8_rows", "fp8", "fp8_tiles", "float16")
+    for capability, modes in (((8, 9), list(asked)), ((8, 0), ["float16"] * 4)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
-        assert [choose_kernel_policy(GPU, LARGE, fp8_gemv_input=mode).fp8_gemv_input
-                for mode in ("fp8_rows", "fp8", "float16")] == modes
+        assert [choose_kernel_policy(GPU, LARGE, fp8_gemv_input=mode).fp8_gemv_input for mode in asked] == modes
     assert choose_kernel_policy(GPU, LARGE, fp8_gemv_input="model_dtype").fp8_gemv_input == "model_dtype"
 
 
@@ -132,8 +132,8 @@ def test_gemv_prefetch_applies_under_pdl_and_takes_powers_of_two(hopper):
 
 
 def test_the_gemv_takes_fp8_rows_in_its_fp8_input_mode_only():
-    """FP8 rows quantized before (Fp8Rows) go to the GEMV where its input mode is "fp8" or "fp8_rows", the weight is
-    FP8 and there are few rows; else to the FP8 matmul (kernels/linear.py)."""
+    """FP8 rows quantized before (Fp8Rows) go to the GEMV where its input mode is "fp8", "fp8_rows" or "fp8_tiles",
+    the weight is FP8 and there are few rows; else to the FP8 matmul (kernels/linear.py)."""
     from types import SimpleNamespace
 
     from raylm.kernels.fp8 import FP8_DTYPE, Fp8Rows
@@ -157,3 +157,8 @@ def test_the_gemv_takes_fp8_rows_in_its_fp8_input_mode_only():
     assert handed_only.gemv_input_mode(None, torch.ones(1, 64)) == "model_dtype"
     assert [fp8_input.gemv_input_mode(scale, x) for x in (rows(1), torch.ones(1, 64))] == ["fp8", "fp8"]
     assert [policy.gemv_takes_fp8_rows for policy in (fp8_input, handed_only, float16_input)] == [True, True, False]
+    # fp8_tiles: FP8 for the rows handed over, quantized a tile at a time in the GEMV for a tensor
+    tiles = KernelPolicy(triton=True, decode_gemv=True, fp8_gemv_input="fp8_tiles")
+    assert tiles.gemv_applies(rows(1), fp8_weight) and tiles.gemv_takes_fp8_rows
+    assert [tiles.gemv_input_mode(scale, x) for x in (rows(1), torch.ones(1, 64))] == ["fp8", "fp8_tiles"]
+    assert tiles.gemv_input_mode(None, torch.ones(1, 64)) == "model_dtype"

@@ -13,7 +13,7 @@ import triton  # noqa: E402  (after kernel_device(), which may ask for Triton's 
 import triton.language as tl  # noqa: E402
 
 from raylm.kernels.fp8 import dequantize_fp8, quantize_fp8  # noqa: E402
-from raylm.kernels.triton_fp8 import divide_by_scale, quantize_rows_fp8  # noqa: E402
+from raylm.kernels.triton_fp8 import divide_by_scale, power_of_two_scale, quantize_rows_fp8  # noqa: E402
 
 pytestmark = MODULE_MARKS
 
@@ -91,3 +91,30 @@ def test_dividing_by_a_scale_rounds_as_torch_divides():
     out = torch.empty_like(values)
     _divide_kernel[(triton.cdiv(values.numel(), 1024),)](values, scales, out, values.numel(), BLOCK=1024)
     assert torch.equal(out.view(torch.int32), (values / scales).view(torch.int32))
+
+
+@triton.jit
+def _power_of_two_kernel(amax_ptr, scale_ptr, inverse_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    scale, inverse = power_of_two_scale(tl.load(amax_ptr + offsets, mask=mask, other=1.0))
+    tl.store(scale_ptr + offsets, scale, mask=mask)
+    tl.store(inverse_ptr + offsets, inverse, mask=mask)
+
+
+def test_power_of_two_scales_are_the_smallest_that_bring_amax_within_448():
+    """power_of_two_scale (the "fp8_tiles" GEMV input's scales): 2^s for the smallest s with amax / 2^s <= 448, and
+    its exact inverse, at 448 x 2^k and the float32 values either side of it, over the float32 range, at zero and
+    subnormals (held at 2^-60)."""
+    k = torch.arange(-60, 119, dtype=torch.float32)
+    at = 448.0 * torch.exp2(k)
+    random = torch.exp2(torch.empty(4096).uniform_(-59, 127, generator=torch.Generator().manual_seed(5)))
+    amax = torch.cat([at, torch.nextafter(at, torch.tensor(0.0)), torch.nextafter(at, torch.tensor(torch.inf)), random,
+                      torch.tensor([0.0, 1e-45, 1e-30, 2.0**-60, 3.0e38, 1.0, 1.75, 1.7500001])])
+    mantissa, exponent = torch.frexp(amax.clamp(min=2.0**-60))
+    expected = torch.ldexp(torch.ones_like(amax), exponent - 9 + (mantissa > 0.875).int())
+    scale, inverse = torch.empty_like(amax).to(DEVICE), torch.empty_like(amax).to(DEVICE)
+    _power_of_two_kernel[(triton.cdiv(amax.numel(), 1024),)](amax.to(DEVICE), scale, inverse, amax.numel(), BLOCK=1024)
+    assert torch.equal(scale.cpu(), expected) and torch.equal(inverse.cpu(), 1.0 / expected)
+    within = amax.clamp(min=2.0**-60) / expected
+    assert within.max() <= 448.0 and within.min() > 224.0  # within one binade of the largest quotient

@@ -363,7 +363,7 @@ def test_an_input_mode_needs_an_fp8_weight_and_a_name_gemv_knows():
     with pytest.raises(ValueError, match="input_mode 'fp8' goes with a float8_e4m3fn weight"):
         gemv(x, torch.randn(32, 64).to(DEVICE, torch.float16), input_mode="fp8")
     _, quantized, scale, _ = _fp8_case(1, 32, 64, torch.float16, False, seed=0)
-    with pytest.raises(ValueError, match=r"input_mode must be one of \['float16', 'fp8', 'model_dtype'\]"):
+    with pytest.raises(ValueError, match=r"input_mode must be one of \['float16', 'fp8', 'fp8_tiles', 'model_dtype'\]"):
         gemv(x, quantized, weight_scale=scale, input_mode="fp4")
 
 
@@ -477,3 +477,81 @@ def test_prefetching_rows_into_the_l2_changes_no_bit(fp8, rows):
                 out = call(prefetch=16384)  # 16 KB a row: more than a split's part of K, lines past it masked
             graph.replay()
             assert torch.equal(out, expected), (function.__name__, config)
+
+
+# ------------------------------------------------------------------ FP8 input quantized a tile at a time
+
+
+def _fp8_tiles_reference(x: torch.Tensor, quantized: torch.Tensor, scale: torch.Tensor,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+    """The "fp8_tiles" input mode in float32: x quantized per row and block of FP8_TILE_K values of K, each block by
+    the smallest power of two that brings its amax within 448, then F.linear with the dequantized weight."""
+    rows, k = x.shape
+    blocks = F.pad(x.float(), (0, -k % triton_gemv.FP8_TILE_K)).reshape(rows, -1, triton_gemv.FP8_TILE_K)
+    amax = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=2.0**-60)
+    mantissa, exponent = torch.frexp(amax)  # amax = m 2^e, m in [0.5, 1); 448 = 0.875 2^9
+    block_scale = torch.ldexp(torch.ones_like(amax), exponent - 9 + (mantissa > 0.875).int())
+    activations = ((blocks / block_scale).to(FP8_DTYPE).float() * block_scale).reshape(rows, -1)[:, :k]
+    return F.linear(activations, dequantize_fp8(quantized, scale), None if bias is None else bias.float())
+
+
+def _fp8_tile_exact_rows(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Rows whose every block of FP8_TILE_K values quantizes without rounding (FP8 values times a power of two a row:
+    the interpreter rounds some float32 values to FP8 wrongly, _fp8_exact_rows), with amaxes other than 448 too."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(rows, k, generator=generator).mul(40.0).clamp(-448, 448).to(FP8_DTYPE).float()
+    values[:, 5::triton_gemv.FP8_TILE_K] = 300.0
+    return (values * 2.0 ** torch.arange(-8, -8 + rows)[:, None]).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS])
+@pytest.mark.parametrize("tiles", [{"BLOCK_N": 16}, {"BLOCK_N": 32, "SPLIT_K": 2}, {"BLOCK_N": 64, "SWAP_AB": 1},
+                                   {"BLOCK_N": 64, "SWAP_AB": 1, "SPLIT_K": 4}], ids=str)
+@pytest.mark.parametrize("inputs", ["exact", pytest.param("random", marks=GPU_ONLY)])
+def test_fp8_tiles_gemv_is_linear_of_x_quantized_a_block_at_a_time(dtype, rows, tiles, inputs):
+    """input_mode "fp8_tiles": x's rows quantized to FP8 in the loop, a power-of-two scale per row and block of K
+    (FP8_TILE_K, the tiles' width), the FP8 product scaled by it as it is added: _fp8_tiles_reference to about one
+    unit in the last place, whichever tiling (split K, weight first) runs it, bias and a ragged K included."""
+    x, quantized, scale, bias = _fp8_case(rows, 100, 600, dtype, True, seed=rows + len(tiles))
+    x = _fp8_tile_exact_rows(rows, 600, dtype, seed=rows) if inputs == "exact" else x * 10.0 ** torch.arange(
+        -2, 2, device=DEVICE).repeat_interleave(150).to(dtype)  # blocks of very different magnitudes
+    expected = _fp8_tiles_reference(x, quantized, scale, bias)
+    got = gemv(x, quantized, bias, weight_scale=scale, input_mode="fp8_tiles",
+               config={**tiles, "BLOCK_K": triton_gemv.FP8_TILE_K})
+    assert got.shape == (rows, 100) and got.dtype == dtype
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(got, expected.to(dtype), atol=tolerance * expected.abs().max().item(), rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_tiles_gemv_silu_mul_is_gemv_then_silu_and_mul(dtype):
+    x, quantized, scale, _ = _fp8_case(3, 2 * 48, 384, dtype, False, seed=17)
+    x = _fp8_tile_exact_rows(3, 384, dtype, seed=17)
+    tiles = {"BLOCK_N": 16, "BLOCK_K": triton_gemv.FP8_TILE_K}
+    expected = silu_and_mul(gemv(x, quantized, weight_scale=scale, input_mode="fp8_tiles", config=tiles))
+    got = gemv_silu_mul(x, quantized, weight_scale=scale, input_mode="fp8_tiles", config=tiles)
+    torch.testing.assert_close(got, expected, atol=2 * TOLERANCE[dtype], rtol=2 * TOLERANCE[dtype])
+
+
+def test_fp8_tiles_take_tiles_of_the_quantization_s_width_on_the_tensor_cores():
+    """Tiles of another width would quantize x in other blocks (results that follow the tuning), and the CUDA-core
+    loop multiplies x as it is: both refused by name. One row takes the tensor cores when no tiling is given."""
+    x, quantized, scale, _ = _fp8_case(1, 64, 256, torch.float16, False, seed=2)
+    with pytest.raises(ValueError, match="input_mode 'fp8_tiles' takes tiles of BLOCK_K=128"):
+        gemv(x, quantized, weight_scale=scale, input_mode="fp8_tiles", config={"BLOCK_N": 16, "BLOCK_K": 256})
+    with pytest.raises(ValueError, match="input_mode 'fp8_tiles' takes tiles of BLOCK_K=128"):
+        gemv(x, quantized, weight_scale=scale, input_mode="fp8_tiles",
+             config={"BLOCK_N": 16, "BLOCK_K": 128, "CORE": 1, "BLOCK_M": 1})
+    x = _fp8_tile_exact_rows(1, 256, torch.float16, seed=2)
+    expected = _fp8_tiles_reference(x, quantized, scale, None).half()
+    got = gemv(x, quantized, weight_scale=scale, input_mode="fp8_tiles")
+    torch.testing.assert_close(got, expected, atol=2e-3 * expected.abs().max().item(), rtol=2e-3)
+
+
+def test_every_fp8_tiles_tiling_quantizes_in_the_same_blocks():
+    from raylm.kernels.gemv_tiles import fp8_tile_candidates
+
+    configs = fp8_tile_candidates(split=True, tile_k=triton_gemv.FP8_TILE_K)
+    assert configs and {config.kwargs["BLOCK_K"] for config in configs} == {triton_gemv.FP8_TILE_K}
+    assert all(config.kwargs["SWAP_AB"] == 1 and config.kwargs["BLOCK_N"] >= 64 for config in configs)
