@@ -603,8 +603,9 @@ case "${1:-}" in
   fp8-tiles)
     # o's and down's input quantized a tile at a time in the GEMV (fp8_gemv_input=fp8_tiles): its GPU tests, then 8B
     # batch 1 with it, with the default fp8_rows and in bf16 (~6 min); fp8-tiles-b8: batch 8 the same (~5 min).
-    timeout 120 python -m pytest tests/kernels/test_triton_gemv.py tests/kernels/test_triton_fp8.py -m gpu -q -rfEs \
-      -p no:cacheprovider -k "fp8_tiles or power_of_two or dividing" 2>&1 | tail -3
+    timeout 150 python -m pytest tests/kernels/test_triton_gemv.py tests/kernels/test_triton_fp8.py \
+      tests/models/test_quantization.py -m gpu -q -rfEs -p no:cacheprovider \
+      -k "fp8_tiles or power_of_two or dividing" 2>&1 | tail -3
     fp8_tiles_latency 1
     ;;
   fp8-tiles-b8)

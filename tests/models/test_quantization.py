@@ -425,7 +425,7 @@ def test_fp8_rows_from_the_norms_and_silu_mul_give_what_the_layers_own_quantizat
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("fp8_gemv_input", ["model_dtype", "float16", "fp8"])
+@pytest.mark.parametrize("fp8_gemv_input", ["model_dtype", "float16", "fp8", "fp8_rows", "fp8_tiles"])
 def test_fp8_decode_steps_run_the_gemv_on_fp8_weights(tiny_model_dirs, monkeypatch, fp8_gemv_input):
     """With the decode GEMV on, an FP8 model's decode steps read the FP8 weights in the GEMV (prefill stays on the
     FP8 matmul): its greedy tokens' logprobs stay within bfloat16's own cost of those of the model without it, up to
