@@ -74,6 +74,7 @@
 #                                        # under 4 / 8 / 32 warps) (~3 min)
 #   bash benchmarks/h200.sh fp8-tiles    # o's and down's input quantized a tile at a time in the GEMV: its GPU tests,
 #                                        # 8B batch 1 with it, fp8_rows and bf16 (~6 min); fp8-tiles-b8: batch 8 (~5 min)
+#   bash benchmarks/h200.sh fp8-gemm     # the 8B prefill's matmuls alone: bf16, FP8 rowwise and per tensor (~1 min)
 #   bash benchmarks/h200.sh fp8-keys-first  # the next call: the FP8 quantizers' GPU tests, the keys-first decode kernel
 #                                        # alone, then fp8-throughput-keys-first (~7 min); fp8-keys-first-kernels:
 #                                        # the same without the throughput run (~4 min)
@@ -610,6 +611,10 @@ case "${1:-}" in
     ;;
   fp8-tiles-b8)
     fp8_tiles_latency 8
+    ;;
+  fp8-gemm)
+    # the prefill's matmuls alone: bf16 against torch._scaled_mm rowwise (the engine's) and per tensor (~1 min)
+    timeout 150 python benchmarks/fp8_gemm.py --tokens 8192 $(output_json fp8-gemm-8b-t8192) 2>&1 | tail -14
     ;;
   fp8-keys-first)
     # keys_first_kernels, then fp8-throughput-keys-first (~7 min).
