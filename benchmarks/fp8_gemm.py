@@ -23,6 +23,24 @@ from benchmarks.common import graph_call_us, write_result  # noqa: E402
 LAYERS = (("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336))
 
 
+def _calls(tokens: int, n: int, k: int) -> dict:
+    """The three ways of one [tokens, k] x [n, k]^T product, each a call on its own operands."""
+    from raylm.kernels.fp8 import quantize_fp8
+
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    xq, x_rows = quantize_fp8(x)
+    wq, w_rows = quantize_fp8(w)
+    x_tensor, w_tensor = x_rows.amax().reshape(()), w_rows.amax().reshape(())
+    return {
+        "bf16": lambda: F.linear(x, w),
+        "fp8 rowwise": lambda: torch._scaled_mm(xq, wq.t(), scale_a=x_rows[:, None], scale_b=w_rows[None, :],
+                                                out_dtype=torch.bfloat16),
+        "fp8 per tensor": lambda: torch._scaled_mm(xq, wq.t(), scale_a=x_tensor, scale_b=w_tensor,
+                                                   out_dtype=torch.bfloat16),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192], help="rows of the activations")
@@ -31,23 +49,11 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("benchmarks/fp8_gemm.py times CUDA matmuls: it needs a GPU")
-    from raylm.kernels.fp8 import quantize_fp8
 
     result: dict = {}
     for tokens in args.tokens:
         for name, n, k in LAYERS:
-            x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-            xq, x_rows = quantize_fp8(x)
-            wq, w_rows = quantize_fp8(w)
-            x_tensor, w_tensor = x_rows.amax().reshape(()), w_rows.amax().reshape(())
-            calls = {
-                "bf16": lambda: F.linear(x, w),
-                "fp8 rowwise": lambda: torch._scaled_mm(xq, wq.t(), scale_a=x_rows[:, None], scale_b=w_rows[None, :],
-                                                        out_dtype=torch.bfloat16),
-                "fp8 per tensor": lambda: torch._scaled_mm(xq, wq.t(), scale_a=x_tensor, scale_b=w_tensor,
-                                                           out_dtype=torch.bfloat16),
-            }
+            calls = _calls(tokens, n, k)
             flops = 2 * tokens * n * k
             for kind, call in calls.items():
                 call()
