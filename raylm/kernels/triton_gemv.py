@@ -112,7 +112,8 @@ def _x_scales(x_scale_ptr, rows, row_mask, BLOCK_M: tl.constexpr, X_MODE: tl.con
 def _x_operand(x, X_MODE: tl.constexpr):
     """x's tile ([BLOCK_M, BLOCK_K]) as _dot takes it, and its rows' scales ([BLOCK_M] float32): X_MODE 1, rounded
     to float16, inputs past its range held at its largest value rather than made infinite; 3, quantized to FP8 here
-    with a scale per row, the tile's amax / 448 (the tile is FP8_TILE_K wide); other modes as it is, scales 1.0."""
+    with a scale per row, the smallest power of two that brings the row's amax in the tile (FP8_TILE_K wide) within
+    448; other modes as it is, scales 1.0."""
     if X_MODE == 3:
         values = x.to(tl.float32)
         scale, inverse = power_of_two_scale(tl.max(tl.abs(values), axis=1))
