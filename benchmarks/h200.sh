@@ -74,6 +74,7 @@
 #                                        # under 4 / 8 / 32 warps) (~3 min)
 #   bash benchmarks/h200.sh fp8-tiles    # o's and down's input quantized a tile at a time in the GEMV: its GPU tests,
 #                                        # 8B batch 1 with it, fp8_rows and bf16 (~6 min); fp8-tiles-b8: batch 8 (~5 min)
+#                                        # fp8-tiles-short: its GEMV tests, batch 1 with it and fp8_rows (~4 min)
 #   bash benchmarks/h200.sh fp8-gemm     # the 8B prefill's matmuls alone: bf16, FP8 rowwise and per tensor (~1 min)
 #   bash benchmarks/h200.sh fp8-keys-first  # the next call: the FP8 quantizers' GPU tests, the keys-first decode kernel
 #                                        # alone, then fp8-throughput-keys-first (~7 min); fp8-keys-first-kernels:
@@ -608,6 +609,13 @@ case "${1:-}" in
       tests/models/test_quantization.py -m gpu -q -rfEs -p no:cacheprovider \
       -k "fp8_tiles or power_of_two or dividing" 2>&1 | tail -3
     fp8_tiles_latency 1
+    ;;
+  fp8-tiles-short)
+    # fp8-tiles for a call with little device time: the GEMV's own GPU tests, batch 1 with fp8_tiles and fp8_rows (~4 min)
+    timeout 90 python -m pytest tests/kernels/test_triton_gemv.py -m gpu -q -rfEs -p no:cacheprovider -k fp8_tiles \
+      2>&1 | tail -3
+    latency latency-8b-b1-fp8-tiles "$llama" 1 --set quant_config.quant_algo=FP8 --set kernel_config.fp8_gemv_input=fp8_tiles
+    latency latency-8b-b1-fp8 "$llama" 1 --set quant_config.quant_algo=FP8
     ;;
   fp8-tiles-b8)
     fp8_tiles_latency 8
