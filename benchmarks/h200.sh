@@ -612,7 +612,7 @@ case "${1:-}" in
     ;;
   fp8-tiles-short)
     # fp8-tiles for a call with little device time: the GEMV's own GPU tests, batch 1 with fp8_tiles and fp8_rows (~4 min)
-    timeout 90 python -m pytest tests/kernels/test_triton_gemv.py -m gpu -q -rfEs -p no:cacheprovider -k fp8_tiles \
+    timeout 60 python -m pytest tests/kernels/test_triton_gemv.py -m gpu -q -rfEs -p no:cacheprovider -k fp8_tiles \
       2>&1 | tail -3
     latency latency-8b-b1-fp8-tiles "$llama" 1 --set quant_config.quant_algo=FP8 --set kernel_config.fp8_gemv_input=fp8_tiles
     latency latency-8b-b1-fp8 "$llama" 1 --set quant_config.quant_algo=FP8
