@@ -542,7 +542,7 @@ def _launch(kernel, tuned, rows: torch.Tensor, weight: torch.Tensor, bias: torch
     core = bool(config.get("CORE", 0)) if config is not None else core_row
     if core and (M > _CORE_ROWS or kernel is not _gemv_kernel):
         raise ValueError(f"CORE multiplies at most {_CORE_ROWS} input row, in the plain GEMV; got M={M}")
-    if input_mode == INPUT_MODES["fp8_tiles"] and config is not None and (core or config["BLOCK_K"] != FP8_TILE_K):
+    if input_mode == INPUT_MODES["fp8_tiles"] and config is not None and (core or config.get("BLOCK_K") != FP8_TILE_K):
         raise ValueError(f"input_mode 'fp8_tiles' takes tiles of BLOCK_K={FP8_TILE_K} on the tensor cores (the "
                          f"quantization's block), got {config}")
     flags = {"HAS_BIAS": bias is not None, "HAS_SCALE": weight_scale is not None, "X_MODE": input_mode}
