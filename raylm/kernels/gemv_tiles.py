@@ -62,7 +62,7 @@ def fp8_tile_candidates(split: bool = False, tile_k: int = 128) -> list[triton.C
     """Tile shapes to time for the "fp8_tiles" input mode, x quantized in the loop per row and tile of K: every tile
     tile_k wide in K (the quantization's block, so that all tilings give the same results) and its weight rows first
     (Hopper's FP8 warpgroup product), deeper pipelines in place of wider tiles. Each tile's quantization is a fixed
-    cost, so wide tiles take fewer instructions a weight byte (sm_90: 3.4 at 64 rows, 2.0 at 128, 1.6 at 256 on 8
+    cost, so wide tiles take fewer instructions a weight byte (sm_90: 3.7 at 64 rows, 2.2 at 128, 1.6 at 256 on 8
     warps, against ~7 for one row on the CUDA cores)."""
     shapes = [(64, 4, (4, 6, 8)), (128, 4, (4, 6)), (128, 8, (4, 6)), (256, 8, (3, 4))]
     configs = [triton.Config({"BLOCK_N": block_n, "BLOCK_K": tile_k, "SWAP_AB": 1}, num_warps=warps,

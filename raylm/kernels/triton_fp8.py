@@ -19,7 +19,8 @@ from raylm.kernels.fp8 import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _MIN_SCALE = tl.constexpr(FP8_MIN_SCALE)
 _BLOCK_K = 1024
-_MIN_POWER_OF_TWO_AMAX = tl.constexpr(2.0 ** -60)
+_MIN_TILE_AMAX = tl.constexpr(2.0 ** -60)
+_INVERSE_FP8_MAX = tl.constexpr(1.0 / FP8_MAX)
 
 
 # Divisions are rounded as torch rounds them (Triton's `/` is the GPU's approximate one), so kernels quantize to the
@@ -31,15 +32,13 @@ def fp8_scale(amax):
 
 
 @triton.jit
-def power_of_two_scale(amax):
-    """(scale, 1 / scale) for values whose largest magnitude is amax: the smallest power of two with amax / scale <=
-    448, from amax's bits (amax held at 2^-60 or more, so both are normal float32). Dividing by it is exact, so a
-    value's quantization rounds once, to FP8, and FP8's relative precision is the same at any scale: a power of two
-    costs at most one binade of range at the bottom against amax / 448 (microscaling's E8M0 scales do the same)."""
-    bits = tl.maximum(amax, _MIN_POWER_OF_TWO_AMAX).to(tl.int32, bitcast=True)
-    # amax = 1.m x 2^e; amax <= 448 x 2^s = 1.75 x 2^(8 + s) holds for s = e - 8 where m <= 0.75, else e - 7
-    exponent = (bits >> 23) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    return ((exponent + 127) << 23).to(tl.float32, bitcast=True), ((127 - exponent) << 23).to(tl.float32, bitcast=True)
+def tile_scale(amax):
+    """(scale, inverse) for a tile of values whose largest magnitude is amax (held at 2^-60 or more): inverse =
+    448 / amax, rounded correctly, which the values are multiplied by (the amax lands on 448, FP8's largest value, so
+    the largest value of the tile is kept exactly), and scale = amax x (1 / 448), a product, which the tile's sums are
+    multiplied by. One division a row of the tile, not one a value."""
+    amax = tl.maximum(amax, _MIN_TILE_AMAX)
+    return amax * _INVERSE_FP8_MAX, tl.div_rn(_FP8_MAX, amax)
 
 
 @triton.jit

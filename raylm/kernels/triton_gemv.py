@@ -34,10 +34,11 @@ the FP8 tile meets x is kernel_config.fp8_gemv_input (INPUT_MODES):
   cores). One row tunes the CUDA-core tilings and the tensor-core ones together. (Each program re-reading x's
   whole row for its amax inside the GEMV measured 14.4 ms/token.)
 - "fp8_tiles": x as it comes (o's and down's input, which no kernel before them writes as FP8 rows), each
-  FP8_TILE_K-wide tile quantized in the loop with a scale per row and tile: the smallest power of two that brings the
-  tile's amax within 448 (an exact division; FP8's relative precision does not depend on the scale), the tile's FP8
-  product scaled by it as it is added. Every tiling is FP8_TILE_K wide in K, so the tuning cannot change the
-  results; finer than a scale per token. On the FP8 tensor cores at one row too (x padded to 16 rows).
+  FP8_TILE_K-wide tile quantized in the loop with a scale per row and tile that puts the tile's amax on 448
+  (triton_fp8.tile_scale: one division a row, a product a value), the tile's FP8 product scaled by it as it is
+  added. Every tiling is FP8_TILE_K wide in K, so the tuning cannot change the results; finer than a scale per token
+  (SmolLM2's o and down: 8% less output error, docs/benchmarks.md). On the FP8 tensor cores at one row too (x
+  padded to 16 rows).
 kernel_config.fp8_gemv_input "fp8_rows" (the default) and "fp8_tiles" take "fp8" for the rows an RMSNorm hands over
 and "float16" or "fp8_tiles" for o and down (kernels/policy.py).
 
@@ -77,7 +78,7 @@ from raylm.kernels.gemv_tiles import (
 )
 from raylm.kernels.pdl import launch_options, pdl_trigger_at_tail, pdl_wait
 from raylm.kernels.policy import GEMV_MAX_ROWS
-from raylm.kernels.triton_fp8 import power_of_two_scale, quantize_rows_fp8
+from raylm.kernels.triton_fp8 import quantize_rows_fp8, tile_scale
 
 _BLOCK_M = 16  # tl.dot's smallest tile; rows past M are masked
 _FLOAT16_MAX = tl.constexpr(65504.0)
@@ -112,12 +113,12 @@ def _x_scales(x_scale_ptr, rows, row_mask, BLOCK_M: tl.constexpr, X_MODE: tl.con
 def _x_operand(x, X_MODE: tl.constexpr):
     """x's tile ([BLOCK_M, BLOCK_K]) as _dot takes it, and its rows' scales ([BLOCK_M] float32): X_MODE 1, rounded
     to float16, inputs past its range held at its largest value rather than made infinite; 3, quantized to FP8 here
-    with a scale per row, the smallest power of two that brings the row's amax in the tile (FP8_TILE_K wide) within
-    448; other modes as it is, scales 1.0."""
+    with a scale per row that puts the row's amax in the tile (FP8_TILE_K wide) on 448 (tile_scale); other modes as
+    it is, scales 1.0."""
     if X_MODE == 3:
         values = x.to(tl.float32)
-        scale, inverse = power_of_two_scale(tl.max(tl.abs(values), axis=1))
-        return (values * inverse[:, None]).to(tl.float8e4nv), scale
+        scale, inverse = tile_scale(tl.max(tl.abs(values), axis=1))
+        return (values * inverse[:, None]).to(tl.float8e4nv), scale  # 448 at most, a rounding aside (it saturates)
     elif X_MODE == 1:
         return (tl.clamp(x.to(tl.float32), -_FLOAT16_MAX, _FLOAT16_MAX).to(tl.float16),
                 tl.full([x.shape[0]], 1.0, tl.float32))

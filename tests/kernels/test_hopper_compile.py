@@ -86,8 +86,8 @@ def test_fp8_rows_meet_64_weight_rows_first_on_the_fp8_warpgroup_product_split_o
 
 def test_fp8_tiles_quantize_x_for_the_fp8_warpgroup_product_in_fewer_instructions_a_byte():
     """X_MODE 3 (fp8_gemv_input "fp8_tiles", o's and down's input as a tensor): each 128-wide tile of x quantized in
-    the loop by a power of two and multiplied by 128 FP8 weight rows first on Hopper's FP8 warpgroup product, at
-    under a third of the one-row CUDA-core loop's instructions a weight byte (sm_90: 2.0 against 7.0), no spills."""
+    the loop and multiplied by 128 FP8 weight rows first on Hopper's FP8 warpgroup product, at under a third of the
+    one-row CUDA-core loop's instructions a weight byte (sm_90: 2.2 against 7.0), no spills."""
     from raylm.kernels.triton_gemv import _gemv_kernel
 
     weights = {"w_ptr": "*fp8e4nv"}

@@ -12,8 +12,8 @@ DEVICE = kernel_device()
 import triton  # noqa: E402  (after kernel_device(), which may ask for Triton's interpreter)
 import triton.language as tl  # noqa: E402
 
-from raylm.kernels.fp8 import dequantize_fp8, quantize_fp8  # noqa: E402
-from raylm.kernels.triton_fp8 import divide_by_scale, power_of_two_scale, quantize_rows_fp8  # noqa: E402
+from raylm.kernels.fp8 import FP8_DTYPE, dequantize_fp8, quantize_fp8  # noqa: E402
+from raylm.kernels.triton_fp8 import divide_by_scale, quantize_rows_fp8, tile_scale  # noqa: E402
 
 pytestmark = MODULE_MARKS
 
@@ -94,27 +94,24 @@ def test_dividing_by_a_scale_rounds_as_torch_divides():
 
 
 @triton.jit
-def _power_of_two_kernel(amax_ptr, scale_ptr, inverse_ptr, n, BLOCK: tl.constexpr):
+def _tile_scale_kernel(amax_ptr, scale_ptr, inverse_ptr, n, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
-    scale, inverse = power_of_two_scale(tl.load(amax_ptr + offsets, mask=mask, other=1.0))
+    scale, inverse = tile_scale(tl.load(amax_ptr + offsets, mask=mask, other=1.0))
     tl.store(scale_ptr + offsets, scale, mask=mask)
     tl.store(inverse_ptr + offsets, inverse, mask=mask)
 
 
-def test_power_of_two_scales_are_the_smallest_that_bring_amax_within_448():
-    """power_of_two_scale (the "fp8_tiles" GEMV input's scales): 2^s for the smallest s with amax / 2^s <= 448, and
-    its exact inverse, at 448 x 2^k and the float32 values either side of it, over the float32 range, at zero and
-    subnormals (held at 2^-60)."""
-    k = torch.arange(-60, 119, dtype=torch.float32)
-    at = 448.0 * torch.exp2(k)
-    random = torch.exp2(torch.empty(4096).uniform_(-59, 127, generator=torch.Generator().manual_seed(5)))
-    amax = torch.cat([at, torch.nextafter(at, torch.tensor(0.0)), torch.nextafter(at, torch.tensor(torch.inf)), random,
-                      torch.tensor([0.0, 1e-45, 1e-30, 2.0**-60, 3.0e38, 1.0, 1.75, 1.7500001])])
-    mantissa, exponent = torch.frexp(amax.clamp(min=2.0**-60))
-    expected = torch.ldexp(torch.ones_like(amax), exponent - 9 + (mantissa > 0.875).int())
+def test_tile_scales_put_the_amax_on_448():
+    """tile_scale (the "fp8_tiles" GEMV input's scales): the inverse 448 / amax rounded as torch divides, the scale
+    amax times 1 / 448 in float32, bit for bit over the float32 range, at zero and subnormals (held at 2^-60); the
+    amax times the inverse quantizes to 448."""
+    generator = torch.Generator().manual_seed(5)
+    amax = torch.cat([torch.exp2(torch.empty(4096).uniform_(-59, 127, generator=generator)),
+                      torch.tensor([0.0, 1e-45, 1e-30, 2.0**-60, 3.0e38, 1.0, 448.0, 1.75])])
+    held = amax.clamp(min=2.0**-60)
     scale, inverse = torch.empty_like(amax).to(DEVICE), torch.empty_like(amax).to(DEVICE)
-    _power_of_two_kernel[(triton.cdiv(amax.numel(), 1024),)](amax.to(DEVICE), scale, inverse, amax.numel(), BLOCK=1024)
-    assert torch.equal(scale.cpu(), expected) and torch.equal(inverse.cpu(), 1.0 / expected)
-    within = amax.clamp(min=2.0**-60) / expected
-    assert within.max() <= 448.0 and within.min() > 224.0  # within one binade of the largest quotient
+    _tile_scale_kernel[(triton.cdiv(amax.numel(), 1024),)](amax.to(DEVICE), scale, inverse, amax.numel(), BLOCK=1024)
+    assert torch.equal(inverse.cpu(), torch.full_like(held, 448.0) / held)  # (448.0 / held: a reciprocal times 448)
+    assert torch.equal(scale.cpu(), held * torch.tensor(1 / 448.0))
+    assert torch.equal((held * inverse.cpu()).to(FP8_DTYPE).float(), torch.full_like(amax, 448.0))

@@ -484,23 +484,24 @@ def test_prefetching_rows_into_the_l2_changes_no_bit(fp8, rows):
 
 def _fp8_tiles_reference(x: torch.Tensor, quantized: torch.Tensor, scale: torch.Tensor,
                          bias: torch.Tensor | None) -> torch.Tensor:
-    """The "fp8_tiles" input mode in float32: x quantized per row and block of FP8_TILE_K values of K, each block by
-    the smallest power of two that brings its amax within 448, then F.linear with the dequantized weight."""
+    """The "fp8_tiles" input mode in float32: x quantized per row and block of FP8_TILE_K values of K, each block
+    multiplied by 448 / its amax and scaled back by amax x (1 / 448) (triton_fp8.tile_scale), then F.linear with the
+    dequantized weight."""
     rows, k = x.shape
     blocks = F.pad(x.float(), (0, -k % triton_gemv.FP8_TILE_K)).reshape(rows, -1, triton_gemv.FP8_TILE_K)
     amax = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=2.0**-60)
-    mantissa, exponent = torch.frexp(amax)  # amax = m 2^e, m in [0.5, 1); 448 = 0.875 2^9
-    block_scale = torch.ldexp(torch.ones_like(amax), exponent - 9 + (mantissa > 0.875).int())
-    activations = ((blocks / block_scale).to(FP8_DTYPE).float() * block_scale).reshape(rows, -1)[:, :k]
+    inverse = torch.full_like(amax, 448.0) / amax  # a division, rounded as the kernel's (448.0 / amax: a reciprocal)
+    activations = (blocks * inverse).to(FP8_DTYPE).float() * (amax * torch.tensor(1 / 448.0))
+    activations = activations.reshape(rows, -1)[:, :k]
     return F.linear(activations, dequantize_fp8(quantized, scale), None if bias is None else bias.float())
 
 
 def _fp8_tile_exact_rows(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Rows whose every block of FP8_TILE_K values quantizes without rounding (FP8 values times a power of two a row:
-    the interpreter rounds some float32 values to FP8 wrongly, _fp8_exact_rows), with amaxes other than 448 too."""
+    """Rows whose every block of FP8_TILE_K values quantizes without rounding (FP8 values times a power of two a row,
+    each block's amax 448 times it: the interpreter rounds some float32 values to FP8 wrongly, _fp8_exact_rows)."""
     generator = torch.Generator().manual_seed(seed)
     values = torch.randn(rows, k, generator=generator).mul(40.0).clamp(-448, 448).to(FP8_DTYPE).float()
-    values[:, 5::triton_gemv.FP8_TILE_K] = 300.0
+    values[:, 5::triton_gemv.FP8_TILE_K] = -448.0
     return (values * 2.0 ** torch.arange(-8, -8 + rows)[:, None]).to(DEVICE, dtype)
 
 
@@ -510,9 +511,10 @@ def _fp8_tile_exact_rows(rows: int, k: int, dtype: torch.dtype, seed: int) -> to
                                    {"BLOCK_N": 64, "SWAP_AB": 1, "SPLIT_K": 4}], ids=str)
 @pytest.mark.parametrize("inputs", ["exact", pytest.param("random", marks=GPU_ONLY)])
 def test_fp8_tiles_gemv_is_linear_of_x_quantized_a_block_at_a_time(dtype, rows, tiles, inputs):
-    """input_mode "fp8_tiles": x's rows quantized to FP8 in the loop, a power-of-two scale per row and block of K
-    (FP8_TILE_K, the tiles' width), the FP8 product scaled by it as it is added: _fp8_tiles_reference to about one
-    unit in the last place, whichever tiling (split K, weight first) runs it, bias and a ragged K included."""
+    """input_mode "fp8_tiles": x's rows quantized to FP8 in the loop, a scale per row and block of K (FP8_TILE_K, the
+    tiles' width) that puts the block's amax on 448, the FP8 product scaled by it as it is added:
+    _fp8_tiles_reference to about one unit in the last place, whichever tiling (split K, weight first) runs it, bias
+    and a ragged K included."""
     x, quantized, scale, bias = _fp8_case(rows, 100, 600, dtype, True, seed=rows + len(tiles))
     x = _fp8_tile_exact_rows(rows, 600, dtype, seed=rows) if inputs == "exact" else x * 10.0 ** torch.arange(
         -2, 2, device=DEVICE).repeat_interleave(150).to(dtype)  # blocks of very different magnitudes
