@@ -283,13 +283,17 @@ def test_linear_sends_fp8_decode_rows_to_the_gemv_and_larger_inputs_to_the_fp8_m
     assert torch.equal(linear(few, quantized, None, without_gemv, scale), fp8_linear(few, quantized, scale))
 
 
-def _fp8_exact_rows(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Input rows that quantize without rounding: FP8 values (each row's largest 448) times a power of two. Triton's
-    interpreter rounds float32 to float8e4nv wrongly where rounding up crosses a power of two (127.9 becomes 64),
-    so the interpreter gets inputs that need no rounding; the GPU takes any input as well."""
+def _fp8_exact_rows(rows: int, k: int, dtype: torch.dtype, seed: int, block: int | None = None) -> torch.Tensor:
+    """Input rows that quantize without rounding: FP8 values (each row's largest 448; with `block`, each block of
+    that many values' largest) times a power of two. Triton's interpreter rounds float32 to float8e4nv wrongly where
+    rounding up crosses a power of two (127.9 becomes 64), so the interpreter gets inputs that need no rounding; the
+    GPU takes any input as well."""
     generator = torch.Generator().manual_seed(seed)
     values = torch.randn(rows, k, generator=generator).mul(40.0).clamp(-448, 448).to(FP8_DTYPE).float()
-    values[:, 3] = 448.0
+    if block is None:
+        values[:, 3] = 448.0
+    else:
+        values[:, 5::block] = -448.0
     return (values * 2.0 ** torch.arange(-8, -8 + rows)[:, None]).to(DEVICE, dtype)
 
 
@@ -316,11 +320,13 @@ def test_fp8_input_gemv_is_the_fp8_matmul_s_reference(dtype, rows, split_k, with
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fp8_input_gemv_silu_mul_is_gemv_then_silu_and_mul(dtype):
-    _, quantized, scale, _ = _fp8_case(3, 2 * 48, 256, dtype, False, seed=13)
-    x = _fp8_exact_rows(3, 256, dtype, seed=13)
-    expected = silu_and_mul(gemv(x, quantized, weight_scale=scale, input_mode="fp8", config=_FP8_TILES))
-    got = gemv_silu_mul(x, quantized, weight_scale=scale, input_mode="fp8", config=_FP8_TILES)
+@pytest.mark.parametrize(("input_mode", "k", "tiles", "seed"), [
+    ("fp8", 256, _FP8_TILES, 13), ("fp8_tiles", 384, {"BLOCK_N": 16, "BLOCK_K": 128}, 17)], ids=["fp8", "fp8_tiles"])
+def test_fp8_input_gemv_silu_mul_is_gemv_then_silu_and_mul(dtype, input_mode, k, tiles, seed):
+    _, quantized, scale, _ = _fp8_case(3, 2 * 48, k, dtype, False, seed=seed)
+    x = _fp8_exact_rows(3, k, dtype, seed=seed, block=128 if input_mode == "fp8_tiles" else None)
+    expected = silu_and_mul(gemv(x, quantized, weight_scale=scale, input_mode=input_mode, config=tiles))
+    got = gemv_silu_mul(x, quantized, weight_scale=scale, input_mode=input_mode, config=tiles)
     tolerance = 2 * TOLERANCE[dtype]
     torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
 
@@ -496,15 +502,6 @@ def _fp8_tiles_reference(x: torch.Tensor, quantized: torch.Tensor, scale: torch.
     return F.linear(activations, dequantize_fp8(quantized, scale), None if bias is None else bias.float())
 
 
-def _fp8_tile_exact_rows(rows: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Rows whose every block of FP8_TILE_K values quantizes without rounding (FP8 values times a power of two a row,
-    each block's amax 448 times it: the interpreter rounds some float32 values to FP8 wrongly, _fp8_exact_rows)."""
-    generator = torch.Generator().manual_seed(seed)
-    values = torch.randn(rows, k, generator=generator).mul(40.0).clamp(-448, 448).to(FP8_DTYPE).float()
-    values[:, 5::triton_gemv.FP8_TILE_K] = -448.0
-    return (values * 2.0 ** torch.arange(-8, -8 + rows)[:, None]).to(DEVICE, dtype)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, GEMV_MAX_ROWS])
 @pytest.mark.parametrize("tiles", [{"BLOCK_N": 16}, {"BLOCK_N": 32, "SPLIT_K": 2}, {"BLOCK_N": 64, "SWAP_AB": 1},
@@ -516,24 +513,16 @@ def test_fp8_tiles_gemv_is_linear_of_x_quantized_a_block_at_a_time(dtype, rows, 
     _fp8_tiles_reference to about one unit in the last place, whichever tiling (split K, weight first) runs it, bias
     and a ragged K included."""
     x, quantized, scale, bias = _fp8_case(rows, 100, 600, dtype, True, seed=rows + len(tiles))
-    x = _fp8_tile_exact_rows(rows, 600, dtype, seed=rows) if inputs == "exact" else x * 10.0 ** torch.arange(
-        -2, 2, device=DEVICE).repeat_interleave(150).to(dtype)  # blocks of very different magnitudes
+    if inputs == "exact":
+        x = _fp8_exact_rows(rows, 600, dtype, seed=rows, block=triton_gemv.FP8_TILE_K)
+    else:  # blocks of very different magnitudes
+        x = x * 10.0 ** torch.arange(-2, 2, device=DEVICE).repeat_interleave(150).to(dtype)
     expected = _fp8_tiles_reference(x, quantized, scale, bias)
     got = gemv(x, quantized, bias, weight_scale=scale, input_mode="fp8_tiles",
                config={**tiles, "BLOCK_K": triton_gemv.FP8_TILE_K})
     assert got.shape == (rows, 100) and got.dtype == dtype
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(got, expected.to(dtype), atol=tolerance * expected.abs().max().item(), rtol=tolerance)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fp8_tiles_gemv_silu_mul_is_gemv_then_silu_and_mul(dtype):
-    x, quantized, scale, _ = _fp8_case(3, 2 * 48, 384, dtype, False, seed=17)
-    x = _fp8_tile_exact_rows(3, 384, dtype, seed=17)
-    tiles = {"BLOCK_N": 16, "BLOCK_K": triton_gemv.FP8_TILE_K}
-    expected = silu_and_mul(gemv(x, quantized, weight_scale=scale, input_mode="fp8_tiles", config=tiles))
-    got = gemv_silu_mul(x, quantized, weight_scale=scale, input_mode="fp8_tiles", config=tiles)
-    torch.testing.assert_close(got, expected, atol=2 * TOLERANCE[dtype], rtol=2 * TOLERANCE[dtype])
 
 
 def test_fp8_tiles_take_tiles_of_the_quantization_s_width_on_the_tensor_cores():
@@ -545,7 +534,7 @@ def test_fp8_tiles_take_tiles_of_the_quantization_s_width_on_the_tensor_cores():
     with pytest.raises(ValueError, match="input_mode 'fp8_tiles' takes tiles of BLOCK_K=128"):
         gemv(x, quantized, weight_scale=scale, input_mode="fp8_tiles",
              config={"BLOCK_N": 16, "BLOCK_K": 128, "CORE": 1, "BLOCK_M": 1})
-    x = _fp8_tile_exact_rows(1, 256, torch.float16, seed=2)
+    x = _fp8_exact_rows(1, 256, torch.float16, seed=2, block=triton_gemv.FP8_TILE_K)
     expected = _fp8_tiles_reference(x, quantized, scale, None).half()
     got = gemv(x, quantized, weight_scale=scale, input_mode="fp8_tiles")
     torch.testing.assert_close(got, expected, atol=2e-3 * expected.abs().max().item(), rtol=2e-3)
